@@ -1,0 +1,1 @@
+"""The publishing side: codecs, tracking, policies, stores, the commit protocol, restore."""

@@ -1,0 +1,177 @@
+"""The DLRM-style model, rebuilt from the `model_config` a manifest carries.
+
+Both the trainer (which trains it) and the server (which rebuilds it from a manifest) use this
+module, so it lives below both of them. The config is plain JSON:
+
+    {"architecture": "dlrm", "embedding_dim": 16,
+     "sparse": [{"name": "user", "rows": 6041, "bag": false}, {"name": "genres", "rows": 19,
+                "bag": true}],
+     "dense": ["hour_sin", "hour_cos"], "bottom_mlp": [64], "top_mlp": [64, 32],
+     "hashing": false}
+
+Architecture (Naumov et al. 2019): a bottom MLP maps the dense features to `embedding_dim`; one
+`nn.EmbeddingBag` (sum, sparse gradients) per sparse feature; the pairwise dot products of those
+vectors, concatenated with the bottom output, go through the top MLP to one logit.
+Table names in manifests are the module names, `embeddings.<feature>`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+TABLE_PREFIX = "embeddings."
+
+
+class ArchitectureError(ValueError):
+    """A model config that does not describe a model this module can build."""
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """One categorical feature and its embedding table."""
+
+    name: str
+    rows: int
+    bag: bool = False  # multi-hot: several ids per example, summed
+
+
+@dataclass(frozen=True)
+class DLRMConfig:
+    """Everything needed to rebuild the architecture (not the weights)."""
+
+    sparse: tuple[SparseFeature, ...]
+    dense: tuple[str, ...]
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (64,)
+    top_mlp: tuple[int, ...] = (64, 32)
+    #: ids outside a table are folded in by modulo instead of refused.
+    hashing: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's `model_config`."""
+        return {
+            "architecture": "dlrm",
+            "embedding_dim": self.embedding_dim,
+            "sparse": [{"name": f.name, "rows": f.rows, "bag": f.bag} for f in self.sparse],
+            "dense": list(self.dense),
+            "bottom_mlp": list(self.bottom_mlp),
+            "top_mlp": list(self.top_mlp),
+            "hashing": self.hashing,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, config: Mapping[str, Any]) -> DLRMConfig:
+        """Parse a manifest's `model_config`; ArchitectureError names what is wrong."""
+        if config.get("architecture") != "dlrm":
+            raise ArchitectureError(
+                f"model_config architecture is {config.get('architecture')!r}, expected 'dlrm'"
+            )
+        try:
+            sparse = tuple(
+                SparseFeature(str(f["name"]), int(f["rows"]), bool(f.get("bag", False)))
+                for f in config["sparse"]
+            )
+            parsed = cls(
+                sparse=sparse,
+                dense=tuple(str(d) for d in config["dense"]),
+                embedding_dim=int(config["embedding_dim"]),
+                bottom_mlp=tuple(int(x) for x in config["bottom_mlp"]),
+                top_mlp=tuple(int(x) for x in config["top_mlp"]),
+                hashing=bool(config.get("hashing", False)),
+                extra=dict(config.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ArchitectureError(f"invalid dlrm model_config: {exc!r}") from exc
+        parsed.validate()
+        return parsed
+
+    def validate(self) -> None:
+        names = [f.name for f in self.sparse]
+        if not names or len(set(names)) != len(names):
+            raise ArchitectureError(f"sparse feature names must be unique and non-empty: {names}")
+        if any(f.rows < 1 or f.rows > 2**31 for f in self.sparse):
+            raise ArchitectureError("every table needs 1 .. 2**31 rows")
+        if not 1 <= self.embedding_dim <= 4096:
+            raise ArchitectureError(f"embedding_dim {self.embedding_dim} out of 1..4096")
+        if any(w < 1 for w in (*self.bottom_mlp, *self.top_mlp)):
+            raise ArchitectureError("MLP widths must be >= 1")
+
+    @property
+    def table_names(self) -> dict[str, str]:
+        """Feature name -> table (module) name."""
+        return {f.name: TABLE_PREFIX + f.name for f in self.sparse}
+
+
+def _mlp(sizes: Sequence[int], final_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2 or final_relu:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class SparseBatch:
+    """Ids of one sparse feature for a batch: flat `values`, and `offsets` where each bag starts."""
+
+    values: torch.Tensor  # int64 (nnz,)
+    offsets: torch.Tensor  # int64 (batch,)
+
+
+class DLRM(nn.Module):
+    """Bottom MLP, embedding bags, dot interaction, top MLP; returns logits (batch,)."""
+
+    def __init__(self, config: DLRMConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        d = config.embedding_dim
+        self.bottom = _mlp([max(len(config.dense), 1), *config.bottom_mlp, d], final_relu=True)
+        self.embeddings = nn.ModuleDict(
+            {f.name: nn.EmbeddingBag(f.rows, d, mode="sum", sparse=True) for f in config.sparse}
+        )
+        n = len(config.sparse) + 1
+        n_pairs = n * (n - 1) // 2
+        self.top = _mlp([d + n_pairs, *config.top_mlp, 1], final_relu=False)
+        # Which (i, j) cells of the dot-product matrix are distinct pairs.
+        self.pair_rows, self.pair_cols = (t.contiguous() for t in torch.triu_indices(n, n, 1))
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for emb in self.embeddings.values():
+            assert isinstance(emb, nn.EmbeddingBag)
+            bound = 1.0 / emb.embedding_dim**0.5
+            nn.init.uniform_(emb.weight, -bound, bound)
+
+    def forward(self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch]) -> torch.Tensor:
+        if dense.shape[1] == 0:
+            dense = torch.zeros(dense.shape[0], 1, dtype=dense.dtype)
+        x = self.bottom(dense)
+        vectors = [x]
+        for name, emb in self.embeddings.items():
+            batch = sparse[name]
+            vectors.append(emb(batch.values, batch.offsets))
+        stacked = torch.stack(vectors, dim=1)  # (B, n, d)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))
+        pairs = dots[:, self.pair_rows, self.pair_cols]
+        logits: torch.Tensor = self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
+        return logits
+
+
+def build_model(model_config: Mapping[str, Any]) -> DLRM:
+    """The architecture a manifest's `model_config` describes (weights uninitialised for use)."""
+    return DLRM(DLRMConfig.from_json(model_config))
+
+
+def table_weight_names(model: DLRM) -> dict[str, str]:
+    """Table (module) name -> its state_dict key."""
+    return {TABLE_PREFIX + name: f"{TABLE_PREFIX}{name}.weight" for name in model.embeddings}

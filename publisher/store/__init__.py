@@ -1,0 +1,42 @@
+"""Object stores selected by URL: `file:///path` (embedded default) and `s3://bucket/prefix`."""
+
+from __future__ import annotations
+
+from publisher.store.base import (
+    BadKeyError,
+    IntegrityError,
+    NotFoundError,
+    ObjectInfo,
+    ObjectStore,
+    PreconditionFailedError,
+    StoreError,
+    StoreUnavailableError,
+)
+from publisher.store.file_store import FileStore
+
+
+def open_store(url: str) -> ObjectStore:
+    """The store a URL names. S3 settings (endpoint, credentials) come from the environment."""
+    if url.startswith("file://"):
+        return FileStore(url.removeprefix("file://"))
+    if url.startswith("s3://"):
+        from publisher.store.s3_store import S3Store  # only S3 users pay for the minio import
+
+        return S3Store.from_url(url)
+    if "://" not in url:
+        return FileStore(url)
+    raise StoreError(f"unsupported store URL {url!r}: expected file:///PATH or s3://BUCKET/PREFIX")
+
+
+__all__ = [
+    "BadKeyError",
+    "FileStore",
+    "IntegrityError",
+    "NotFoundError",
+    "ObjectInfo",
+    "ObjectStore",
+    "PreconditionFailedError",
+    "StoreError",
+    "StoreUnavailableError",
+    "open_store",
+]

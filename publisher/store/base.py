@@ -1,0 +1,122 @@
+"""The narrow object-store interface every backend implements, and its errors.
+
+A store moves bytes by key and knows nothing of tensors or manifests. Besides plain put/get it
+offers one conditional write, `put_if`, which the commit protocol builds on (docs/FORMAT.md
+section 2): create only if absent, or replace only if the current ETag is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+class StoreError(Exception):
+    """Base of every store failure."""
+
+
+class NotFoundError(StoreError):
+    """The key does not exist."""
+
+
+class PreconditionFailedError(StoreError):
+    """A conditional write lost: the object exists, or its ETag changed."""
+
+
+class StoreUnavailableError(StoreError):
+    """The store cannot be reached (after retries)."""
+
+
+class IntegrityError(StoreError):
+    """Fetched bytes do not match the size or sha256 the manifest promises."""
+
+
+class BadKeyError(StoreError):
+    """A key that is not a safe relative path."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object."""
+
+    key: str
+    size: int
+    etag: str
+    modified: float  # seconds since the epoch
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could escape the store's root or prefix."""
+    parts = key.split("/")
+    if (
+        not key
+        or key.startswith("/")
+        or "\\" in key
+        or any(p in ("", ".", "..") for p in parts)
+        or any(ord(c) < 0x20 for c in key)
+        or len(key) > 1024
+    ):
+        raise BadKeyError(f"unsafe store key {key!r}")
+    return key
+
+
+class ObjectStore(ABC):
+    """Bytes by key. Implementations: `FileStore` (file://), `S3Store` (s3://)."""
+
+    url: str
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> str:
+        """Write `data` atomically (readers see the old object or the new one); return the ETag."""
+
+    @abstractmethod
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str:
+        """Write only if the object is absent (`etag=None`) or its ETag is `etag`.
+
+        Raises PreconditionFailedError when the condition does not hold.
+        """
+
+    @abstractmethod
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """The whole object and its ETag; NotFoundError if absent."""
+
+    @abstractmethod
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from offset `start` (fewer at the end of the object)."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, in key order."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; absent objects are not an error."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """True if the object exists."""
+
+    def get(self, key: str) -> bytes:
+        """The whole object; NotFoundError if absent."""
+        return self.get_with_etag(key)[0]
+
+    def get_verified(self, key: str, size: int, sha256: str) -> bytes:
+        """The object, checked against the size and sha256 a manifest promises."""
+        data = self.get(key)
+        if len(data) != size:
+            raise IntegrityError(f"{key}: {len(data)} bytes, the manifest says {size}")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != sha256:
+            raise IntegrityError(f"{key}: sha256 {digest}, the manifest says {sha256}")
+        return data
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
+        """Release connections."""
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""Dense parameters and optimizer state as safetensors bytes (docs/FORMAT.md section 5).
+
+safetensors is a length-prefixed JSON header plus a fully indexed buffer and executes no code on
+load, which is why it is used instead of torch.save for anything that goes to the store. Torch
+optimizer state dicts are nested; they are flattened here to `state.<param index>.<name>` tensors
+plus the JSON of `param_groups` and the non-tensor state in the safetensors metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from schemas.errors import FormatError
+
+MAX_TENSOR_BLOB_BYTES = 4 * 1024**3
+
+
+class TensorBlobError(FormatError):
+    """Tensor blob bytes that safetensors or our metadata rules refuse."""
+
+
+def encode_tensors(tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> bytes:
+    """safetensors bytes of `tensors`, with `meta` JSON in the header's metadata."""
+    metadata = {"checknrun": json.dumps(meta or {}, sort_keys=True)}
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    return bytes(st_save(arrays, metadata=metadata))
+
+
+def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Tensors and metadata from safetensors bytes; TensorBlobError on anything malformed."""
+    if len(data) > MAX_TENSOR_BLOB_BYTES:
+        raise TensorBlobError(f"tensor blob is {len(data)} bytes; cap {MAX_TENSOR_BLOB_BYTES}")
+    if len(data) < 8:
+        raise TensorBlobError(f"tensor blob is {len(data)} bytes; at least 8 expected")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8 or header_len > 100 * 1024 * 1024:
+        raise TensorBlobError(f"tensor blob header length {header_len} exceeds the blob")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise TensorBlobError(f"invalid tensor blob: {exc}") from exc
+    raw_meta = (header.get("__metadata__") or {}).get("checknrun", "{}")
+    try:
+        meta = json.loads(raw_meta)
+    except (TypeError, ValueError) as exc:
+        raise TensorBlobError(f"invalid tensor blob metadata: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise TensorBlobError("tensor blob metadata must be a JSON object")
+    return tensors, meta
+
+
+def module_tensors(module: torch.nn.Module, skip: set[str]) -> dict[str, np.ndarray]:
+    """Copies of a module's parameters and buffers by state_dict name, except those in `skip`."""
+    return {
+        name: value.detach().to("cpu", copy=True).numpy()
+        for name, value in module.state_dict().items()
+        if name not in skip
+    }
+
+
+def flatten_optimizer_state(
+    state: dict[str, Any],
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Split a torch optimizer state_dict into tensors and JSON metadata."""
+    tensors: dict[str, np.ndarray] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{name}"] = value.detach().to("cpu", copy=True).numpy()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer_state(
+    tensors: dict[str, np.ndarray], meta: dict[str, Any]
+) -> dict[str, Any]:
+    """The torch optimizer state_dict that `flatten_optimizer_state` split."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        prefix, index, name = key.split(".", 2)
+        if prefix != "state":
+            raise TensorBlobError(f"unexpected optimizer tensor {key!r}")
+        state.setdefault(int(index), {})[name] = torch.from_numpy(value.copy())
+    for index, values in meta.get("scalars", {}).items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}

@@ -1,0 +1,25 @@
+"""Tunables of the publishing side, in one place, with their defaults.
+
+Tests override them by passing another `Tunables` (it is a frozen dataclass: use `replace`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """Knobs that trade speed, memory and safety."""
+
+    #: blobs of one version uploaded at once.
+    upload_concurrency: int = 4
+    #: seconds a writer lease lives without renewal.
+    lease_ttl_s: float = 60.0
+    #: zstd level for blob sections (applied only where it shrinks them).
+    zstd_level: int = 1
+    #: rows encoded per chunk (keeps codec work in cache).
+    encode_chunk_rows: int = 16384
+
+
+DEFAULT_TUNABLES = Tunables()

@@ -1,0 +1,264 @@
+"""The manifest of one version, the HEAD pointer and the writer lease (docs/FORMAT.md sections 1-3).
+
+A manifest is UTF-8 JSON, at most `MAX_MANIFEST_BYTES`, validated by frozen pydantic models that
+forbid extra fields. Rules (MUST):
+
+- `schema_version` is 1; `model` matches `[A-Za-z0-9._-]{1,128}`.
+- `version` >= 1 and > `parent`; `parent` and `parent_manifest` are both null or both set.
+- `kind` is `full` or `delta`; a full has `baseline == version` and `applies_to` null and every
+  table's `rows_in_checkpoint == rows`; a delta has `baseline <= applies_to < version`.
+- Table names are unique; every blob key starts with `model + "/"`, has no `..`, backslash or
+  leading slash; sha256 is 64 lowercase hex digits.
+
+HEAD is the commit point: `{"schema_version": 1, "model", "version", "manifest"}`.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from schemas.codec_names import CODECS
+from schemas.errors import ManifestError
+
+SCHEMA_VERSION = 1
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_M = TypeVar("_M", bound="BaseModel")
+
+
+def check_model_name(name: str) -> str:
+    """Return `name` if it is a valid model name, else raise ManifestError."""
+    if not MODEL_NAME_RE.match(name) or name in (".", ".."):
+        raise ManifestError(f"model name {name!r} must match {MODEL_NAME_RE.pattern}")
+    return name
+
+
+def check_key(model: str, key: str) -> str:
+    """Return `key` if it is a safe store key owned by `model`, else raise ManifestError.
+
+    Keys come from fetched JSON: they must never reach outside the model's own prefix.
+    """
+    if (
+        not key.startswith(model + "/")
+        or ".." in key.split("/")
+        or "\\" in key
+        or "//" in key
+        or any(ord(c) < 0x20 for c in key)
+        or len(key) > 1024
+    ):
+        raise ManifestError(f"key {key!r} is not a safe key under {model + '/'!r}")
+    return key
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class BlobRef(_Frozen):
+    """Where a blob lives and how to verify it."""
+
+    key: str
+    size: int = Field(ge=0)
+    sha256: str
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex(cls, value: str) -> str:
+        if not _SHA256_RE.match(value):
+            raise ValueError("sha256 must be 64 lowercase hex digits")
+        return value
+
+
+class TableEntry(_Frozen):
+    """One embedding table in a version."""
+
+    name: str = Field(min_length=1, max_length=256)
+    rows: int = Field(ge=1, le=2**31)
+    dim: int = Field(ge=1, le=65536)
+    codec: str
+    rows_in_checkpoint: int = Field(ge=0)
+    aux_dim: int = Field(ge=0, le=65536)
+    blob: BlobRef
+
+    @field_validator("codec")
+    @classmethod
+    def _codec(cls, value: str) -> str:
+        if value not in CODECS:
+            raise ValueError(f"unknown codec {value!r}; expected one of {', '.join(CODECS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _counts(self) -> TableEntry:
+        if self.rows_in_checkpoint > self.rows:
+            raise ValueError(f"rows_in_checkpoint {self.rows_in_checkpoint} > rows {self.rows}")
+        return self
+
+
+class Position(_Frozen):
+    """Where training resumes: optimizer step, samples consumed and the data reader's state."""
+
+    step: int = Field(ge=0)
+    samples_seen: int = Field(ge=0)
+    reader: dict[str, int | str] = Field(default_factory=dict)
+
+
+class Manifest(_Frozen):
+    """Everything needed to read and verify one version."""
+
+    schema_version: Literal[1] = 1
+    model: str
+    version: int = Field(ge=1)
+    parent: int | None
+    parent_manifest: str | None
+    kind: Literal["full", "delta"]
+    baseline: int = Field(ge=1)
+    applies_to: int | None
+    policy: str
+    created_at: datetime
+    position: Position
+    tables: tuple[TableEntry, ...]
+    dense: BlobRef | None = None
+    optimizer: BlobRef | None = None
+    model_config_: dict[str, Any] = Field(alias="model_config", default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, populate_by_name=True, protected_namespaces=()
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        try:
+            return check_model_name(value)
+        except ManifestError as exc:
+            raise ValueError(str(exc)) from exc
+
+    @field_validator("created_at", mode="before")
+    @classmethod
+    def _created(cls, value: object) -> object:
+        # JSON carries an ISO string; strict mode would refuse it without this.
+        if isinstance(value, str):
+            return datetime.fromisoformat(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if (self.parent is None) != (self.parent_manifest is None):
+            raise ValueError("parent and parent_manifest must both be set or both be null")
+        if self.parent is not None and self.parent >= self.version:
+            raise ValueError(f"parent {self.parent} must be < version {self.version}")
+        if self.kind == "full":
+            if self.baseline != self.version or self.applies_to is not None:
+                raise ValueError("a full version has baseline == version and applies_to null")
+            for table in self.tables:
+                if table.rows_in_checkpoint != table.rows:
+                    raise ValueError(f"full version holds every row of table {table.name!r}")
+        else:
+            if self.applies_to is None or not self.baseline <= self.applies_to < self.version:
+                raise ValueError(
+                    f"delta needs baseline <= applies_to < version, got baseline={self.baseline} "
+                    f"applies_to={self.applies_to} version={self.version}"
+                )
+        names = [t.name for t in self.tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate table names in {names}")
+        keys = [t.blob.key for t in self.tables]
+        keys += [b.key for b in (self.dense, self.optimizer) if b is not None]
+        if self.parent_manifest is not None:
+            keys.append(self.parent_manifest)
+        for key in keys:
+            try:
+                check_key(self.model, key)
+            except ManifestError as exc:
+                raise ValueError(str(exc)) from exc
+        return self
+
+    @property
+    def blobs(self) -> tuple[BlobRef, ...]:
+        """Every blob this version references, tables first."""
+        refs = [t.blob for t in self.tables]
+        refs += [b for b in (self.dense, self.optimizer) if b is not None]
+        return tuple(refs)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the sizes of this version's blobs."""
+        return sum(b.size for b in self.blobs)
+
+    def table(self, name: str) -> TableEntry:
+        """The entry of table `name` (KeyError if absent)."""
+        for entry in self.tables:
+            if entry.name == name:
+                return entry
+        raise KeyError(name)
+
+    def to_json(self) -> bytes:
+        """Canonical UTF-8 JSON bytes of this manifest."""
+        return self.model_dump_json(by_alias=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and validate manifest bytes; raise ManifestError on anything wrong."""
+        return _parse(cls, data, MAX_MANIFEST_BYTES, "manifest")
+
+
+class Head(_Frozen):
+    """The HEAD pointer: the newest committed version of a model."""
+
+    schema_version: Literal[1] = 1
+    model: str
+    version: int = Field(ge=1)
+    manifest: str
+
+    @model_validator(mode="after")
+    def _key(self) -> Head:
+        try:
+            check_model_name(self.model)
+            check_key(self.model, self.manifest)
+        except ManifestError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Head:
+        return _parse(cls, data, 64 * 1024, "HEAD")
+
+
+class Lease(_Frozen):
+    """The single-writer lease of a model."""
+
+    schema_version: Literal[1] = 1
+    model: str
+    owner: str = Field(min_length=1, max_length=512)
+    token: str = Field(min_length=1, max_length=128)
+    expires_at: float
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Lease:
+        return _parse(cls, data, 64 * 1024, "lease")
+
+
+def _parse(cls: type[_M], data: bytes, cap: int, what: str) -> _M:
+    if len(data) > cap:
+        raise ManifestError(f"{what} is {len(data)} bytes; the cap is {cap}")
+    try:
+        return cls.model_validate_json(data)
+    except ValidationError as exc:
+        raise ManifestError(f"invalid {what}: {exc}") from exc
+
+
+def utc_now() -> datetime:
+    """The current time, timezone-aware UTC (what `created_at` holds)."""
+    return datetime.now(UTC)

@@ -1,0 +1,198 @@
+"""Manifest, HEAD and announcement validation: every rule in docs/FORMAT.md sections 3 and 6."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from schemas.announcement import Announcement
+from schemas.errors import AnnouncementError, ManifestError
+from schemas.manifest import Head, Manifest
+
+SHA = "ab" * 32
+
+
+def manifest_doc(**overrides: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "schema_version": 1,
+        "model": "m",
+        "version": 2,
+        "parent": 1,
+        "parent_manifest": "m/manifests/000000000001-aa.json",
+        "kind": "delta",
+        "baseline": 1,
+        "applies_to": 1,
+        "policy": "consecutive",
+        "created_at": "2026-11-29T12:00:00+00:00",
+        "position": {"step": 10, "samples_seen": 1000, "reader": {"offset": 1000}},
+        "tables": [
+            {
+                "name": "user",
+                "rows": 100,
+                "dim": 8,
+                "codec": "int4",
+                "rows_in_checkpoint": 7,
+                "aux_dim": 1,
+                "blob": {
+                    "key": "m/blobs/000000000002-aa/0000-user.cnrd",
+                    "size": 10,
+                    "sha256": SHA,
+                },
+            }
+        ],
+        "dense": {"key": "m/blobs/000000000002-aa/dense.safetensors", "size": 5, "sha256": SHA},
+        "optimizer": None,
+        "model_config": {"kind": "dlrm", "tables": {"user": 100}},
+        "metrics": {"auc": 0.75},
+    }
+    doc.update(overrides)
+    return doc
+
+
+def parse(doc: dict[str, Any]) -> Manifest:
+    return Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_valid_manifest_round_trips() -> None:
+    m = parse(manifest_doc())
+    assert m.version == 2 and m.table("user").rows_in_checkpoint == 7
+    assert m.model_config_ == {"kind": "dlrm", "tables": {"user": 100}}
+    assert Manifest.from_json(m.to_json()) == m
+    assert m.total_bytes == 15
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"schema_version": 2},
+        {"model": "bad name"},
+        {"model": "../x"},
+        {"version": 0},
+        {"parent": 2},
+        {"parent": None},
+        {"kind": "partial"},
+        {"applies_to": None},
+        {"applies_to": 2},
+        {"applies_to": 0, "baseline": 1},
+        {"extra": 1},
+        {"version": "2"},
+        {"version": True},
+        {"metrics": {"auc": "high"}},
+        {"created_at": "yesterday"},
+        {"parent_manifest": "other/manifests/000000000001-aa.json"},
+        {"parent_manifest": "m/../etc/passwd"},
+    ],
+)
+def test_manifest_rejections(overrides: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError):
+        parse(manifest_doc(**overrides))
+
+
+def table_with(**overrides: Any) -> dict[str, Any]:
+    table = dict(manifest_doc()["tables"][0])
+    table.update(overrides)
+    return table
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        table_with(codec="int5"),
+        table_with(rows_in_checkpoint=101),
+        table_with(dim=0),
+        table_with(blob={"key": "m/x", "size": 1, "sha256": "XYZ"}),
+        table_with(blob={"key": "/etc/passwd", "size": 1, "sha256": SHA}),
+        table_with(blob={"key": "m/a\\b", "size": 1, "sha256": SHA}),
+        table_with(blob={"key": "m/x", "size": -1, "sha256": SHA}),
+    ],
+)
+def test_table_rejections(table: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError):
+        parse(manifest_doc(tables=[table]))
+
+
+def test_duplicate_tables_rejected() -> None:
+    t = manifest_doc()["tables"][0]
+    with pytest.raises(ManifestError, match="duplicate"):
+        parse(manifest_doc(tables=[t, t]))
+
+
+def test_full_rules() -> None:
+    full = manifest_doc(
+        kind="full",
+        version=1,
+        parent=None,
+        parent_manifest=None,
+        baseline=1,
+        applies_to=None,
+        tables=[table_with(rows_in_checkpoint=100)],
+    )
+    assert parse(full).kind == "full"
+    with pytest.raises(ManifestError, match="every row"):
+        parse({**full, "tables": [table_with(rows_in_checkpoint=5)]})
+    with pytest.raises(ManifestError):
+        parse({**full, "baseline": 1, "version": 3})  # a full is its own baseline
+    with pytest.raises(ManifestError):
+        parse({**full, "applies_to": 1, "version": 2, "baseline": 2})
+
+
+def test_manifest_size_cap_and_garbage() -> None:
+    with pytest.raises(ManifestError):
+        Manifest.from_json(b"{" * 10)
+    with pytest.raises(ManifestError):
+        Manifest.from_json(b"[]")
+    with pytest.raises(ManifestError, match="cap"):
+        Manifest.from_json(b" " * (16 * 1024 * 1024 + 1))
+
+
+def test_head_rules() -> None:
+    head = Head(model="m", version=3, manifest="m/manifests/000000000003-aa.json")
+    assert Head.from_json(head.to_json()) == head
+    with pytest.raises(ManifestError):
+        Head.from_json(b'{"schema_version":1,"model":"m","version":3,"manifest":"n/x.json"}')
+
+
+def ann_doc(**overrides: Any) -> bytes:
+    doc: dict[str, Any] = {
+        "schema_version": 1,
+        "model": "m",
+        "version": 2,
+        "parent": 1,
+        "kind": "delta",
+        "manifest_key": "m/manifests/000000000002-aa.json",
+        "created_at": "2026-11-29T12:00:00Z",
+        "total_bytes": 123,
+    }
+    doc.update(overrides)
+    return json.dumps(doc).encode()
+
+
+def test_announcement_round_trip() -> None:
+    a = Announcement.from_json(ann_doc())
+    assert Announcement.from_json(a.to_json()) == a
+    m = parse(manifest_doc())
+    b = Announcement.of(m, "m/manifests/000000000002-aa.json")
+    assert b.total_bytes == 15 and b.kind == "delta" and len(b.to_json()) < 4096
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"{}",
+        ann_doc(schema_version=9),
+        ann_doc(manifest_key="m/blobs/x.json"),
+        ann_doc(manifest_key="s3://elsewhere/m/manifests/x.json"),
+        ann_doc(manifest_key="m/manifests/../../etc/passwd.json"),
+        ann_doc(parent=5),
+        ann_doc(total_bytes=-1),
+        ann_doc(surprise=True),
+        ann_doc(model="x" * 200),
+        b"{" + b" " * 5000 + b"}",
+    ],
+)
+def test_announcement_rejections(raw: bytes) -> None:
+    with pytest.raises(AnnouncementError):
+        Announcement.from_json(raw)
