@@ -105,7 +105,10 @@ class Catalog:
             parent_key = ref.manifest.parent_manifest
             if parent_key is None:
                 break
-            parent = self.manifest(parent_key)
+            try:
+                parent = self.manifest(parent_key)
+            except NotFoundError:
+                break  # history before this version was removed by gc
             if parent.version != ref.manifest.parent:
                 raise ManifestError(
                     f"{ref.key} names parent {ref.manifest.parent} but {parent_key} holds "
