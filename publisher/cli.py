@@ -1,0 +1,280 @@
+"""The `checknrun` command line.
+
+Store commands (`ls`, `inspect`, `restore`) live here. `train`, `serve` and `demo` belong to the
+trainer and server packages; they plug in through the `checknrun.commands` entry-point group, so
+this module never imports them (imports flow one way: trainer and server stand on publisher).
+
+Every command with `--json` prints one JSON document on stdout and nothing else; errors go to
+stderr with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+from publisher.catalog import Catalog, CatalogError, VersionRef
+from publisher.store import StoreError, StoreUnavailableError, open_store
+from schemas.errors import FormatError
+
+DEFAULT_STORE = "file://./checknrun-store"
+
+#: exit statuses: 1 = bad input or state, 2 = usage (argparse), 3 = store unreachable.
+EXIT_ERROR, EXIT_UNAVAILABLE = 1, 3
+
+
+class CommandError(Exception):
+    """A command failed in a way the user can fix; the message says how."""
+
+
+def add_store_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+    """--store and --model, shared by every command that reads or writes a model."""
+    parser.add_argument(
+        "--store",
+        default=DEFAULT_STORE,
+        help="file:///PATH (embedded) or s3://BUCKET/PREFIX (default %(default)s)",
+    )
+    parser.add_argument("--model", required=model_required, help="model name")
+
+
+def _full_fp32_bytes(ref: VersionRef) -> int:
+    return sum(t.rows * (t.dim + t.aux_dim) * 4 for t in ref.manifest.tables)
+
+
+def _version_row(ref: VersionRef) -> dict[str, Any]:
+    m = ref.manifest
+    total = m.total_bytes
+    return {
+        "version": m.version,
+        "kind": m.kind,
+        "parent": m.parent,
+        "baseline": m.baseline,
+        "applies_to": m.applies_to,
+        "policy": m.policy,
+        "bytes": total,
+        "ratio_vs_full_fp32": round(_full_fp32_bytes(ref) / max(total, 1), 2),
+        "created_at": m.created_at.isoformat(),
+        "step": m.position.step,
+        "samples_seen": m.position.samples_seen,
+        "manifest": ref.key,
+    }
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_store(args.store) as store:
+        rows = [_version_row(r) for r in Catalog(store, args.model).versions()]
+    if args.json:
+        print(json.dumps({"model": args.model, "versions": rows}))
+        return 0
+    if not rows:
+        print(f"model {args.model!r} has no committed version in {args.store}")
+        return 0
+    print(f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12} {'vs fp32':>8}  created_at")
+    for r in rows:
+        parent = "-" if r["parent"] is None else r["parent"]
+        print(
+            f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,} "
+            f"{r['ratio_vs_full_fp32']:>7}x  {r['created_at']}"
+        )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    with open_store(args.store) as store:
+        ref = Catalog(store, args.model).find(args.version)
+    m = ref.manifest
+    tables = [
+        {
+            "name": t.name,
+            "rows": t.rows,
+            "dim": t.dim,
+            "codec": t.codec,
+            "rows_in_checkpoint": t.rows_in_checkpoint,
+            "fraction": round(t.rows_in_checkpoint / t.rows, 6),
+            "bytes": t.blob.size,
+            "full_fp32_bytes": t.rows * (t.dim + t.aux_dim) * 4,
+            "ratio_vs_full_fp32": round(t.rows * (t.dim + t.aux_dim) * 4 / max(t.blob.size, 1), 2),
+            "key": t.blob.key,
+        }
+        for t in m.tables
+    ]
+    doc = {
+        **_version_row(ref),
+        "tables": tables,
+        "metrics": m.metrics,
+        "position": m.position.model_dump(),
+        "model_config": m.model_config_,
+        "dense_bytes": m.dense.size if m.dense else 0,
+        "optimizer_bytes": m.optimizer.size if m.optimizer else 0,
+    }
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(
+        f"{args.model} v{m.version} ({m.kind}, policy {m.policy}, baseline {m.baseline}, "
+        f"applies to {m.applies_to}) created {m.created_at.isoformat()}"
+    )
+    print(
+        f"step {m.position.step}, samples {m.position.samples_seen}, "
+        f"{doc['bytes']:,} bytes = {doc['ratio_vs_full_fp32']}x smaller than full fp32"
+    )
+    print(
+        f"{'table':<24} {'rows':>10} {'dim':>5} {'codec':<14} {'in ckpt':>10} "
+        f"{'bytes':>12} {'vs fp32':>8}"
+    )
+    for t in tables:
+        print(
+            f"{t['name']:<24} {t['rows']:>10} {t['dim']:>5} {t['codec']:<14} "
+            f"{t['rows_in_checkpoint']:>10} {t['bytes']:>12,} {t['ratio_vs_full_fp32']:>7}x"
+        )
+    if m.metrics:
+        print("metrics: " + ", ".join(f"{k}={v:.5g}" for k, v in sorted(m.metrics.items())))
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    import torch  # only this command writes a torch file
+
+    from publisher.restore import restore
+
+    with open_store(args.store) as store:
+        state = restore(store, args.model, args.version, progress=not args.json)
+    out: dict[str, Any] = {}
+    for name, table in state.tables.items():
+        out[f"{name}.weight"] = torch.from_numpy(table.weights)
+        if table.aux.shape[1]:
+            out[f"{name}.__optimizer_rows__"] = torch.from_numpy(table.aux)
+    for name, value in state.dense.items():
+        out[name] = torch.from_numpy(value)
+    payload = {
+        "state_dict": out,
+        "optimizer": {k: torch.from_numpy(v) for k, v in state.optimizer.items()},
+        "optimizer_meta": state.optimizer_meta,
+        "manifest": json.loads(state.manifest.to_json()),
+    }
+    torch.save(payload, args.out)  # a local file we write ourselves: torch.save is fine here
+    doc = {
+        "model": args.model,
+        "version": state.version,
+        "out": args.out,
+        "bytes_read": state.bytes_read,
+        "seconds": round(state.seconds, 4),
+        "tables": len(state.tables),
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(
+            f"restored {args.model} v{state.version} ({state.bytes_read:,} bytes read in "
+            f"{state.seconds:.2f} s) to {args.out}"
+        )
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from publisher.retention import plan_gc, run_gc
+
+    with open_store(args.store) as store:
+        plan = plan_gc(store, args.model, keep_baselines=args.keep_baselines, grace_s=args.grace)
+        deleted = 0 if args.dry_run else run_gc(store, plan)
+    doc = {
+        "model": args.model,
+        "dry_run": args.dry_run,
+        "kept_versions": plan.kept_versions,
+        "deleted_versions": plan.deleted_versions,
+        "orphans": len(plan.orphan_keys),
+        "keys_deleted": deleted,
+        "bytes_freed": plan.bytes_freed,
+        "bytes_kept": plan.bytes_kept,
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        verb = "would delete" if args.dry_run else "deleted"
+        print(
+            f"{args.model}: {verb} versions {plan.deleted_versions or 'none'} and "
+            f"{len(plan.orphan_keys)} orphan objects ({plan.bytes_freed:,} bytes); "
+            f"kept {len(plan.kept_versions)} versions ({plan.bytes_kept:,} bytes)"
+        )
+    return 0
+
+
+def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ls", help="list committed versions of a model")
+    add_store_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("inspect", help="show one version's manifest and sizes")
+    add_store_args(p)
+    p.add_argument("--version", type=int, default=None, help="default: the latest")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("restore", help="rebuild a version and write it as a torch state file")
+    add_store_args(p)
+    p.add_argument("--version", type=int, default=None, help="default: the latest")
+    p.add_argument("--out", required=True, help="output file (torch.save format)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("gc", help="delete versions and orphans no kept version needs")
+    add_store_args(p)
+    p.add_argument("--keep-baselines", type=int, default=2, help="full versions to keep (>= 1)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        help="never delete what is younger than this many seconds",
+    )
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_gc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="checknrun",
+        description="Incremental, quantized checkpoints published as live model updates.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _builtin_commands(sub)
+    for ep in sorted(entry_points(group="checknrun.commands"), key=lambda e: e.name):
+        register: Callable[[Any], None] = ep.load()
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        status: int = args.func(args)
+    except StoreUnavailableError as exc:
+        print(f"checknrun {args.command}: store unreachable: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except StoreError as exc:
+        print(f"checknrun {args.command}: store error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except (CatalogError, FormatError, CommandError, ValueError, OSError) as exc:
+        print(f"checknrun {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"checknrun {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
