@@ -1,0 +1,1 @@
+"""Tests against the real Kafka broker and MinIO server (see conftest.py)."""
