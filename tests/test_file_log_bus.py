@@ -1,0 +1,198 @@
+"""The embedded announcement bus (file:// log) and bus URL parsing."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from publisher.bus import BusError, open_announcer, open_source, parse_kafka_url
+from publisher.bus.file_log import FileLogAnnouncer, FileLogSource
+from schemas.announcement import Announcement
+
+
+def announcement(model: str, version: int) -> Announcement:
+    return Announcement(
+        model=model,
+        version=version,
+        parent=version - 1 if version > 1 else None,
+        kind="full" if version == 1 else "delta",
+        manifest_key=f"{model}/manifests/{version:012d}-abc.json",
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        total_bytes=100 * version,
+    )
+
+
+def versions(messages: list[bytes]) -> list[tuple[str, int]]:
+    parsed = [Announcement.from_json(m) for m in messages]
+    return [(a.model, a.version) for a in parsed]
+
+
+def test_round_trip_two_sources_see_every_message(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bus/announcements.log"
+    first = open_source(url)  # created before the log exists: starts at its beginning
+    with open_announcer(url, "m") as announcer:
+        for v in (1, 2, 3):
+            announcer.announce(announcement("m", v))
+        second = open_source(url, start="earliest")
+        assert versions(first.poll(1.0)) == [("m", 1), ("m", 2), ("m", 3)]
+        assert versions(second.poll(1.0)) == [("m", 1), ("m", 2), ("m", 3)]
+        announcer.announce(announcement("m", 4))
+    assert versions(first.poll(1.0)) == [("m", 4)]
+    assert versions(second.poll(1.0)) == [("m", 4)]
+    assert first.poll(0.05) == [] and second.poll(0.0) == []
+    # The log holds exactly the announcements' wire bytes, one per line.
+    lines = (tmp_path / "bus/announcements.log").read_bytes().splitlines()
+    assert lines == [announcement("m", v).to_json() for v in (1, 2, 3, 4)]
+    first.close()
+    second.close()
+
+
+def test_latest_start_skips_what_was_already_there(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    announcer = FileLogAnnouncer(path, "m")
+    announcer.announce(announcement("m", 1))
+    source = FileLogSource(path, start="latest")
+    assert source.poll(0.0) == []
+    announcer.announce(announcement("m", 2))
+    assert versions(source.poll(1.0)) == [("m", 2)]
+    # A given byte offset resumes exactly there.
+    resumed = FileLogSource(path, start=0)
+    assert versions(resumed.poll(0.0)) == [("m", 1), ("m", 2)]
+    assert resumed.offset == path.stat().st_size
+
+
+def test_many_models_share_one_log(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    source = FileLogSource(path, start="earliest")
+    a, b = FileLogAnnouncer(path, "alpha"), FileLogAnnouncer(path, "beta")
+    a.announce(announcement("alpha", 1))
+    b.announce(announcement("beta", 1))
+    a.announce(announcement("alpha", 2))
+    assert versions(source.poll(1.0)) == [("alpha", 1), ("beta", 1), ("alpha", 2)]
+    with pytest.raises(BusError):
+        a.announce(announcement("beta", 2))  # an announcer speaks for its own model only
+
+
+def test_concurrent_writers_never_interleave(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    models = [f"m{i}" for i in range(4)]
+
+    def write(model: str) -> None:
+        announcer = FileLogAnnouncer(path, model)
+        for v in range(1, 26):
+            announcer.announce(announcement(model, v))
+
+    threads = [threading.Thread(target=write, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = versions(FileLogSource(path, start="earliest").poll(1.0))
+    assert len(got) == 100
+    for model in models:  # every model's versions in order, none lost or torn
+        assert [v for m, v in got if m == model] == list(range(1, 26))
+
+
+def test_torn_last_line_waits_until_complete(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    source = FileLogSource(path, start="earliest")
+    line = announcement("m", 1).to_json()
+    with open(path, "ab") as f:
+        f.write(line[:20])  # a writer mid-append
+    assert source.poll(0.05) == []
+    assert source.offset == 0
+    with open(path, "ab") as f:
+        f.write(line[20:] + b"\n")
+    assert versions(source.poll(1.0)) == [("m", 1)]
+
+
+def test_crashed_writer_fragment_is_terminated_by_the_next_writer(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    source = FileLogSource(path, start="earliest")
+    with open(path, "ab") as f:
+        f.write(announcement("m", 1).to_json()[:30])  # then the writer died
+    FileLogAnnouncer(path, "m").announce(announcement("m", 2))
+    messages = source.poll(1.0)
+    # The fragment comes out as one bad line (the follower drops it), never glued to the next.
+    assert messages[0] == announcement("m", 1).to_json()[:30]
+    assert versions(messages[1:]) == [("m", 2)]
+
+
+def test_replaced_or_truncated_log_is_read_from_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    announcer = FileLogAnnouncer(path, "m")
+    source = FileLogSource(path, start="earliest")
+    for v in (1, 2, 3):
+        announcer.announce(announcement("m", v))
+    assert len(source.poll(1.0)) == 3
+    os.replace(path, tmp_path / "old.log")  # rotated away
+    announcer.announce(announcement("m", 4))  # a new file, a new inode
+    assert versions(source.poll(1.0)) == [("m", 4)]
+    with open(path, "wb"):
+        pass  # truncated in place
+    announcer.announce(announcement("m", 5))
+    assert versions(source.poll(1.0)) == [("m", 5)]
+
+
+def test_overlong_and_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    source = FileLogSource(path, start="earliest", max_line_bytes=1000)
+    with open(path, "ab") as f:
+        f.write(b"x" * 2500 + b"\n\n   \n")
+    messages = source.poll(0.05)
+    assert messages == [b"x" * 1001]  # capped, still recognisably oversized; blanks skipped
+    with open(path, "ab") as f:
+        f.write(b"y" * 3000)  # over-long and not even finished
+    assert source.poll(0.05) == [b"y" * 1001]
+    with open(path, "ab") as f:
+        f.write(b"yyyy\n" + announcement("m", 1).to_json() + b"\n")
+    assert versions(source.poll(1.0)) == [("m", 1)]  # the rest of the long line was dropped
+
+
+def test_announce_never_raises_when_the_log_cannot_be_written(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    announcer = FileLogAnnouncer(blocker / "a.log", "m")
+    announcer.announce(announcement("m", 1))
+    assert (announcer.sent, announcer.dropped) == (0, 1)
+    assert FileLogSource(blocker / "a.log").poll(0.0) == []  # nor does reading it
+
+
+def test_poll_waits_for_a_message(tmp_path: Path) -> None:
+    path = tmp_path / "a.log"
+    source = FileLogSource(path, start="earliest")
+    timer = threading.Timer(0.2, lambda: FileLogAnnouncer(path, "m").announce(announcement("m", 1)))
+    timer.start()
+    try:
+        assert versions(source.poll(5.0)) == [("m", 1)]
+    finally:
+        timer.join()
+
+
+def test_bus_urls() -> None:
+    address = parse_kafka_url("kafka://h1:9092,h2:9093/announcements?partitions=3", environ={})
+    assert address.bootstrap == ("h1:9092", "h2:9093")
+    assert (address.topic, address.partitions, address.create_topic) == ("announcements", 3, True)
+    env = {"CHECKNRUN_KAFKA_BOOTSTRAP": "127.0.0.1:1234"}
+    address = parse_kafka_url("kafka:///t?create_topic=0", environ=env)
+    assert (address.servers, address.topic, address.create_topic) == ("127.0.0.1:1234", "t", False)
+    for bad in (
+        "kafka:///t",  # no broker anywhere
+        "kafka://h:1/",  # no topic
+        "kafka://h:1/a/b",
+        "kafka://h:1/t?partitions=zero",
+        "kafka://h:1/t?partitions=0",
+        "kafka://h:1/t?colour=red",
+        "kafka://h:1/t%20t",
+    ):
+        with pytest.raises(BusError):
+            parse_kafka_url(bad, environ={})
+    for bad in ("mqtt://h/t", "file://relative/path"):
+        with pytest.raises(BusError):
+            open_announcer(bad, "m")
+        with pytest.raises(BusError):
+            open_source(bad)
