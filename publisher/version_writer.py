@@ -31,6 +31,7 @@ from publisher.catalog import (
     lease_key,
     manifest_key,
 )
+from publisher.faults import fault_point
 from publisher.store import NotFoundError, ObjectStore, PreconditionFailedError, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from schemas.manifest import (
@@ -201,6 +202,7 @@ class VersionWriter:
     # --- commit -------------------------------------------------------------------------------
 
     def _hook(self, stage: CommitStage) -> None:
+        fault_point(stage)
         if self.crash_hook is not None:
             self.crash_hook(stage)
 
