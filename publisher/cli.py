@@ -246,7 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _builtin_commands(sub)
     for ep in sorted(entry_points(group="checknrun.commands"), key=lambda e: e.name):
-        register: Callable[[Any], None] = ep.load()
+        try:
+            register: Callable[[Any], None] = ep.load()
+        except ImportError as exc:  # a broken plugin must not take the store commands down
+            print(f"checknrun: command {ep.name!r} unavailable: {exc}", file=sys.stderr)
+            continue
         register(sub)
     return parser
 

@@ -1,0 +1,135 @@
+"""Request and response bodies of the REST API: input and output models are separate classes.
+
+Inputs forbid unknown fields so a typo is a 422, not a silently ignored field. Outputs are built
+by the routes from the live model; none of them carries a token, a store credential or a URL.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic.config import JsonDict
+
+FeatureValue = Annotated[
+    StrictInt | StrictFloat | list[StrictInt],
+    Field(
+        description="a dense feature: a number; a single-valued sparse feature: an integer id; "
+        "a bag feature: a list of integer ids"
+    ),
+]
+
+_EXAMPLE: JsonDict = {
+    "examples": [
+        {"user": 12, "item": 345, "genres": [1, 7], "hour_sin": 0.3, "hour_cos": -0.95},
+    ]
+}
+
+
+class PredictRequest(BaseModel):
+    """A batch of examples to score against the served model version."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [_EXAMPLE]})
+
+    examples: list[dict[str, FeatureValue]] = Field(
+        min_length=1,
+        description="Each example maps every feature of the model config (GET /v1/model, "
+        "`features`) to a value: dense features a finite number, single-valued sparse features "
+        "an integer id in [0, rows), bag features a list of such ids. Ids outside a table are a "
+        "422 unless the model declares hashing (then ids are folded in by modulo). Unknown or "
+        "missing features are a 422; more examples than the server's cap, or a body above its "
+        "byte cap, a 413.",
+    )
+
+
+class PredictResponse(BaseModel):
+    """Scores of a batch, all computed against exactly one model version."""
+
+    model: str = Field(description="model name")
+    version: int = Field(description="the one version every score was computed with")
+    scores: list[float] = Field(description="click/like probability per example (sigmoid)")
+
+
+class FeatureInfo(BaseModel):
+    """One input feature of the served model."""
+
+    name: str
+    kind: Literal["dense", "sparse", "bag"]
+    rows: int | None = Field(default=None, description="table size of a sparse/bag feature")
+
+
+class ModelInfo(BaseModel):
+    """The served version and how it got here."""
+
+    model: str
+    version: int
+    parent: int | None
+    kind: Literal["full", "delta"]
+    baseline: int
+    applies_to: int | None
+    policy: str
+    trainer_step: int = Field(description="optimizer step of the trainer at this version")
+    samples_seen: int
+    created_at: datetime = Field(description="when the trainer committed this version (UTC)")
+    applied_at: datetime = Field(description="when this server started serving it (UTC)")
+    staleness_s: float = Field(
+        description="seconds the oldest committed-but-unapplied version this server knows of "
+        "has waited; 0 when it serves the newest it knows"
+    )
+    age_s: float = Field(description="seconds since the served version was created")
+    latest_known_version: int | None
+    versions_applied: int = Field(
+        description="versions applied since start (bootstrap chain included)"
+    )
+    bytes_fetched: int = Field(description="blob bytes fetched and verified since start")
+    rejected_versions: int = Field(
+        description="versions rejected since start (failed verification, decoding or layout checks)"
+    )
+    pinned: bool
+    pinned_version: int | None
+    consistency: Literal["double-buffer", "rwlock"]
+    model_memory_bytes: int = Field(description="bytes of model tensors held, every copy")
+    hashing: bool = Field(description="ids outside a table are folded in by modulo")
+    features: list[FeatureInfo]
+    metrics: dict[str, float] = Field(description="online metrics the trainer recorded")
+
+
+class PinRequest(BaseModel):
+    """Serve an earlier (or any committed) version and stop following."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: StrictInt = Field(ge=1, description="a committed version of the model")
+
+
+class UnpinResponse(BaseModel):
+    """Result of an unpin: following resumes (the server catches up in the background)."""
+
+    was_pinned: bool
+    version: int | None = Field(description="the version served at the time of the answer")
+
+
+class DigestResponse(BaseModel):
+    """sha256 of every tensor of the served model, to compare replicas bit for bit."""
+
+    model: str
+    version: int
+    tensors: dict[str, str]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    version: int | None
+    reason: str | None = None
+    staleness_s: float | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Error body of every 4xx/5xx the server itself raises."""
+
+    detail: str | list[dict[str, object]]

@@ -1,0 +1,147 @@
+"""`checknrun serve`: run the server under uvicorn.
+
+Registered through the `checknrun.commands` entry-point group (`serve = "server.cli:register"`),
+and runnable without the entry point as `python -m server.cli serve ...`.
+
+Every flag overrides the matching `CHECKNRUN_SERVER_*` variable; flags left out keep the
+environment's value. The admin token is never a flag (it would show in `ps`): it is read from
+the environment variable `--admin-token-env` names (default CHECKNRUN_SERVER_ADMIN_TOKEN).
+uvicorn turns SIGINT/SIGTERM into a lifespan shutdown, which stops the follow loop and closes the
+bus and the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from server.settings import ENV_PREFIX, load_settings
+
+DEFAULT_TOKEN_ENV = f"{ENV_PREFIX}ADMIN_TOKEN"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `serve` command to the `checknrun` parser."""
+    p = sub.add_parser(
+        "serve",
+        help="serve a model that follows committed versions (REST API)",
+        description="Bootstrap the model from HEAD, follow new versions, answer predictions.",
+    )
+    p.add_argument("--store", help=f"file:///PATH or s3://BUCKET/PREFIX (env {ENV_PREFIX}STORE)")
+    p.add_argument(
+        "--bus",
+        help="file:///PATH.log or kafka://HOST:PORT/TOPIC; without it, "
+        f"HEAD is polled (env {ENV_PREFIX}BUS)",
+    )
+    p.add_argument("--model", help=f"model name (env {ENV_PREFIX}MODEL)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port (default 8000; 0 = any free port)")
+    p.add_argument(
+        "--admin-token-env",
+        default=DEFAULT_TOKEN_ENV,
+        metavar="VAR",
+        help="environment variable holding the admin bearer token "
+        "(default %(default)s); unset = admin endpoints disabled",
+    )
+    p.add_argument("--environment", choices=["development", "production"])
+    p.add_argument(
+        "--consistency",
+        choices=["double-buffer", "rwlock"],
+        help="version swap scheme (default double-buffer; rwlock halves memory)",
+    )
+    p.add_argument("--torch-threads", type=int)
+    p.add_argument("--max-batch", type=int, help="examples per request (default 1024)")
+    p.add_argument("--max-body-bytes", type=int, help="request body cap (default 1 MiB)")
+    p.add_argument(
+        "--ready-max-staleness",
+        type=float,
+        metavar="SECONDS",
+        help="/readyz fails while a newer version has waited this long",
+    )
+    p.add_argument(
+        "--poll-head-after",
+        type=float,
+        metavar="SECONDS",
+        help="read HEAD after this long without announcements (default 30)",
+    )
+    p.add_argument("--bus-start", choices=["latest", "earliest"])
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Any:
+    """ServerSettings from the environment with the flags on top."""
+    env = os.environ if environ is None else environ
+    token_value = env.get(args.admin_token_env)
+    overrides: dict[str, Any] = dict(
+        store=args.store,
+        bus=args.bus,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        environment=args.environment,
+        consistency=args.consistency,
+        torch_threads=args.torch_threads,
+        max_batch=args.max_batch,
+        max_body_bytes=args.max_body_bytes,
+        ready_max_staleness_s=args.ready_max_staleness,
+        poll_head_after_s=args.poll_head_after,
+        bus_start=args.bus_start,
+    )
+    if args.admin_token_env != DEFAULT_TOKEN_ENV:
+        # The default variable is read by the settings themselves; another one is read here.
+        overrides["admin_token"] = SecretStr(token_value) if token_value else None
+    return load_settings(**overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn  # only `serve` needs it
+
+    from server.app import create_app
+
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        # pydantic never echoes SecretStr values, so the message is safe to print.
+        print(f"checknrun serve: invalid configuration:\n{exc}", file=sys.stderr)
+        return 1
+    logging.getLogger().setLevel(args.log_level.upper())
+    if settings.admin_token is None:
+        logging.getLogger(__name__).info("no admin token configured: admin endpoints disabled")
+    # One process: the model lives in this process' memory; scale out with more replicas.
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m server.cli serve ...` without the `checknrun` entry point."""
+    parser = argparse.ArgumentParser(prog="python -m server.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    status: int = args.func(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""How a new version replaces the served one under running predictions: two schemes.
+
+Both guarantee that every prediction reads exactly one version (no torn reads: a prediction never
+sees rows of version v+1 next to rows or dense parameters of version v), and both do every slow
+step (fetch, sha256, decode) before anything a reader can see changes. They differ in what a
+reader may wait for and in memory:
+
+``double-buffer`` (default): two full copies of the model. A plan is written into the hidden
+  standby copy; publishing it is a pointer swap under a lock held for a few microseconds; the old
+  copy is then drained (the swap waits until no prediction still reads it) and brought level by
+  copying only the rows the plan touched from the new live copy. Readers never wait for a write.
+  Memory: 2 x the model, plus the decoded rows of one delta while it is written.
+
+``rwlock``: one copy behind a writer-preferring reader-writer lock. Rows are decoded outside the
+  lock; the lock is then taken for writing and the rows are scattered in (`index_copy_`), so new
+  predictions wait for in-flight ones to finish plus the scatter, which grows with the delta.
+  A full version (or a new architecture) is built as a new copy beside the old one and swapped in
+  by pointer under the lock. Memory: 1 x the model in steady state, 2 x while a full is built.
+
+Measured (server/load_bench.py, 1M x 64 int8 table, 2 busy cores; details in server/README.md):
+
+    delta rows   double-buffer swap pause   rwlock write-lock hold   apply (db / rwlock)
+    1,000        6 us                        0.4 ms                   2.4 / 1.9 ms
+    100,000      10 us                       13 ms (readers: 47 ms)   47 / 31 ms
+    300,000      16 us                       27 ms                    177 / 78 ms
+
+With readers running, the worst wait of a prediction to borrow the model was 0.08 ms with the
+double buffer and 47 ms with the rwlock (100k-row deltas). Memory: 493 MiB of tensors vs 247 MiB.
+So the double buffer is the default (pauses do not grow with the delta; it costs one more model
+copy and ~1.5-2x apply time, spent off the request path); choose `rwlock` when the model does not
+fit twice in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from publisher.catalog import VersionRef
+from server.errors import ApplyError, NotBootstrappedError
+from server.model_buffer import FetchedVersion, FetchFn, ModelBuffer, ServedVersion, Touched
+from server.settings import ConsistencyScheme
+
+log = logging.getLogger(__name__)
+
+#: a drain that takes longer than this is logged (a prediction is stuck or very slow).
+DRAIN_WARN_S = 10.0
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one `update` did."""
+
+    served: ServedVersion
+    versions: tuple[int, ...]
+    bytes_fetched: int
+    #: longest time predictions could not start because of this update (seconds).
+    pause_s: float
+    #: the plan was built as a new copy (bootstrap, new architecture, rebuild) vs written in place.
+    rebuilt: bool
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class ModelSlot(ABC):
+    """Holds the served model; readers borrow a buffer, one writer at a time updates it."""
+
+    scheme: ConsistencyScheme
+
+    def __init__(self) -> None:
+        #: worst time a reader waited to borrow a buffer (seconds), for measurements.
+        self.max_reader_wait_s = 0.0
+
+    @abstractmethod
+    def reader(self) -> AbstractContextManager[ModelBuffer]:
+        """Borrow the live buffer for one prediction; it holds one version throughout."""
+
+    @abstractmethod
+    def current(self) -> ModelBuffer | None:
+        """The live buffer, for metadata only (its weights may change under a later update)."""
+
+    @abstractmethod
+    def update(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
+        """Apply `plan` (versions in order) and publish the result as one swap.
+
+        Raises (and leaves the served version untouched) when any version fails to fetch,
+        verify, decode or fit. Callers serialise updates.
+        """
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of model tensors held, every copy included."""
+
+    def _record_wait(self, started: float) -> None:
+        waited = time.perf_counter() - started
+        if waited > self.max_reader_wait_s:  # a benign race: it is a statistic
+            self.max_reader_wait_s = waited
+
+
+def _build_fresh(plan: Sequence[VersionRef], fetch: FetchFn) -> tuple[ModelBuffer, int]:
+    """A new buffer holding the plan's last version; the plan must start with a full."""
+    first = plan[0].manifest
+    if first.kind != "full":
+        raise ApplyError(
+            f"cannot build a model from version {first.version}: it is a delta "
+            f"(applies to {first.applies_to}); a rebuild starts from a full version"
+        )
+    buffer = ModelBuffer.for_manifest(first)
+    fetched_bytes = _write_plan(buffer, plan, fetch, Touched())
+    return buffer, fetched_bytes
+
+
+def _write_plan(
+    buffer: ModelBuffer, plan: Sequence[VersionRef], fetch: FetchFn, touched: Touched
+) -> int:
+    total = len(plan)
+    fetched_bytes = 0
+    for i, ref in enumerate(plan, 1):
+        started = time.perf_counter()
+        fetched = fetch(ref)
+        buffer.check(fetched)
+        buffer.write(fetched, touched)
+        fetched_bytes += fetched.bytes_fetched
+        if total > 1:  # progress of a bootstrap or rebuild, one line per version
+            log.info(
+                "model %s: wrote v%d (%d/%d, %s, %d bytes) in %.3f s",
+                ref.manifest.model,
+                ref.version,
+                i,
+                total,
+                ref.manifest.kind,
+                fetched.bytes_fetched,
+                time.perf_counter() - started,
+            )
+    buffer.served = ServedVersion(plan[-1], _now())
+    return fetched_bytes
+
+
+class DoubleBufferSlot(ModelSlot):
+    """Live + standby copies; publish by pointer swap, then bring the old copy level."""
+
+    scheme: ConsistencyScheme = "double-buffer"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition(threading.Lock())
+        self._live: ModelBuffer | None = None
+        self._standby: ModelBuffer | None = None
+
+    @contextmanager
+    def reader(self) -> Iterator[ModelBuffer]:
+        started = time.perf_counter()
+        with self._cond:
+            buffer = self._live
+            if buffer is None:
+                raise NotBootstrappedError("no version is served yet")
+            buffer.readers += 1
+        self._record_wait(started)
+        try:
+            yield buffer
+        finally:
+            with self._cond:
+                buffer.readers -= 1
+                if buffer.readers == 0:
+                    self._cond.notify_all()
+
+    def current(self) -> ModelBuffer | None:
+        return self._live
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in (self._live, self._standby) if b is not None)
+
+    def _swap_in(self, buffer: ModelBuffer) -> tuple[ModelBuffer | None, float]:
+        started = time.perf_counter()
+        with self._cond:
+            old, self._live = self._live, buffer
+        return old, time.perf_counter() - started
+
+    def _drain(self, buffer: ModelBuffer) -> None:
+        """Wait until no prediction reads `buffer` (no new one can: it is not live)."""
+        started = time.monotonic()
+        warned = False
+        with self._cond:
+            while buffer.readers:
+                self._cond.wait(timeout=1.0)
+                if not warned and time.monotonic() - started > DRAIN_WARN_S:
+                    log.warning(
+                        "a prediction has held the previous model for %.0f s",
+                        time.monotonic() - started,
+                    )
+                    warned = True
+
+    def update(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
+        if not plan:
+            raise ValueError("empty plan")
+        live, standby = self._live, self._standby
+        if live is None or standby is None or not standby.fits(plan[0].manifest):
+            return self._rebuild(plan, fetch)
+        touched = Touched()
+        try:
+            fetched_bytes = _write_plan(standby, plan, fetch, touched)
+        except BaseException:
+            # The standby is hidden, so a failed write tore nothing anyone sees; put it back.
+            standby.copy_from(live, touched)
+            raise
+        old, pause = self._swap_in(standby)
+        assert old is live
+        self._drain(live)
+        live.replay(standby, touched)
+        self._standby = live
+        assert standby.served is not None
+        return UpdateResult(
+            standby.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=False
+        )
+
+    def _rebuild(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
+        # Drop the standby first so that memory peaks at 2 copies, not 3.
+        previous_standby, self._standby = self._standby, None
+        try:
+            fresh, fetched_bytes = _build_fresh(plan, fetch)
+        except BaseException:
+            self._standby = previous_standby
+            raise
+        del previous_standby
+        old, pause = self._swap_in(fresh)
+        if old is not None:
+            self._drain(old)
+            del old
+        self._standby = fresh.clone()
+        assert fresh.served is not None
+        return UpdateResult(
+            fresh.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=True
+        )
+
+
+class ReaderWriterLock:
+    """Many readers or one writer; a waiting writer stops new readers (no writer starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class ReaderWriterSlot(ModelSlot):
+    """One copy; deltas are scattered in under a write lock, fulls are built beside and swapped."""
+
+    scheme: ConsistencyScheme = "rwlock"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = ReaderWriterLock()
+        self._buffer: ModelBuffer | None = None
+
+    @contextmanager
+    def reader(self) -> Iterator[ModelBuffer]:
+        started = time.perf_counter()
+        self._lock.acquire_read()
+        self._record_wait(started)
+        try:
+            buffer = self._buffer
+            if buffer is None:
+                raise NotBootstrappedError("no version is served yet")
+            yield buffer
+        finally:
+            self._lock.release_read()
+
+    def current(self) -> ModelBuffer | None:
+        return self._buffer
+
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.nbytes
+
+    def _locked(self, action: Callable[[], None]) -> float:
+        started = time.perf_counter()
+        with self._lock.write():
+            action()
+        return time.perf_counter() - started
+
+    def update(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
+        if not plan:
+            raise ValueError("empty plan")
+        buffer = self._buffer
+        if (
+            buffer is None
+            or any(r.manifest.kind == "full" for r in plan)
+            or not buffer.fits(plan[0].manifest)
+        ):
+            # A full rewrites every row: build it beside the live copy and swap the pointer.
+            fresh, fetched_bytes = _build_fresh(plan, fetch)
+
+            def swap() -> None:
+                self._buffer = fresh
+
+            pause = self._locked(swap)
+            assert fresh.served is not None
+            return UpdateResult(
+                fresh.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=True
+            )
+        # Deltas only: fetch, verify and decode everything before taking the lock.
+        fetched_all: list[FetchedVersion] = []
+        for ref in plan:
+            fetched = fetch(ref)
+            buffer.check(fetched)
+            fetched_all.append(fetched)
+        decoded = [(buffer.decode_rows_of(f), f.dense or {}) for f in fetched_all]
+        served = ServedVersion(plan[-1], _now())
+
+        def scatter() -> None:
+            for rows, dense in decoded:
+                buffer.assign_rows(rows, dense)
+            buffer.served = served
+
+        pause = self._locked(scatter)
+        return UpdateResult(
+            served,
+            tuple(r.version for r in plan),
+            sum(f.bytes_fetched for f in fetched_all),
+            pause,
+            rebuilt=False,
+        )
+
+
+def make_slot(scheme: ConsistencyScheme) -> ModelSlot:
+    """The slot implementing `scheme`."""
+    if scheme == "double-buffer":
+        return DoubleBufferSlot()
+    if scheme == "rwlock":
+        return ReaderWriterSlot()
+    raise ValueError(f"unknown consistency scheme {scheme!r}")

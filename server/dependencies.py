@@ -1,0 +1,91 @@
+"""What route handlers receive, as `Annotated` dependency aliases, and the admin guard.
+
+The app's lifespan puts one `ServerState` on `app.state.server`; handlers ask for the piece they
+need (`LiveModelDep`, `SettingsDep`...), so their signatures read like types and tests can swap
+settings by building another app.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from publisher.follower import VersionFollower
+from server.follow_loop import FollowLoop
+from server.live_model import LiveModel
+from server.metrics import ServerMetrics
+from server.settings import ServerSettings
+
+
+@dataclass
+class ServerState:
+    """Everything the lifespan created; None until the lifespan has run."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    live: LiveModel | None = None
+    follower: VersionFollower | None = None
+    loop: FollowLoop | None = None
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+StateDep = Annotated[ServerState, Depends(get_state)]
+
+
+def get_settings(state: StateDep) -> ServerSettings:
+    return state.settings
+
+
+def get_metrics(state: StateDep) -> ServerMetrics:
+    return state.metrics
+
+
+def get_live_model(state: StateDep) -> LiveModel:
+    if state.live is None:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the server is starting")
+    return state.live
+
+
+SettingsDep = Annotated[ServerSettings, Depends(get_settings)]
+MetricsDep = Annotated[ServerMetrics, Depends(get_metrics)]
+LiveModelDep = Annotated[LiveModel, Depends(get_live_model)]
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="Admin token (`CHECKNRUN_SERVER_ADMIN_TOKEN`). Without one configured the "
+    "admin endpoints answer 404.",
+)
+
+
+def require_admin(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """404 when no admin token is configured, 401 unless `Authorization: Bearer <token>`."""
+    token = settings.admin_token
+    if token is None:
+        # Disabled endpoints look absent: nothing to probe, nothing to brute-force.
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            "admin endpoints are disabled: no admin token is configured",
+        )
+    expected = token.get_secret_value().encode()
+    given = b"" if credentials is None else credentials.credentials.encode()
+    # compare_digest takes time independent of where the strings differ.
+    if credentials is None or not hmac.compare_digest(given, expected):
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            "missing or wrong admin token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+AdminDep = Annotated[None, Depends(require_admin)]

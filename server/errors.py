@@ -1,0 +1,31 @@
+"""The server's error hierarchy: what can go wrong between the store and a served version."""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    """Base of the serving side's own failures."""
+
+
+class NotBootstrappedError(ServerError):
+    """No version is served yet (the bootstrap has not finished)."""
+
+
+class ApplyError(ServerError):
+    """A version that cannot be applied to the live model: it disagrees with its layout.
+
+    Raised with what the version says and what the live model holds, e.g. a delta for a table the
+    model does not have, or dense parameters of another shape.
+    """
+
+
+class NotApplicableError(ApplyError):
+    """A delta whose base is not the served version (`applies_to <= current < version` fails)."""
+
+
+class ShuttingDownError(ServerError):
+    """The server is stopping: an apply in progress was abandoned before its next version."""
+
+
+class PinnedError(ServerError):
+    """The live model is pinned: following is suspended until an admin unpins it."""

@@ -1,0 +1,223 @@
+"""Turn a predict request's examples into the model's input tensors, checking every value.
+
+Each example maps every feature of the model config to a value:
+
+- a dense feature: a finite number (JSON int or float);
+- a single-valued sparse feature (`bag: false`): one integer id;
+- a bag feature (`bag: true`): a list of integer ids (possibly empty: the bag embeds to zeros).
+
+Ids must lie in `[0, rows)` of the feature's table, unless the config declares `hashing`, in
+which case any int64 is folded in by modulo. Every problem found is reported (up to a cap), each
+with its location `["body", "examples", i, feature]`, in FastAPI's validation-error shape, so a
+client sees all its mistakes in one 422.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from publisher.architecture import DLRMConfig, SparseBatch
+
+#: problems reported per request; the rest are summarised in one last entry.
+MAX_REPORTED_ERRORS = 50
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+ExampleValue = int | float | list[int]
+
+
+@dataclass(frozen=True)
+class FeatureProblem:
+    """One invalid value: where, what and a machine-readable type."""
+
+    example: int | None
+    feature: str | None
+    message: str
+    type: str
+
+    def as_detail(self) -> dict[str, Any]:
+        loc: list[str | int] = ["body", "examples"]
+        if self.example is not None:
+            loc.append(self.example)
+        if self.feature is not None:
+            loc.append(self.feature)
+        return {"loc": loc, "msg": self.message, "type": self.type}
+
+
+class FeatureValidationError(ValueError):
+    """The examples do not match the served model's features; `.problems` says where."""
+
+    def __init__(self, problems: list[FeatureProblem]) -> None:
+        super().__init__(f"{len(problems)} invalid feature value(s): {problems[0].message}")
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    """Model input for a batch: dense (B, n_dense) float32 and one SparseBatch per feature."""
+
+    dense: torch.Tensor
+    sparse: dict[str, SparseBatch]
+
+    @property
+    def size(self) -> int:
+        return int(self.dense.shape[0])
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[FeatureProblem] = []
+        self.dropped = 0
+
+    def add(self, example: int | None, feature: str | None, message: str, kind: str) -> None:
+        if len(self.items) < MAX_REPORTED_ERRORS:
+            self.items.append(FeatureProblem(example, feature, message, kind))
+        else:
+            self.dropped += 1
+
+    def raise_if_any(self) -> None:
+        if not self.items:
+            return
+        if self.dropped:
+            self.items.append(
+                FeatureProblem(None, None, f"... and {self.dropped} more problems", "too_many")
+            )
+        raise FeatureValidationError(self.items)
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass in Python, but `true` is not an id.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def build_batch(
+    examples: Sequence[Mapping[str, ExampleValue]],
+    config: DLRMConfig,
+    *,
+    max_ids_per_bag: int = 4096,
+) -> FeatureBatch:
+    """Validate `examples` against `config` and build the model's input tensors.
+
+    Raises FeatureValidationError listing every invalid, unknown or missing feature.
+    """
+    problems = _Problems()
+    known = {*config.dense, *(f.name for f in config.sparse)}
+    for i, example in enumerate(examples):
+        unknown = [k for k in example if k not in known]
+        for name in unknown:
+            problems.add(
+                i,
+                name,
+                f"unknown feature {name!r}; the model takes {sorted(known)}",
+                "unknown_feature",
+            )
+        for name in sorted(known - example.keys()):
+            problems.add(i, name, f"missing feature {name!r}", "missing_feature")
+
+    n = len(examples)
+    dense = np.zeros((n, len(config.dense)), dtype=np.float32)
+    for j, name in enumerate(config.dense):
+        for i, example in enumerate(examples):
+            value = example.get(name)
+            if value is None:
+                continue  # reported as missing
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                problems.add(
+                    i,
+                    name,
+                    f"dense feature {name!r} needs a number, got {type(value).__name__}",
+                    "wrong_type",
+                )
+            elif isinstance(value, float) and not math.isfinite(value):
+                problems.add(
+                    i, name, f"dense feature {name!r} must be finite, got {value}", "not_finite"
+                )
+            elif abs(value) > 3.0e38:
+                problems.add(
+                    i, name, f"dense feature {name!r} is outside float32 range", "out_of_range"
+                )
+            else:
+                dense[i, j] = value
+
+    sparse: dict[str, SparseBatch] = {}
+    for feature in config.sparse:
+        name = feature.name
+        lengths = np.zeros(n, dtype=np.int64)
+        flat: list[int] = []
+        for i, example in enumerate(examples):
+            value = example.get(name)
+            if value is None:
+                continue
+            if feature.bag:
+                if not isinstance(value, list):
+                    problems.add(
+                        i,
+                        name,
+                        f"bag feature {name!r} needs a list of integer ids, "
+                        f"got {type(value).__name__}",
+                        "wrong_type",
+                    )
+                    continue
+                if len(value) > max_ids_per_bag:
+                    problems.add(
+                        i,
+                        name,
+                        f"bag feature {name!r} has {len(value)} ids; at most {max_ids_per_bag}",
+                        "too_many_ids",
+                    )
+                    continue
+                ids = value
+            else:
+                if not _is_int(value):
+                    problems.add(
+                        i,
+                        name,
+                        f"sparse feature {name!r} needs one integer id, got {type(value).__name__}",
+                        "wrong_type",
+                    )
+                    continue
+                ids = [value]  # type: ignore[list-item]
+            bad = [v for v in ids if not _is_int(v)]
+            if bad:
+                problems.add(
+                    i,
+                    name,
+                    f"ids of {name!r} must be integers, got {type(bad[0]).__name__}",
+                    "wrong_type",
+                )
+                continue
+            if config.hashing:
+                if any(v < _INT64_MIN or v > _INT64_MAX for v in ids):
+                    problems.add(i, name, f"ids of {name!r} must fit in int64", "out_of_range")
+                    continue
+            else:
+                outside = [v for v in ids if v < 0 or v >= feature.rows]
+                if outside:
+                    problems.add(
+                        i,
+                        name,
+                        f"id {outside[0]} of {name!r} is outside its table [0, {feature.rows})",
+                        "id_out_of_range",
+                    )
+                    continue
+            lengths[i] = len(ids)
+            flat.extend(ids)
+        if problems.items:
+            continue  # nothing will be built; keep collecting problems
+        values = (
+            torch.tensor(flat, dtype=torch.int64) if flat else torch.zeros(0, dtype=torch.int64)
+        )
+        if config.hashing:
+            values = torch.remainder(values, feature.rows)  # non-negative for rows > 0
+        offsets = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            np.cumsum(lengths[:-1], out=offsets[1:])
+        sparse[name] = SparseBatch(values=values, offsets=torch.from_numpy(offsets))
+
+    problems.raise_if_any()
+    return FeatureBatch(dense=torch.from_numpy(dense), sparse=sparse)

@@ -1,0 +1,291 @@
+"""The live model: bootstrapped from HEAD, advanced version by version, pinnable by an admin.
+
+    live = LiveModel(store, "movielens", scheme="double-buffer")
+    live.bootstrap()                      # HEAD's chain: baseline, then each delta
+    live.advance(ref)                     # a newer committed version (idempotent by version)
+    with live.reader() as model:          # one version for the whole prediction
+        logits = model.forward(dense, sparse)
+
+Rules it keeps:
+
+- Idempotent by version: a version at or below the served one is ignored, so redelivered or old
+  announcements do no harm.
+- A delta is applied directly only when `baseline <= current` and `applies_to <= current <
+  version` (docs/FORMAT.md section 3); otherwise the plan to reach it is rebuilt from the store:
+  the part of its restore chain newer than the served version, or the whole chain when the served
+  version is not in its lineage. So a gap is filled from the store, never guessed.
+- A plan is applied as one swap by the consistency scheme (server/consistency.py); until it has
+  fully passed verification the served version does not move.
+- While pinned, nothing but an admin moves the version.
+
+All mutations are serialised by one lock; predictions never take it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from datetime import UTC, datetime
+
+from publisher.catalog import Catalog, VersionRef
+from publisher.store import ObjectStore
+from server.consistency import ModelSlot, UpdateResult, make_slot
+from server.errors import PinnedError, ShuttingDownError
+from server.metrics import ServerMetrics
+from server.model_buffer import (
+    FETCH_CONCURRENCY,
+    FetchedVersion,
+    ModelBuffer,
+    ServedVersion,
+    fetch_version,
+)
+from server.settings import ConsistencyScheme
+
+log = logging.getLogger(__name__)
+
+
+class LiveModel:
+    """The served model of one store model name, and everything that moves its version."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        model: str,
+        *,
+        scheme: ConsistencyScheme = "double-buffer",
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.store = store
+        self.catalog = Catalog(store, model)
+        self.model_name = self.catalog.model
+        self.slot: ModelSlot = make_slot(scheme)
+        self.metrics = metrics or ServerMetrics()
+        self._mutate = threading.Lock()
+        self._pinned: int | None = None
+        #: committed versions newer than the served one that we know of -> their created_at.
+        self._pending: dict[int, datetime] = {}
+        self.versions_applied = 0
+        self.bytes_fetched = 0
+        self.last_apply: UpdateResult | None = None
+        # One pool for the life of the model: a version's blobs download in parallel without
+        # paying thread start-up per version (S3 round trips dominate; hashing frees the GIL).
+        self._pool = ThreadPoolExecutor(FETCH_CONCURRENCY, thread_name_prefix="fetch")
+        self._interrupted = threading.Event()
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def reader(self) -> AbstractContextManager[ModelBuffer]:
+        """Borrow the served model for one prediction (NotBootstrappedError before bootstrap)."""
+        return self.slot.reader()
+
+    @property
+    def served(self) -> ServedVersion | None:
+        buffer = self.slot.current()
+        return None if buffer is None else buffer.served
+
+    @property
+    def version(self) -> int | None:
+        served = self.served
+        return None if served is None else served.version
+
+    @property
+    def pinned(self) -> int | None:
+        """The version an admin pinned, or None while following."""
+        return self._pinned
+
+    def staleness_s(self, now: float | None = None) -> float:
+        """Seconds the oldest known unapplied committed version has waited; 0 when current."""
+        current = self.version or 0
+        created = [c for v, c in list(self._pending.items()) if v > current]
+        if not created:
+            return 0.0
+        now = time.time() if now is None else now
+        return max(0.0, now - min(created).timestamp())
+
+    def age_s(self, now: float | None = None) -> float | None:
+        """Seconds since the served version was created by the trainer."""
+        served = self.served
+        if served is None:
+            return None
+        now = time.time() if now is None else now
+        return max(0.0, now - served.manifest.created_at.timestamp())
+
+    def latest_known(self) -> int | None:
+        """The newest committed version this server has heard of (served or pending)."""
+        known = [v for v in self._pending if v > (self.version or 0)]
+        return max(known, default=self.version)
+
+    def note_known(self, refs: Iterable[VersionRef]) -> None:
+        """Remember committed versions we heard of (for staleness), applied or not."""
+        current = self.version or 0
+        for ref in refs:
+            if ref.version > current:
+                self._pending[ref.version] = ref.manifest.created_at
+
+    # --- moving the version ---------------------------------------------------------------------
+
+    def bootstrap(self) -> ServedVersion | None:
+        """Serve HEAD: rebuild its architecture and apply its chain. None if nothing committed."""
+        with self._mutate:
+            if self._pinned is not None:
+                return self.served  # an admin pinned while we waited for the lock
+            target = self.catalog.latest()
+            if target is None:
+                return None
+            if self.version is not None and self.version >= target.version:
+                return self.served
+            chain = self.catalog.chain(target.version)
+            log.info(
+                "model %s: bootstrapping v%d from baseline v%d (%d versions, %d bytes)",
+                self.model_name,
+                target.version,
+                chain[0].version,
+                len(chain),
+                sum(r.manifest.total_bytes for r in chain),
+            )
+            self.note_known([target])
+            result = self._apply(chain, kind="bootstrap")
+            return result.served
+
+    def advance(self, ref: VersionRef) -> list[int]:
+        """Serve committed version `ref` if it is newer; return the versions applied.
+
+        Raises PinnedError while pinned, and whatever fetching, verifying or fitting raised
+        (the served version is then unchanged).
+        """
+        with self._mutate:
+            if self._pinned is not None:
+                raise PinnedError(f"pinned to v{self._pinned}; v{ref.version} is not applied")
+            current = self.version
+            if current is not None and ref.version <= current:
+                return []  # idempotent: already served (or older)
+            self.note_known([ref])
+            plan = [ref] if self._applies_directly(ref, current) else self._plan_to(ref)
+            if not plan:
+                return []
+            return list(self._apply(plan, kind=plan[0].manifest.kind).versions)
+
+    def catch_up(self) -> list[int]:
+        """Reconcile with HEAD from the store (after a rejection, an unpin, or silence)."""
+        with self._mutate:
+            if self._pinned is not None:
+                return []
+            target = self.catalog.latest()
+            if target is None:
+                return []
+            self.note_known([target])
+            current = self.version
+            if current is not None and target.version <= current:
+                return []
+            plan = self._plan_to(target)
+            if not plan:
+                return []
+            return list(self._apply(plan, kind="catch_up").versions)
+
+    def pin(self, version: int) -> ServedVersion:
+        """Serve committed `version` (rebuilt from the store if needed) and stop following.
+
+        NoVersionError if it is not committed; fetch/verify errors leave the model as it was
+        (and unpinned if it was).
+        """
+        with self._mutate:
+            target = self.catalog.find(version)
+            served = self.served
+            if served is not None and served.version > version:
+                # Remember what we leave, so staleness keeps telling how far behind we are.
+                self._pending[served.version] = served.manifest.created_at
+            if served is None or served.version != version:
+                self._apply(self._plan_to(target), kind="pin")
+            self._pinned = version
+            log.info("model %s: pinned to v%d", self.model_name, version)
+            result = self.served
+            assert result is not None
+            return result
+
+    def unpin(self) -> bool:
+        """Follow again (the follow loop catches up); False if it was not pinned."""
+        with self._mutate:
+            was, self._pinned = self._pinned, None
+        if was is not None:
+            log.info("model %s: unpinned from v%d; following again", self.model_name, was)
+        return was is not None
+
+    # --- internals -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _applies_directly(ref: VersionRef, current: int | None) -> bool:
+        m = ref.manifest
+        if m.kind == "full":
+            return True
+        if current is None or m.applies_to is None:
+            return False
+        return m.baseline <= current and m.applies_to <= current < m.version
+
+    def _plan_to(self, target: VersionRef) -> list[VersionRef]:
+        """The versions to write to go from the served version to `target`."""
+        chain = self.catalog.chain(target.version)
+        current = self.version
+        if current is None or target.version < current or chain[0].version > current:
+            return chain  # not in the served lineage (or going back): rebuild from the baseline
+        return [r for r in chain if r.version > current]
+
+    def _fetch(self, ref: VersionRef) -> FetchedVersion:
+        if self._interrupted.is_set():
+            # Checked before every version of a plan: a shutdown does not wait for a long
+            # rebuild; the slot discards the half-written copy (nothing torn is published).
+            raise ShuttingDownError(f"shutting down; v{ref.version} not applied")
+        fetched = fetch_version(self.store, ref, self._pool)
+        self.bytes_fetched += fetched.bytes_fetched
+        self.metrics.bytes_fetched.inc(fetched.bytes_fetched)
+        return fetched
+
+    def _apply(self, plan: list[VersionRef], *, kind: str) -> UpdateResult:
+        started = time.perf_counter()
+        result = self.slot.update(plan, self._fetch)
+        seconds = time.perf_counter() - started
+        self.last_apply = result
+        self.versions_applied += len(plan)
+        for ref in plan:
+            self.metrics.applied_versions.inc(labels=[ref.manifest.kind])
+        self.metrics.apply_seconds.observe(seconds, labels=[kind])
+        self.metrics.swap_pause_seconds.observe(result.pause_s)
+        current = result.served.version
+        for v in [v for v in self._pending if v <= current]:
+            del self._pending[v]
+        lag = (datetime.now(UTC) - result.served.manifest.created_at).total_seconds()
+        log.info(
+            "model %s: serving v%d (%s; applied %s, %d bytes, %.3f s, swap pause %.6f s, "
+            "%.3f s after it was created)",
+            self.model_name,
+            current,
+            kind,
+            list(result.versions),
+            result.bytes_fetched,
+            seconds,
+            result.pause_s,
+            lag,
+        )
+        return result
+
+    def interrupt(self) -> None:
+        """Make an apply in progress stop before its next version (at shutdown)."""
+        self._interrupted.set()
+
+    def close(self) -> None:
+        """Stop the fetch threads (the store is closed by whoever opened it)."""
+        self._interrupted.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def nbytes(self) -> int:
+        """Bytes of model tensors held by every copy."""
+        return self.slot.nbytes()
+
+    def digest(self) -> tuple[int, dict[str, str]]:
+        """(version, sha256 of every tensor) read under one reader, so both agree."""
+        with self.reader() as buffer:
+            assert buffer.served is not None
+            return buffer.served.version, buffer.digest()

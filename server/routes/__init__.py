@@ -1,0 +1,1 @@
+"""One router per resource: predictions, the model (info and admin), health and metrics."""

@@ -1,0 +1,235 @@
+"""A fleet of real server processes following a training run over real Kafka and MinIO.
+
+Two servers (one per consistency scheme) follow from the start; a third starts half-way and
+catches up. All three must end on the same version with bitwise-identical tensors, equal to what
+`restore()` rebuilds from the store, and answer the same scores, which equal the restored model's
+and are within codec error of the trainer's own fp32 model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from publisher.architecture import DLRM, DLRMConfig
+from publisher.bus import open_announcer
+from publisher.restore import restore
+from publisher.store.s3_store import S3Store
+from server.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
+
+MODEL = "fleet"
+TOKEN = "fleet-admin-token-0123456789"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def service_env(services: Any) -> dict[str, str]:
+    return {
+        "CHECKNRUN_S3_ENDPOINT": services.s3_endpoint,
+        "CHECKNRUN_S3_ACCESS_KEY": services.s3_access_key,
+        "CHECKNRUN_S3_SECRET_KEY": services.s3_secret_key,
+        "CHECKNRUN_S3_SECURE": "1" if services.s3_secure else "0",
+        "CHECKNRUN_S3_REGION": services.s3_region or "us-east-1",
+        "CHECKNRUN_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class ServerProc:
+    proc: subprocess.Popen[str]
+    client: httpx.Client
+    log: Path
+
+    def info(self) -> dict[str, Any]:
+        data: dict[str, Any] = self.client.get("/v1/model").json()
+        return data
+
+    def digest(self) -> dict[str, Any]:
+        r = self.client.get("/v1/model/digest", headers={"Authorization": f"Bearer {TOKEN}"})
+        r.raise_for_status()
+        data: dict[str, Any] = r.json()
+        return data
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if self.client.get("/readyz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready:\n{self.log.read_text()}")
+
+    def wait_version(self, version: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.info().get("version") == version:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"stuck at {self.info()}:\n{self.log.read_text()}")
+
+
+class Fleet:
+    def __init__(self, services: Any, store_url: str, bus_url: str, tmp: Path) -> None:
+        self.env = {**os.environ, **service_env(services), "CHECKNRUN_SERVER_ADMIN_TOKEN": TOKEN}
+        self.store_url, self.bus_url, self.tmp = store_url, bus_url, tmp
+        self.servers: list[ServerProc] = []
+
+    def start(self, scheme: str) -> ServerProc:
+        port = free_port()
+        log = self.tmp / f"server-{port}.log"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--store",
+                self.store_url,
+                "--bus",
+                self.bus_url,
+                "--model",
+                MODEL,
+                "--port",
+                str(port),
+                "--consistency",
+                scheme,
+                "--poll-head-after",
+                "2",
+            ],
+            cwd=REPO,
+            env=self.env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        server = ServerProc(
+            proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30), log
+        )
+        self.servers.append(server)
+        return server
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.client.close()
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        for s in self.servers:
+            try:
+                s.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+
+
+@pytest.fixture
+def fleet(services: Any, unique_name: str, tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(
+        services,
+        f"s3://{unique_name}/models",
+        f"kafka://{services.kafka_bootstrap}/{unique_name}",
+        tmp_path,
+    )
+    yield f
+    f.stop()
+    for s in f.servers:
+        assert TOKEN not in s.log.read_text()  # never logged
+        assert services.s3_secret_key not in s.log.read_text()
+
+
+def tensor_digests(state: Any) -> dict[str, str]:
+    # Keyed like the server's digest: tables by table name, dense tensors by state name.
+    out = {
+        name: hashlib.sha256(t.weights.tobytes()).hexdigest() for name, t in state.tables.items()
+    }
+    out.update(
+        {
+            k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()
+            for k, v in state.dense.items()
+        }
+    )
+    return out
+
+
+def test_fleet_follows_a_training_run(services: Any, fleet: Fleet) -> None:
+    env = service_env(services)
+    store = S3Store.from_url(fleet.store_url, environ=env)
+    announcer = open_announcer(fleet.bus_url, MODEL)
+    config = small_config(rows=(50_000, 2_000), dim=16)
+    run = SyntheticRun(store, MODEL, config, codec="int8", announce=announcer.announce)
+    try:
+        run.train(5, rows_per_step=256)
+        run.publish("full")
+        announcer.flush(10)
+        a, b = fleet.start("double-buffer"), fleet.start("rwlock")
+        a.wait_ready()
+        b.wait_ready()
+
+        def train_and_publish(n: int) -> int:
+            version = 0
+            for i in range(n):
+                run.train(3, rows_per_step=256)
+                kind = "full" if i == 2 else "delta"  # an intermittent baseline mid-run
+                version = run.publish(kind).ref.version  # type: ignore[arg-type]
+                time.sleep(0.2)
+            return version
+
+        train_and_publish(4)
+        late = fleet.start("double-buffer")  # joins half-way: bootstraps from HEAD
+        head = train_and_publish(4)
+        announcer.flush(10)
+        late.wait_ready()
+        for server in (a, b, late):
+            server.wait_version(head)
+
+        digests = [s.digest() for s in (a, b, late)]
+        assert {d["version"] for d in digests} == {head}
+        assert digests[0]["tensors"] == digests[1]["tensors"] == digests[2]["tensors"]
+        state = restore(store, MODEL, head)
+        assert tensor_digests(state) == digests[0]["tensors"]
+
+        infos = [s.info() for s in (a, b, late)]
+        assert all(i["rejected_versions"] == 0 for i in infos)
+        assert infos[2]["versions_applied"] < infos[0]["versions_applied"]  # it skipped history
+
+        examples = random_examples(config, 32, seed=5)
+        answers = [
+            s.client.post("/v1/predict", json={"examples": examples}).json() for s in (a, b, late)
+        ]
+        assert {r["version"] for r in answers} == {head}
+        assert answers[0]["scores"] == answers[1]["scores"] == answers[2]["scores"]
+        restored = DLRM(DLRMConfig.from_json(state.manifest.model_config_))
+        restored.load_state_dict(
+            {
+                **{f"{n}.weight": torch.from_numpy(t.weights) for n, t in state.tables.items()},
+                **{k: torch.from_numpy(v) for k, v in state.dense.items()},
+            }
+        )
+        served = np.asarray(answers[0]["scores"])
+        np.testing.assert_allclose(served, model_scores(restored, examples), rtol=0, atol=1e-6)
+        assert np.max(np.abs(served - model_scores(run.model, examples))) < 5e-3
+    finally:
+        run.close()
+        announcer.close()
+        store.close()
