@@ -60,15 +60,6 @@ class RestoredState:
         return self.manifest.position
 
 
-def new_table(entry: TableEntry) -> TableState:
-    """An all-zero table shaped like `entry` (a full blob then overwrites every row)."""
-    return TableState(
-        name=entry.name,
-        weights=np.zeros((entry.rows, entry.dim), dtype=np.float32),
-        aux=np.zeros((entry.rows, entry.aux_dim), dtype=np.float32),
-    )
-
-
 def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
     """Fetch, verify and decode one table blob, checking it matches its manifest entry."""
     data = store.get_verified(entry.blob.key, entry.blob.size, entry.blob.sha256)
@@ -135,13 +126,31 @@ def restore_chain(
             raise RestoreError(
                 f"version {manifest.version} lacks table {target_entry.name!r}"
             ) from exc
-        table = state.tables.get(entry.name)
-        if table is None:
-            table = state.tables[entry.name] = new_table(target_entry)
         try:
             blob = read_blob(store, entry)
         except FormatError as exc:
             raise RestoreError(f"{entry.blob.key}: {exc}") from exc
+        table = state.tables.get(entry.name)
+        if table is None:
+            # Size the table from the verified baseline blob, not from the manifest alone: a
+            # forged manifest must not make us allocate before any byte was checked.
+            if blob.n_rows != blob.table_rows:
+                raise RestoreError(f"{entry.blob.key}: the chain must start with a full table")
+            table = state.tables[entry.name] = TableState(
+                name=entry.name,
+                weights=np.empty((blob.table_rows, blob.dim), dtype=np.float32),
+                aux=np.empty((blob.table_rows, blob.aux_dim), dtype=np.float32),
+            )
+        if (blob.table_rows, blob.dim, blob.aux_dim) != (
+            target_entry.rows,
+            target_entry.dim,
+            target_entry.aux_dim,
+        ):
+            raise RestoreError(
+                f"{entry.blob.key}: table {entry.name!r} is {blob.table_rows}x{blob.dim} "
+                f"(+{blob.aux_dim}), version {target.version} says {target_entry.rows}x"
+                f"{target_entry.dim} (+{target_entry.aux_dim})"
+            )
         apply_blob(table, blob)
         state.bytes_read += entry.blob.size
     if target.dense is not None:
