@@ -29,7 +29,8 @@ class TensorBlobError(FormatError):
 def encode_tensors(tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> bytes:
     """safetensors bytes of `tensors`, with `meta` JSON in the header's metadata."""
     metadata = {"checknrun": json.dumps(meta or {}, sort_keys=True)}
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    # np.require keeps 0-d arrays 0-d (ascontiguousarray would make them shape (1,)).
+    arrays = {k: np.require(v, requirements="C") for k, v in tensors.items()}
     return bytes(st_save(arrays, metadata=metadata))
 
 

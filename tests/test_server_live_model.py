@@ -261,18 +261,25 @@ def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.M
     world.publish("full")
     world.loop.run(max_messages=1, timeout=5)
     v2 = world.publish()
-    real_get = world.store.get_with_etag
+    real_get, real_range = world.store.get_with_etag, world.store.get_range
 
     def down(key: str) -> tuple[bytes, str]:
         if "/blobs/" in key:
             raise StoreUnavailableError("connection refused")
         return real_get(key)
 
+    def range_down(key: str, start: int, length: int) -> bytes:
+        if "/blobs/" in key:
+            raise StoreUnavailableError("connection refused")
+        return real_range(key, start, length)
+
     monkeypatch.setattr(world.store, "get_with_etag", down)
+    monkeypatch.setattr(world.store, "get_range", range_down)
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
     assert world.live.metrics.follow_errors.value(["store"]) >= 1
     monkeypatch.setattr(world.store, "get_with_etag", real_get)
+    monkeypatch.setattr(world.store, "get_range", real_range)
     assert world.loop.run(max_messages=1, timeout=5) == [v2]
 
 

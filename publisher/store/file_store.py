@@ -98,6 +98,9 @@ class FileStore(ObjectStore):
             raise StoreError(f"bad range start={start} length={length}")
         try:
             with open(self._path(key), "rb") as f:
+                # Clamp to the file: read(n) would allocate n bytes up front, and n may come
+                # from a hostile manifest.
+                length = max(0, min(length, os.fstat(f.fileno()).st_size - start))
                 f.seek(start)
                 return f.read(length)
         except FileNotFoundError as exc:
