@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -136,6 +136,26 @@ class IntermittentPolicy(Policy):
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+#: The bit-width rule (the paper's: fewer expected restores allow fewer bits), as measured by
+#: `checknrun bench accuracy` on MovieLens-1M and the synthetic stream: (expected restores at
+#: most, codec), ascending; docs/benchmarks/bit_rule.json holds the measurements behind it.
+#: One seed per point and AUC noise of ~0.01% between runs: measured thresholds, not a proof.
+MEASURED_BIT_RULE: tuple[tuple[float, str], ...] = ((2, "int4"), (10, "int8"))
+#: beyond the last measured threshold: close enough to lossless for any number of restores.
+FALLBACK_CODEC = "fp16"
+
+
+def codec_for_expected_restores(
+    expected: float, rule: Sequence[tuple[float, str]] = MEASURED_BIT_RULE
+) -> str:
+    """The fewest-bits codec measured to keep AUC within 0.01% for `expected` restores."""
+    if expected < 0:
+        raise PolicyError(f"expected restores must be >= 0, got {expected}")
+    for max_restores, codec in rule:
+        if expected <= max_restores:
+            return codec
+    return FALLBACK_CODEC
 
 
 def make_policy(name: str, table_rows: Mapping[str, int], **params: float) -> Policy:

@@ -105,3 +105,15 @@ def test_unknown_policy() -> None:
         make_policy("sometimes", TABLES)
     with pytest.raises(PolicyError):
         make_policy("intermittent", TABLES, budget=0)
+
+
+def test_bit_rule_from_measurements() -> None:
+    from publisher.policies import codec_for_expected_restores
+
+    assert codec_for_expected_restores(0) == "int4"
+    assert codec_for_expected_restores(2) == "int4"
+    assert codec_for_expected_restores(3) == "int8"
+    assert codec_for_expected_restores(10) == "int8"
+    assert codec_for_expected_restores(50) == "fp16"
+    with pytest.raises(PolicyError):
+        codec_for_expected_restores(-1)

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from publisher.catalog import NoVersionError
 from publisher.cli import EXIT_ERROR, CommandError, add_store_args
-from publisher.policies import POLICIES, PolicyError
+from publisher.policies import POLICIES, PolicyError, codec_for_expected_restores
 from publisher.store import StoreError
 from publisher.tracker import TrackerError
 from publisher.version_writer import LeaseHeldError
@@ -77,7 +77,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     )
     add_store_args(p, model_required=False)
     p.add_argument("--policy", default="intermittent", choices=POLICIES)
-    p.add_argument("--codec", default="int4", choices=CODECS)
+    p.add_argument(
+        "--codec",
+        default="auto",
+        choices=("auto", *CODECS),
+        help="codec of embedding rows; auto (default) picks the fewest bits measured safe for "
+        "--expected-restores (docs/benchmarks/bit_rule.json): int4 up to 2, int8 up to 10",
+    )
+    p.add_argument(
+        "--expected-restores",
+        type=float,
+        default=2,
+        help="restores from checkpoints expected over the run's lifetime (default %(default)s)",
+    )
     p.add_argument(
         "--interval-samples",
         type=_positive_int,
@@ -258,6 +270,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run `train`; returns the exit status."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
+    if args.codec == "auto":
+        try:
+            args.codec = codec_for_expected_restores(args.expected_restores)
+        except PolicyError as exc:
+            raise CommandError(str(exc)) from exc
     model_name = args.model or default_model_name(args.data)
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:
