@@ -181,5 +181,22 @@ class SyntheticRun:
         self.published.append(result)
         return result
 
+    def train_and_publish(
+        self,
+        kind: Literal["full", "delta"] = "delta",
+        *,
+        announce: bool = True,
+        relative_to: Literal["parent", "baseline"] | None = "parent",
+    ) -> int:
+        """Two training steps, then publish (optionally without announcing); the new version."""
+        self.train(2)
+        saved = self.publisher.announce
+        if not announce:
+            self.publisher.announce = None
+        try:
+            return self.publish(kind, relative_to).ref.version
+        finally:
+            self.publisher.announce = saved
+
     def close(self) -> None:
         self.publisher.close()

@@ -47,14 +47,7 @@ class World:
     loop: FollowLoop
 
     def publish(self, kind: str = "delta", *, announce: bool = True, **kw: Any) -> int:
-        self.run.train(2)
-        saved = self.run.publisher.announce
-        if not announce:
-            self.run.publisher.announce = None
-        try:
-            return self.run.publish(kind, **kw).ref.version  # type: ignore[arg-type]
-        finally:
-            self.run.publisher.announce = saved
+        return self.run.train_and_publish(kind, announce=announce, **kw)  # type: ignore[arg-type]
 
     def blob_path(self, version: int) -> Path:
         ref = self.live.catalog.find(version)

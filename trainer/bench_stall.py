@@ -34,32 +34,11 @@ import numpy as np
 import torch
 
 from trainer.checkpointer import IncrementalCheckpointer
-from trainer.cli import DEFAULT_INTERVAL_SAMPLES, add_train_args, open_stream
+from trainer.cli import DEFAULT_INTERVAL_SAMPLES, add_train_args, build_model, open_stream
 from trainer.online import (
-    DLRMSettings,
-    OptimizerSettings,
-    build_dlrm,
-    build_optimizers,
     train_online,
 )
 from trainer.streams.base import Batch, InteractionStream
-
-
-def _build(args: argparse.Namespace, stream: InteractionStream) -> tuple[Any, list[Any]]:
-    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
-    model = build_dlrm(
-        stream.features,
-        stream.dense_names,
-        DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
-        seed=args.seed,
-    )
-    optimizers = build_optimizers(
-        model,
-        OptimizerSettings(
-            args.sparse_optimizer, args.sparse_lr, args.dense_optimizer, args.dense_lr
-        ),
-    )
-    return model, optimizers
 
 
 def _stop(args: argparse.Namespace, stream: InteractionStream) -> int:
@@ -71,7 +50,7 @@ def _stop(args: argparse.Namespace, stream: InteractionStream) -> int:
 
 def run_off(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train without incremental checkpoints; torch.save the full state at each boundary."""
-    model, optimizers = _build(args, stream)
+    model, optimizers = build_model(args, stream)
     interval = args.interval_samples
     path = scratch / "torch_save.pt"
     saves: list[float] = []
@@ -115,7 +94,7 @@ def run_off(args: argparse.Namespace, stream: InteractionStream, scratch: Path) 
 
 def run_on(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train with the incremental checkpointer publishing to a file store."""
-    model, optimizers = _build(args, stream)
+    model, optimizers = build_model(args, stream)
     store = args.store or f"file://{scratch / 'store'}"
     ckpt = IncrementalCheckpointer(
         model,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from publisher.architecture import DLRM
 from publisher.catalog import NoVersionError
 from publisher.cli import EXIT_ERROR, CommandError, add_store_args
 from publisher.policies import POLICIES, PolicyError, codec_for_expected_restores
@@ -227,6 +228,30 @@ def open_stream(args: argparse.Namespace) -> InteractionStream:
     return load_table(args.data, mapping)
 
 
+def build_model(
+    args: argparse.Namespace, stream: InteractionStream, *, extra: dict[str, Any] | None = None
+) -> tuple[DLRM, list[torch.optim.Optimizer]]:
+    """The DLRM and its [sparse, dense] optimizers that the `train` options describe."""
+    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
+    model = build_dlrm(
+        stream.features,
+        stream.dense_names,
+        DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
+        seed=args.seed,
+        extra=extra,
+    )
+    optimizers = build_optimizers(
+        model,
+        OptimizerSettings(
+            sparse=args.sparse_optimizer,
+            sparse_lr=args.sparse_lr,
+            dense=args.dense_optimizer,
+            dense_lr=args.dense_lr,
+        ),
+    )
+    return model, optimizers
+
+
 def default_model_name(data: str) -> str:
     """`movielens`, `synthetic`, or the data file's stem."""
     if data in ("movielens", "synthetic"):
@@ -283,23 +308,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         stream = open_stream(args)
     except DataError as exc:
         raise CommandError(str(exc)) from exc
-    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
-    model = build_dlrm(
-        stream.features,
-        stream.dense_names,
-        DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
-        seed=args.seed,
-        extra={"source": stream.source},
-    )
-    optimizers = build_optimizers(
-        model,
-        OptimizerSettings(
-            sparse=args.sparse_optimizer,
-            sparse_lr=args.sparse_lr,
-            dense=args.dense_optimizer,
-            dense_lr=args.dense_lr,
-        ),
-    )
+    model, optimizers = build_model(args, stream, extra={"source": stream.source})
     show = not args.no_progress
     bar: tqdm[Any] | None = None
 

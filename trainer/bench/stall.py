@@ -35,12 +35,8 @@ from trainer.bench.paper import restore_vs_torch_load
 from trainer.bench.workloads import DEFAULT_CODEC, DEFAULT_POLICY, available
 from trainer.bench_stall import run_off, run_on, summarise
 from trainer.checkpointer import IncrementalCheckpointer
-from trainer.cli import add_train_args, open_stream
+from trainer.cli import add_train_args, build_model, open_stream
 from trainer.online import (
-    DLRMSettings,
-    OptimizerSettings,
-    build_dlrm,
-    build_optimizers,
     train_online,
 )
 from trainer.streams.base import Batch, InteractionStream
@@ -80,19 +76,7 @@ def _args(data: str, cap: int | None, interval: int, samples: int) -> argparse.N
 
 def run_dcp(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train with DCP async_save of the full state at each boundary."""
-    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
-    model = build_dlrm(
-        stream.features,
-        stream.dense_names,
-        DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
-        seed=args.seed,
-    )
-    optimizers = build_optimizers(
-        model,
-        OptimizerSettings(
-            args.sparse_optimizer, args.sparse_lr, args.dense_optimizer, args.dense_lr
-        ),
-    )
+    model, optimizers = build_model(args, stream)
     stalls: list[float] = []
     pending: Future[Any] | None = None
     since = 0
@@ -137,19 +121,7 @@ def run_on_process(
     Separate from `run_on` because that arm has no such knob; the thread publisher shares the
     GIL with the training loop, the process publisher does not (trainer/process_publisher.py).
     """
-    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
-    model = build_dlrm(
-        stream.features,
-        stream.dense_names,
-        DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
-        seed=args.seed,
-    )
-    optimizers = build_optimizers(
-        model,
-        OptimizerSettings(
-            args.sparse_optimizer, args.sparse_lr, args.dense_optimizer, args.dense_lr
-        ),
-    )
+    model, optimizers = build_model(args, stream)
     shutil.rmtree(scratch / "store-process", ignore_errors=True)
     ckpt = IncrementalCheckpointer(
         model,
