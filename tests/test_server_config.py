@@ -6,7 +6,6 @@ import argparse
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pydantic import SecretStr, ValidationError
 
 from publisher.store import FileStore
 from server.cli import register, settings_from_args
+from server.load_bench import free_port as _free_port
 from server.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
 from server.settings import ServerSettings, load_settings
 from server.synthetic_run import SyntheticRun, random_examples, small_config
@@ -102,13 +102,6 @@ def test_admin_token_from_a_named_variable(monkeypatch: pytest.MonkeyPatch) -> N
     assert s.admin_token is not None and s.admin_token.get_secret_value() == STRONG
     monkeypatch.delenv("MY_TOKEN")
     assert settings_from_args(args).admin_token is None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from publisher.architecture import DLRM, DLRMConfig
 from publisher.bus import open_announcer
 from publisher.restore import restore
 from publisher.store.s3_store import S3Store
+from server.load_bench import free_port
 from server.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 
 MODEL = "fleet"
@@ -45,13 +45,6 @@ def service_env(services: Any) -> dict[str, str]:
         "CHECKNRUN_S3_REGION": services.s3_region or "us-east-1",
         "CHECKNRUN_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
