@@ -122,8 +122,18 @@ def test_process_publisher_commits_the_same_state(tmp_path: Path) -> None:
     )
     with ckpt:
         train_online(model, optimizers, stream, batch_size=250, stop=3000, checkpointer=ckpt)
-    assert [r.version for r in ckpt.records] == [1, 2, 3]
-    assert sorted(v for v in published if v is not None) == [1, 2, 3]
+    # A slow child (a loaded machine) may merge a waiting snapshot into the next one; either way
+    # every snapshot is settled, versions are consecutive, and the last snapshot is committed.
+    records = ckpt.records
+    assert len(records) == 3
+    assert all(r.published for r in records)
+    versions = [r.version for r in records if r.version is not None]
+    assert versions == list(range(1, len(versions) + 1))
+    assert records[-1].version == versions[-1]
+    for r in records:
+        if r.version is None:
+            assert r.merged_into is not None and r.merged_into in versions
+    assert sorted(v for v in published if v is not None) == versions
     restored = restore(FileStore(tmp_path), "proc")
     for name, table in ckpt.tables.items():
         np.testing.assert_array_equal(restored.tables[name].weights, table.weight.detach().numpy())
