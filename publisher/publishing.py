@@ -2,7 +2,7 @@
 
     publisher = CheckpointPublisher(store, "movielens", announce=bus.announce)
     background = BackgroundPublisher(publisher)
-    background.submit(snapshot)      # returns at once; merges into a pending snapshot if busy
+    background.submit(snapshot)      # returns at once; folded into a waiting one if busy
     background.wait()                # re-raises a background failure
 
 `CheckpointPublisher.publish` runs the paper's stages two and three: quantize + encode every
@@ -153,13 +153,16 @@ class CheckpointPublisher:
 class BackgroundPublisher:
     """Publishes snapshots on a worker thread so the trainer never waits for storage.
 
-    At most one snapshot is pending: a snapshot submitted while another waits is merged into it
-    (union of rows, newest values), so memory stays bounded by one model copy. A store that is
-    unreachable is retried with backoff, merging whatever arrives meanwhile. Any other failure
-    stops the worker and is re-raised by the next `submit`, `wait` or `close`.
+    `submit` only appends to a queue. While the worker publishes, a merger thread folds the
+    snapshots waiting behind it into one (union of rows, newest values), so memory stays bounded
+    by about one model copy plus the snapshot being folded, and the training thread never pays
+    for a merge. A store that is unreachable is retried with backoff, folding whatever arrives
+    meanwhile. Any other failure stops the worker and is re-raised by the next `submit`, `wait`
+    or `close`.
 
-    A thread (not a process) does the work: quantization, zstd, hashing and socket I/O all release
-    the GIL for their heavy part, and the snapshot arrays need no copy across a process boundary.
+    Threads (not processes) do the work: quantization, zstd, hashing, socket I/O and the numpy
+    copies of a merge all release the GIL for their heavy part, and the snapshot arrays need no
+    copy across a process boundary.
     """
 
     def __init__(
@@ -175,39 +178,41 @@ class BackgroundPublisher:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.results: list[PublishResult] = []
+        #: snapshots folded into a later one (submitted - published, once everything is out).
         self.merges = 0
         self.peak_pending_bytes = 0
-        self._pending: Snapshot | None = None
+        self._queue: list[Snapshot] = []  # oldest first
+        self._queued_bytes = 0
+        self._merging = False
         self._busy = False
         self._error: BaseException | None = None
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._merger = threading.Thread(target=self._merge_loop, name="merger", daemon=True)
         self._thread.start()
+        self._merger.start()
 
     def submit(self, snapshot: Snapshot) -> None:
-        """Queue a snapshot (merging into the pending one); never blocks on storage."""
+        """Queue a snapshot; returns at once (no merge, no storage on the caller's thread)."""
         with self._cond:
             self._raise_error()
-            if self._pending is not None:
-                self._pending = self._pending.merge(snapshot)
-                self.merges += 1
-            else:
-                self._pending = snapshot
-            self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending.nbytes)
+            self._queue.append(snapshot)
+            self._queued_bytes += snapshot.nbytes
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes)
             self._cond.notify_all()
 
     @property
     def backlog(self) -> bool:
         """True while a snapshot waits behind a publish in progress."""
         with self._cond:
-            return self._pending is not None
+            return bool(self._queue) or self._merging
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until everything submitted is committed; re-raise a background failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._pending is not None or self._busy) and self._error is None:
+            while (self._queue or self._merging or self._busy) and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("publishing did not finish in time")
@@ -215,7 +220,7 @@ class BackgroundPublisher:
             self._raise_error()
 
     def close(self, flush: bool = True) -> None:
-        """Optionally flush, then stop the worker and release the writer's lease."""
+        """Optionally flush, then stop the threads and release the writer's lease."""
         try:
             if flush:
                 self.wait()
@@ -223,6 +228,7 @@ class BackgroundPublisher:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
+            self._merger.join(timeout=30)
             self._thread.join(timeout=30)
             self.publisher.close()
 
@@ -230,20 +236,68 @@ class BackgroundPublisher:
         if self._error is not None:
             raise RuntimeError("background publishing failed") from self._error
 
+    def _fold(self, snapshots: list[Snapshot]) -> Snapshot:
+        """One snapshot carrying all of `snapshots` (oldest first); called without the lock."""
+        merged = snapshots[0]
+        for newer in snapshots[1:]:
+            merged = merged.merge(newer)
+        return merged
+
+    def _take_all(self) -> list[Snapshot]:
+        """Empty the queue (lock held)."""
+        taken, self._queue, self._queued_bytes = self._queue, [], 0
+        return taken
+
+    def _put_front(self, snapshot: Snapshot, folded: int) -> None:
+        """Return a folded snapshot to the head of the queue (lock held)."""
+        self._queue.insert(0, snapshot)
+        self._queued_bytes += snapshot.nbytes
+        self.merges += folded - 1
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes)
+        self._cond.notify_all()
+
+    def _merge_loop(self) -> None:
+        """Fold the snapshots queued behind a busy worker, off the training thread."""
+        while True:
+            with self._cond:
+                while len(self._queue) < 2 and not self._closed:
+                    self._cond.wait()
+                if len(self._queue) < 2:
+                    return
+                batch = self._take_all()
+                self._merging = True
+            try:
+                merged = self._fold(batch)
+            except BaseException as exc:
+                with self._cond:
+                    self._error = exc
+                    self._merging = False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._put_front(merged, len(batch))
+                self._merging = False
+
     def _run(self) -> None:
         delay = self.retry_initial_s
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
+                while (not self._queue or self._merging) and not self._closed:
                     self._cond.wait()
-                if self._pending is None:
+                if not self._queue:
                     return
-                snapshot, self._pending, self._busy = self._pending, None, True
+                batch = self._take_all()
+                self._busy = True
+                self.merges += len(batch) - 1
+            snapshot = batch[0]
             try:
+                snapshot = self._fold(batch)
                 result = self.publisher.publish(snapshot)
             except (StoreUnavailableError, ConnectionError, TimeoutError) as exc:
                 log.warning("store unavailable (%s); retrying in %.1f s", exc, delay)
-                self._requeue(snapshot)
+                with self._cond:
+                    self._put_front(snapshot, 1)
+                    self._busy = False
                 time.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)
                 continue
@@ -263,16 +317,6 @@ class BackgroundPublisher:
                     self.on_published(result)
                 except Exception:
                     log.exception("on_published callback failed")
-
-    def _requeue(self, snapshot: Snapshot) -> None:
-        with self._cond:
-            if self._pending is not None:
-                self._pending = snapshot.merge(self._pending)
-                self.merges += 1
-            else:
-                self._pending = snapshot
-            self._busy = False
-            self._cond.notify_all()
 
 
 __all__ = [

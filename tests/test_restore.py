@@ -163,10 +163,20 @@ def test_blob_disagreeing_with_manifest_is_rejected(tmp_path: Path) -> None:
         restore(store, "m", 2)
 
 
-def test_background_publisher_merges_on_backlog(tmp_path: Path) -> None:
+def test_background_publisher_merges_on_backlog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import threading
 
     gate = threading.Event()
+    merged_on: set[str] = set()
+    original_merge = Snapshot.merge
+
+    def recording_merge(self: Snapshot, newer: Snapshot) -> Snapshot:
+        merged_on.add(threading.current_thread().name)
+        return original_merge(self, newer)
+
+    monkeypatch.setattr(Snapshot, "merge", recording_merge)
 
     class SlowStore(FileStore):
         def put(self, key: str, data: bytes) -> str:
@@ -181,11 +191,14 @@ def test_background_publisher_merges_on_backlog(tmp_path: Path) -> None:
     for _ in range(6):
         plan = policy.plan(training.interval())
         bg.submit(training.snapshot(plan.rows, plan.kind, plan.relative_to, "fp32"))
-    assert bg.merges >= 4  # the store was blocked: snapshots folded into one pending
     gate.set()
     bg.close()
     versions = Catalog(store, "m").versions()
-    assert len(versions) < 6
+    # Everything queued behind the blocked upload was folded into one version.
+    assert len(versions) <= 2
+    assert bg.merges == 6 - len(versions)
+    # Folding happened on the publisher's threads, never on the submitting (training) thread.
+    assert merged_on and threading.current_thread().name not in merged_on
     got = restore(store, "m")
     for name in TABLES:
         np.testing.assert_array_equal(got.tables[name].weights, training.weights[name])

@@ -14,8 +14,9 @@ This is the paper's first stage (decoupled checkpointing). At an interval bounda
 thread stops only to: swap the dirty-row bitmaps, ask the policy which rows to write, copy those
 rows (weights and per-row optimizer state) plus the dense parameters and dense optimizer state
 into CPU buffers, and hand the copy to a `BackgroundPublisher`. Quantization, encoding, upload,
-commit and announcement run on the publisher's thread; if it falls behind, the next snapshot
-merges into the pending one, so memory stays bounded and training never waits for storage.
+commit and announcement run on the publisher's thread; if it falls behind, its merger thread
+folds the waiting snapshots into one, so memory stays bounded and training never waits for
+storage or for a merge.
 
 Per-row optimizer state: every tensor an optimizer keeps for an embedding weight whose first
 dimension equals the table's rows (row-wise Adagrad's accumulator, Adagrad's `sum`, SparseAdam's

@@ -4,8 +4,8 @@ Kafka down: training and checkpointing go on (HEAD keeps moving; announcements a
 a server that polls HEAD after `--poll-head-after` seconds without announcements keeps following
 through the store, then takes announcements again once the broker is back.
 
-MinIO down: the trainer keeps training; the background publisher holds at most one pending
-snapshot, merging newer ones into it (the trainer's JSON report counts the merges), so memory
+MinIO down: the trainer keeps training; the background publisher folds the snapshots that wait
+into one pending snapshot (the trainer's JSON report counts the merges), so memory
 stays bounded; publishing resumes when MinIO is back, and the state restored from the store
 afterwards equals, bit for bit, the state of the same run with no outage (fp32 codec).
 """
