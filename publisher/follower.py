@@ -123,6 +123,16 @@ class VersionFollower:
             if time.monotonic() >= deadline:
                 return []
 
+    def start_reading(self, timeout_s: float = 5.0) -> bool:
+        """Fix the source's start before a bootstrap reads HEAD (see AnnouncementSource)."""
+        if self.source is None:
+            return True
+        try:
+            return self.source.start_reading(timeout_s)
+        except Exception:
+            log.exception("announcement source %r failed; relying on HEAD polls", self.source)
+            return False
+
     def close(self) -> None:
         """Close the source."""
         if self.source is not None:

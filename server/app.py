@@ -1,10 +1,11 @@
 """`create_app(settings)`: the FastAPI application and the lifespan that owns its resources.
 
-The lifespan opens, in order, the store client, the announcement source (before HEAD is read, so
-no announcement falls between the bootstrap and the subscription), the live model, the follower
-and the follow loop, whose `run` (bootstrap, then follow) goes to a worker thread; it closes them
-in reverse order. The HTTP server answers /healthz at once; /readyz turns 200 when the bootstrap
-has finished. A failure of the loop thread is re-raised (and logged) at shutdown, never lost.
+The lifespan opens, in order, the store client, the announcement source, the live model, the
+follower and the follow loop, whose `run` goes to a worker thread: it fixes the source's start
+(before HEAD is read, so no announcement falls between the bootstrap and the subscription), then
+bootstraps, then follows. The lifespan closes them in reverse order. The HTTP server answers
+/healthz at once; /readyz turns 200 when the bootstrap has finished. A failure of the loop
+thread is re-raised (and logged) at shutdown, never lost.
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ class FollowLoop:
         self.errors = 0
         self.last_error: str | None = None
         self._waiting_logged = False
+        self._reading_started = False
 
     def stop(self) -> None:
         """Ask `run` to return (safe from any thread or a signal handler)."""
@@ -142,6 +143,10 @@ class FollowLoop:
         if self._retry_at is not None and self._clock() < self._retry_at:
             self._sleep(min(wait, self._retry_at - self._clock()))
             return []
+        if not self._reading_started:
+            # Before HEAD is read: announcements of versions committed after it then reach us.
+            self._reading_started = True
+            self.follower.start_reading()
         served = self._guard_value(self.live.bootstrap)
         if served is None:
             if self.live.version is None and self._retry_at is None:

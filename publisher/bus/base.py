@@ -81,6 +81,16 @@ class AnnouncementSource(ABC):
         Never raises for an unreachable bus: returns [] and reconnects on a later call.
         """
 
+    def start_reading(self, timeout_s: float = 5.0) -> bool:
+        """Fix where reading starts now, without reading: everything announced after this call
+        returns is delivered by later polls. A replica calls it before it reads HEAD, so no
+        announcement falls between its bootstrap and its first poll.
+
+        Returns False if the bus could not be reached within `timeout_s` (the start is then
+        fixed at the first successful poll, and HEAD polls cover the gap). Never raises.
+        """
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 

@@ -399,6 +399,19 @@ class KafkaAnnouncementSource(AnnouncementSource):
         """The next offset to read per partition (pass as `start` to resume here)."""
         return dict(self._positions)
 
+    def start_reading(self, timeout_s: float = 5.0) -> bool:
+        """Connect and resolve the start offsets (`latest`: the current end of each partition)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        try:
+            if self._consumer is None and not self._reconnect(deadline):
+                return False
+            self._refresh_assignment()
+            self._next_refresh = time.monotonic() + self.metadata_refresh_s
+        except Exception as exc:  # a source never raises (module docstring)
+            self._on_failure(exc)
+            return False
+        return True
+
     def poll(self, timeout_s: float) -> list[bytes]:
         deadline = time.monotonic() + max(0.0, timeout_s)
         try:

@@ -214,3 +214,32 @@ def test_source_reconnects_when_the_broker_appears(services: Any, topic: str) ->
     finally:
         announcer.close()
         source.close()
+
+
+def test_start_reading_fixes_latest_before_the_first_poll(services: Any, topic: str) -> None:
+    """What a server does before it reads HEAD: after `start_reading`, an announcement sent
+    before the first poll is delivered (without it, a `latest` start is fixed at the first poll
+    and that announcement would be skipped)."""
+    url = f"kafka://{services.kafka_bootstrap}/{topic}"
+    announcer = open_announcer(url, "m")
+    source = open_source(url)
+    try:
+        announcer.announce(announcement("m", 1))  # creates the topic; history for the source
+        assert announcer.flush(30.0)
+        assert source.start_reading(30.0)
+        announcer.announce(announcement("m", 2))
+        assert announcer.flush(30.0)
+        got = collect(source, 1)
+        assert [Announcement.from_json(m).version for m in got] == [2]
+    finally:
+        announcer.close()
+        source.close()
+
+
+def test_start_reading_an_unreachable_broker_returns_false() -> None:
+    source = open_source(f"kafka://127.0.0.1:{closed_port()}/announcements")
+    try:
+        assert source.start_reading(1.0) is False
+        assert source.poll(0.2) == []  # and the source keeps working as before
+    finally:
+        source.close()
