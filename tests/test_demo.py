@@ -16,7 +16,7 @@ def test_demo_runs_both_sides(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if re.match(r"v\d+ ", line)]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"(v|merged->v)\d+ ", line)]
     assert len(rows) >= 3
     assert all("trainer AUC" in r and "served AUC" in r for r in rows)
     last = int(re.search(r"published (\d+) versions", proc.stdout).group(1))  # type: ignore[union-attr]

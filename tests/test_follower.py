@@ -298,6 +298,7 @@ def test_orphan_of_a_losing_writer_is_not_applied(tmp_path: Path) -> None:
     assert f.stats.ignored == {UNCOMMITTED: 1}
     with VersionWriter(store, MODEL) as w:
         committed = w.commit(draft("delta", 2))
+    f._next_head_poll = float("inf")  # the retry HEAD poll must not beat the message
     source.push(wire(orphans[0]))  # same number as the committed one, another manifest
     got = f.poll(1, 1.0)
     assert [(r.version, r.key) for r in got] == [(2, committed.key)]
@@ -311,9 +312,7 @@ def test_head_is_polled_after_silence(store: FlakyStore, writer: VersionWriter) 
     assert numbers(f.poll(None, 1.0)) == [1]
     assert f.poll(1, 0.1) == []
     threading.Timer(0.05, lambda: writer.commit(draft("delta", 2))).start()
-    started = time.monotonic()
     assert numbers(f.poll(1, 5.0)) == [2]  # never announced: found by a HEAD poll
-    assert time.monotonic() - started < 2.0
     assert f.stats.head_polls >= 2 and f.stats.received == 0
 
 

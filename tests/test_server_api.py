@@ -37,13 +37,22 @@ TOKEN = "t0k3n-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def wait_for(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def follower_event(s: Served, reason: str) -> float:
+    """The server's `follower_events_total{reason=...}` counter, read from /metrics."""
+    prefix = 'follower_events_total{reason="' + reason + '"} '
+    for line in s.client.get("/metrics").text.splitlines():
+        if prefix in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 @dataclass
@@ -100,7 +109,7 @@ class ServerFactory:
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        wait_for(lambda: server.started, 10, "uvicorn")
+        wait_for(lambda: server.started, 30, "uvicorn")
         port = server.servers[0].sockets[0].getsockname()[1]
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
@@ -223,10 +232,12 @@ def test_gap_fill_and_duplicate_announcements(served: Served, factory: ServerFac
     served.wait_version(v4)
     applied = served.client.get("/v1/model").json()["versions_applied"]
     assert applied == 4  # v3 came from the store, not the bus
+    received = follower_event(served, "received")
     announcer = open_announcer(factory.bus_url, "m")
     for ref in served.run.published:
         announcer.announce(Announcement.of(ref.manifest, ref.ref.key))  # all again, old first
-    time.sleep(0.5)
+    sent = len(served.run.published)
+    wait_for(lambda: follower_event(served, "received") >= received + sent, what="redelivery")
     info = served.client.get("/v1/model").json()
     assert info["version"] == v4 and info["versions_applied"] == applied
     assert v3 < v4
@@ -237,7 +248,8 @@ def test_corrupt_delta_is_rejected_and_readiness_reflects_staleness(
 ) -> None:
     run = factory.trainer()
     run.publish("full")
-    s = factory.start(run, ready_max_staleness_s=0.3, admin_token=TOKEN)
+    # No HEAD polls: they could apply v2 between its commit and its corruption below.
+    s = factory.start(run, ready_max_staleness_s=0.3, admin_token=TOKEN, poll_head_after_s=600)
     s.wait_version(1)
     s.run.publisher.announce = None  # write v2, corrupt it, then announce it
     v2 = s.publish()
@@ -309,9 +321,11 @@ def test_pin_then_unpin(served: Served) -> None:
         == 1
     )
     v3 = served.publish()
-    time.sleep(0.4)
-    info = served.client.get("/v1/model").json()
-    assert info["version"] == 1 and info["latest_known_version"] == v3
+    wait_for(
+        lambda: served.client.get("/v1/model").json()["latest_known_version"] == v3,
+        what="v3 announced",
+    )
+    assert served.client.get("/v1/model").json()["version"] == 1  # pinned: not applied
     r = served.client.post("/v1/model/unpin", headers=AUTH)
     assert r.status_code == 200 and r.json()["was_pinned"] is True
     served.wait_version(v3)

@@ -181,10 +181,15 @@ def test_head_conflict_when_lease_bypassed(tmp_path: Path) -> None:
 
 def test_lease_renewal_keeps_it(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
-    w = VersionWriter(store, "m", tunables=Tunables(lease_ttl_s=0.3))
-    time.sleep(0.5)
-    lease = Lease.from_json(store.get(lease_key("m")))
-    assert lease.token == w.token and lease.expires_at > time.time()
+    w = VersionWriter(store, "m", tunables=Tunables(lease_ttl_s=3.0))  # renewed every 1 s
+    first = Lease.from_json(store.get(lease_key("m")))
+    deadline = time.monotonic() + 60
+    while (lease := Lease.from_json(store.get(lease_key("m")))).expires_at == first.expires_at:
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        time.sleep(0.05)
+    assert lease.token == w.token and lease.expires_at > first.expires_at
+    with pytest.raises(LeaseHeldError):  # still held: a second writer is refused
+        VersionWriter(store, "m")
     w.close()
     assert not store.exists(head_key("m"))
 
