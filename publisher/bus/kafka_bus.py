@@ -487,15 +487,21 @@ class KafkaAnnouncementSource(AnnouncementSource):
         topic_id = _topic_id(self._consumer, self.address.topic)
         if topic_id is None:
             return
-        if self._topic_id is not None and topic_id != self._topic_id and self._assigned:
+        if self._topic_id is not None and topic_id != self._topic_id:
             log.warning("topic %s was recreated; reading it from its start", self.address.topic)
-            tps = [TopicPartition(self.address.topic, p) for p in sorted(self._assigned)]
-            starts = self._consumer.beginning_offsets(
-                tps, timeout_ms=int(self.connect_timeout_s * 1000)
-            )
-            for tp in tps:
-                self._positions[tp.partition] = int(starts.get(tp, 0))
-                self._consumer.seek(tp, self._positions[tp.partition])
+            if not self._assigned:
+                # Recreated while this source had no consumer (an outage): the kept offsets
+                # belong to the old topic. Forget them; the next assignment reads the start.
+                self._positions.clear()
+                self._first_assignment = False
+            else:
+                tps = [TopicPartition(self.address.topic, p) for p in sorted(self._assigned)]
+                starts = self._consumer.beginning_offsets(
+                    tps, timeout_ms=int(self.connect_timeout_s * 1000)
+                )
+                for tp in tps:
+                    self._positions[tp.partition] = int(starts.get(tp, 0))
+                    self._consumer.seek(tp, self._positions[tp.partition])
             self.reassignments += 1
         self._topic_id = topic_id
 

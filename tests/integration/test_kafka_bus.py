@@ -278,3 +278,35 @@ def test_start_reading_an_unreachable_broker_returns_false() -> None:
         assert source.poll(0.2) == []  # and the source keeps working as before
     finally:
         source.close()
+
+
+def test_topic_recreated_while_the_source_was_disconnected(
+    services: Any, topic: str, admin: KafkaAdminClient
+) -> None:
+    """The old topic's offsets mean nothing in its successor: after a reconnect the source reads
+    the recreated topic from its start, even when it already holds more messages than the
+    offset the source had reached."""
+    create_topic(admin, topic)
+    address = KafkaAddress((services.kafka_bootstrap,), topic)
+    source = KafkaAnnouncementSource(address, initial_backoff_s=0.05, max_backoff_s=0.2)
+    announcer = KafkaAnnouncer(address, "m")
+    try:
+        ready(source)
+        for v in (1, 2):
+            announcer.announce(announcement("m", v))
+        assert len(collect(source, 2)) == 2  # the source is at offset 2 of the old topic
+        source._drop_consumer()  # what a broker failure does; offsets and topic id are kept
+        admin.delete_topics([topic])
+        wait_for(lambda: topic not in admin.list_topics(), 30, "topic deletion")
+        create_topic(admin, topic)
+        for v in (3, 4, 5):
+            announcer.announce(announcement("m", v))
+        assert announcer.flush(60.0)
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while 5 not in got and time.monotonic() < deadline:
+            got += [Announcement.from_json(m).version for m in source.poll(CONNECT_POLL_S)]
+        assert list(dict.fromkeys(got)) == [3, 4, 5], got  # not [5] (read from offset 2)
+    finally:
+        announcer.close()
+        source.close()
