@@ -37,11 +37,13 @@ def _head(store_url: str, model: str) -> int:
     return 0 if head is None else head.version
 
 
-def _wait_head(store_url: str, model: str, version: int, timeout: float = 90) -> None:
+def _wait_head(store_url: str, model: str, version: int, timeout: float = 90) -> int:
+    """Wait until HEAD is at least `version`; returns HEAD's version then."""
     deadline = time.monotonic() + timeout
-    while _head(store_url, model) < version:
-        assert time.monotonic() < deadline, f"HEAD never reached {version}"
+    while (head := _head(store_url, model)) < version:
+        assert time.monotonic() < deadline, f"HEAD never reached {version} (at {head})"
         time.sleep(0.2)
+    return head
 
 
 def test_kafka_down_during_training(
@@ -49,13 +51,15 @@ def test_kafka_down_during_training(
 ) -> None:
     model, store_url = "kdown", s3_url(unique_name)
     bus = kafka_url(private_services, unique_name)
+    # Far more samples than the outage needs (~15 s of training per 200k): the trainer runs
+    # until this test stops it with SIGTERM, however slowly the broker stops and restarts.
     trainer = procs.spawn(
         train_args(
             store_url,
             model,
             bus=bus,
             codec="int8",
-            max_samples=200_000,
+            max_samples=5_000_000,
             extra=["--interval-seconds", "1", "--threads", "1"],
         ),
         "trainer",
@@ -75,8 +79,14 @@ def test_kafka_down_during_training(
     assert server.client.post("/v1/predict", json={"examples": examples}).status_code == 200
     assert trainer.poll() is None, "the trainer must keep training without the broker"
     up_s = private_services.up("kafka")
+    head_at_up = _head(store_url, model)
+    # Publishing goes on with the broker back; then stop the trainer as in production.
+    _wait_head(store_url, model, max(head_at_down + 4, head_at_up + 1), timeout=120)
+    assert trainer.poll() is None, "the trainer must keep training"
+    trainer.terminate()  # SIGTERM: checkpoint and exit
     trainer_done = procs.finish(trainer, "trainer", timeout=300)
     assert trainer_done.returncode == 0, trainer_done.stderr[-3000:]
+    assert trainer_done.report()["stopped"], "the trainer ended before SIGTERM"
     final = _head(store_url, model)
     assert final > head_at_down + 2
     server.wait_version(final, timeout=60)

@@ -7,6 +7,7 @@ here the bytes travel through a real Kafka topic into a real `checknrun serve`, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
@@ -22,6 +23,7 @@ from schemas.manifest import Head
 from .conftest import (
     PrivateServices,
     Processes,
+    ServerProc,
     examples_for,
     kafka_url,
     metric_value,
@@ -45,6 +47,35 @@ def _announcement(version: int, key: str, model: str = MODEL, **extra: object) -
         **extra,
     }
     return json.dumps(doc).encode()
+
+
+def _events(metrics: str, reason: str) -> float:
+    return metric_value(metrics, "follower_events_total", f'reason="{reason}"')
+
+
+def _send_until_received(
+    server: ServerProc, producer: KafkaProducer, topic: str, probe: bytes, timeout: float = 60
+) -> int:
+    """Send `probe` until the server has read one from the topic; returns how many were sent.
+
+    The server fixes where it starts reading (the end of the topic) before it reads HEAD, but if
+    the broker does not answer within a few seconds it does so only at its first successful
+    poll, which may come after /readyz: whatever is sent before then is never read. Once it has
+    read one probe it reads every later message; the probes before that one may never be read.
+    """
+    start = _events(server.metrics(), "received")
+    deadline = time.monotonic() + timeout
+    sent = 0
+    while True:
+        producer.send(topic, probe)
+        producer.flush(timeout=30)
+        sent += 1
+        retry_at = time.monotonic() + 1
+        while time.monotonic() < retry_at:
+            if _events(server.metrics(), "received") > start:
+                return sent
+            time.sleep(0.1)
+        assert time.monotonic() < deadline, f"{sent} probes, none read:\n{server.log.read_text()}"
 
 
 def test_hostile_announcements_and_corrupt_blob(
@@ -85,23 +116,30 @@ def test_hostile_announcements_and_corrupt_blob(
     before = server.metrics()
     producer = KafkaProducer(bootstrap_servers=private_services.kafka_bootstrap)
     try:
+        # The server reads the topic from here on; the probes it read count as "old".
+        probes = _send_until_received(server, producer, topic, _announcement(v4.version, v4.key))
         for messages in hostile.values():
             for message in messages:
                 producer.send(topic, message)
         producer.flush(timeout=30)
     finally:
         producer.close()
-    deadline = time.monotonic() + 30
+    sent = sum(len(m) for m in hostile.values())
+    deadline = time.monotonic() + 60  # counters only: HEAD polls (every 60 s) move none of them
     while True:
         after = server.metrics()
+        # One partition: every probe the server reads comes before the hostile messages, so once
+        # those are all read, `received` counts exactly the probes read + the hostile messages.
+        probed = _events(after, "received") - _events(before, "received") - sent
         short = {
-            reason: metric_value(after, "follower_events_total", f'reason="ignored_{reason}"')
-            - metric_value(before, "follower_events_total", f'reason="ignored_{reason}"')
+            reason: _events(after, f"ignored_{reason}") - _events(before, f"ignored_{reason}")
             for reason in hostile
         }
+        short["old"] -= probed
         if all(short[r] >= len(m) for r, m in hostile.items()) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    assert 1 <= probed <= probes, (probed, probes)
     assert short == {r: len(m) for r, m in hostile.items()}
     assert server.proc.poll() is None
     assert server.info()["version"] == v4.version
@@ -144,7 +182,7 @@ def test_hostile_announcements_and_corrupt_blob(
         producer.flush(timeout=30)
     finally:
         producer.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 30  # < the HEAD poll interval: the announcement must do it
     while metric_value(server.metrics(), "rejected_versions_total", 'reason="integrity"') < 1:
         assert time.monotonic() < deadline, server.log.read_text()[-3000:]
         time.sleep(0.2)
@@ -152,7 +190,8 @@ def test_hostile_announcements_and_corrupt_blob(
     assert server.client.post("/v1/predict", json={"examples": examples}).status_code == 200
     assert server.proc.poll() is None
     print(
-        f"RELIABILITY hostile announcements counted: {short}; "
+        f"RELIABILITY hostile announcements counted: {short} (after {probed:.0f} of {probes} "
+        f"probe(s) read); "
         f"corrupt blob rejected, kept v{v4.version}"
     )
 
@@ -202,8 +241,9 @@ def test_second_trainer_refused(
     private_services: PrivateServices, procs: Processes, unique_name: str, s3_env: None
 ) -> None:
     store_url = s3_url(unique_name)
+    # More samples than the test can take even on a loaded machine: it SIGKILLs the trainer.
     first = procs.spawn(
-        train_args(store_url, MODEL, max_samples=400_000, extra=["--interval-seconds", "0.5"]),
+        train_args(store_url, MODEL, max_samples=5_000_000, extra=["--interval-seconds", "0.5"]),
         "first",
     )
     heads: list[int] = []
@@ -221,8 +261,13 @@ def test_second_trainer_refused(
     second = procs.run(train_args(store_url, MODEL, max_samples=4096, resume=True), "second")
     assert second.returncode != 0
     assert "is being published by" in second.stderr, second.stderr[-2000:]
-    for _ in range(10):
-        head()
+    # The first trainer goes on publishing: HEAD moves on after the refusal (>= 10 polls).
+    at_refusal = head()
+    deadline = time.monotonic() + 60
+    for polls in itertools.count(1):
+        if head() > at_refusal and polls >= 10:
+            break
+        assert time.monotonic() < deadline, f"HEAD stuck: {heads}"
         time.sleep(0.3)
     assert first.poll() is None, "the first trainer must go on"
     first.send_signal(signal.SIGKILL)
