@@ -44,7 +44,7 @@ from trainer.streams.base import Batch, InteractionStream
 #: (workload, table cap, interval samples, samples, repeats) for full and quick runs.
 FULL = (
     ("movielens", None, 50_000, 1_000_209, 3),
-    ("synthetic", 730_000, 50_000, 300_000, 1),
+    ("synthetic", 730_000, 50_000, 1_000_000, 2),
 )
 QUICK = (
     ("movielens", None, 5_000, 15_000, 1),
