@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -254,12 +255,26 @@ def _served_scores(
     return torch.tensor(scores, dtype=torch.float64), versions
 
 
+def _server_port() -> int:
+    """A free loopback port below the ephemeral range (no outgoing connection can take it before
+    the server binds it; scripts/services.sh uses 20000-31999)."""
+    candidates = random.sample(range(10000, 20000), 200)
+    for port in candidates:
+        probe = socket.socket()
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            probe.close()
+        return port
+    raise CommandError("found no free loopback port in 10000-19999")
+
+
 def _start_server(
     workdir: Path, store_url: str, bus_url: str
 ) -> tuple[subprocess.Popen[bytes], int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = _server_port()
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
     cmd = [
         sys.executable, "-m", "server.cli", "serve", "--store", store_url, "--bus", bus_url,
