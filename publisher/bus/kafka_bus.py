@@ -401,26 +401,18 @@ class KafkaAnnouncementSource(AnnouncementSource):
 
     def start_reading(self, timeout_s: float = 5.0) -> bool:
         """Connect and resolve the start offsets (`latest`: the current end of each partition)."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        self._next_refresh = 0.0  # resolve the assignment now, not at the next refresh
         try:
-            if self._consumer is None and not self._reconnect(deadline):
-                return False
-            self._refresh_assignment()
-            self._next_refresh = time.monotonic() + self.metadata_refresh_s
+            return self._connect_and_assign(time.monotonic() + max(0.0, timeout_s))
         except Exception as exc:  # a source never raises (module docstring)
             self._on_failure(exc)
             return False
-        return True
 
     def poll(self, timeout_s: float) -> list[bytes]:
         deadline = time.monotonic() + max(0.0, timeout_s)
         try:
-            if self._consumer is None and not self._reconnect(deadline):
+            if not self._connect_and_assign(deadline):
                 return []
-            now = time.monotonic()
-            if now >= self._next_refresh:
-                self._refresh_assignment()
-                self._next_refresh = now + self.metadata_refresh_s
             if not self._assigned:
                 # The topic does not exist (yet): nothing to read, and no reason to spin.
                 self._sleep_until(min(deadline, self._next_refresh))
@@ -442,6 +434,17 @@ class KafkaAnnouncementSource(AnnouncementSource):
             self._failing = False
         self._backoff.reset()
         return messages
+
+    def _connect_and_assign(self, deadline: float) -> bool:
+        """Connect if needed and re-read the partition set when a refresh is due; False while
+        the broker cannot be reached (raises on a failure after connecting)."""
+        if self._consumer is None and not self._reconnect(deadline):
+            return False
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._refresh_assignment()
+            self._next_refresh = now + self.metadata_refresh_s
+        return True
 
     def _reconnect(self, deadline: float) -> bool:
         now = time.monotonic()
