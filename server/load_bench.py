@@ -18,10 +18,8 @@ import argparse
 import gc
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +38,7 @@ import torch
 from publisher.architecture import DLRMConfig, SparseFeature
 from publisher.bus import open_announcer
 from publisher.catalog import Catalog
+from publisher.loopback import free_port
 from publisher.store import ObjectStore, open_store
 from server.feature_batch import build_batch
 from server.live_model import LiveModel
@@ -94,27 +93,6 @@ def bench_config(rows: int, dim: int, small_rows: int = 10_000) -> DLRMConfig:
         bottom_mlp=(64,),
         top_mlp=(64, 32),
     )
-
-
-#: Where `free_port` looks: below the kernel's ephemeral range (ip_local_port_range, 32768-60999
-#: by default), so no outgoing connection can take the port between this check and the child
-#: server's bind, and below scripts/services.sh's 20000-31999.
-FREE_PORTS = range(10000, 20000)
-
-
-def free_port() -> int:
-    """A loopback port that nothing listens on now, for a child server to bind."""
-    for port in random.sample(FREE_PORTS, 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # all taken (unlikely): an ephemeral port, as before
-        s.bind(("127.0.0.1", 0))
-        ephemeral: int = s.getsockname()[1]
-        return ephemeral
 
 
 @contextmanager

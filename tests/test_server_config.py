@@ -15,9 +15,9 @@ import httpx
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from publisher.loopback import free_port as _free_port
 from publisher.store import FileStore
 from server.cli import register, settings_from_args
-from server.load_bench import free_port as _free_port
 from server.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
 from server.settings import ServerSettings, load_settings
 from server.synthetic_run import SyntheticRun, random_examples, small_config

@@ -25,10 +25,8 @@ import itertools
 import json
 import math
 import queue
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +39,7 @@ import numpy as np
 import torch
 
 from publisher.cli import CommandError
+from publisher.loopback import free_port
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
 from trainer.progressive_metrics import ProgressiveMetrics
@@ -255,26 +254,10 @@ def _served_scores(
     return torch.tensor(scores, dtype=torch.float64), versions
 
 
-def _server_port() -> int:
-    """A free loopback port below the ephemeral range (no outgoing connection can take it before
-    the server binds it; scripts/services.sh uses 20000-31999)."""
-    candidates = random.sample(range(10000, 20000), 200)
-    for port in candidates:
-        probe = socket.socket()
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            probe.close()
-        return port
-    raise CommandError("found no free loopback port in 10000-19999")
-
-
 def _start_server(
     workdir: Path, store_url: str, bus_url: str
 ) -> tuple[subprocess.Popen[bytes], int]:
-    port = _server_port()
+    port = free_port()
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
     cmd = [
         sys.executable, "-m", "server.cli", "serve", "--store", store_url, "--bus", bus_url,

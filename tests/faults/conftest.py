@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.load_bench import free_port
+from publisher.loopback import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

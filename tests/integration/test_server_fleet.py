@@ -26,9 +26,9 @@ import torch
 
 from publisher.architecture import DLRM, DLRMConfig
 from publisher.bus import open_announcer
+from publisher.loopback import free_port
 from publisher.restore import restore
 from publisher.store.s3_store import S3Store
-from server.load_bench import free_port
 from server.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 
 MODEL = "fleet"
