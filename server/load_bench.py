@@ -38,7 +38,7 @@ import torch
 from publisher.architecture import DLRMConfig, SparseFeature
 from publisher.bus import open_announcer
 from publisher.catalog import Catalog
-from publisher.loopback import free_port
+from publisher.loopback import free_port, serve_command
 from publisher.store import ObjectStore, open_store
 from server.feature_batch import build_batch
 from server.live_model import LiveModel
@@ -131,30 +131,17 @@ class ServerProcess:
     ) -> ServerProcess:
         port = free_port()
         log_path = log_dir / f"server-{port}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--store",
+        cmd = serve_command(
             store,
-            "--model",
             MODEL,
-            "--port",
-            str(port),
-            "--consistency",
-            scheme,
-            "--log-level",
-            "warning",
-            "--max-batch",
-            "4096",
-            "--max-body-bytes",
-            str(16 * 2**20),
-            "--poll-head-after",
-            "5",
-        ]
-        if bus:
-            cmd += ["--bus", bus]
+            port,
+            bus=bus or None,
+            consistency=scheme,
+            log_level="warning",
+            max_batch="4096",
+            max_body_bytes=str(16 * 2**20),
+            poll_head_after="5",
+        )
         cmd += extra or []
         log = open(log_path, "w")  # noqa: SIM115 - the child owns it for its lifetime
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from publisher.loopback import free_port as _free_port
+from publisher.loopback import serve_command
 from publisher.store import FileStore
 from server.cli import register, settings_from_args
 from server.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
@@ -113,20 +113,7 @@ def test_serve_runs_uvicorn_and_stops_on_sigterm(tmp_path: Path) -> None:
     port = _free_port()
     env = {**os.environ, "CHECKNRUN_SERVER_ADMIN_TOKEN": STRONG}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--store",
-            f"file://{tmp_path / 'store'}",
-            "--model",
-            "m",
-            "--port",
-            str(port),
-            "--log-level",
-            "info",
-        ],
+        serve_command(f"file://{tmp_path / 'store'}", "m", port, log_level="info"),
         env=env,
         cwd=Path(__file__).resolve().parents[1],
         stderr=subprocess.PIPE,

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from publisher.cli import CommandError
-from publisher.loopback import free_port
+from publisher.loopback import free_port, serve_command
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
 from trainer.progressive_metrics import ProgressiveMetrics
@@ -259,11 +259,15 @@ def _start_server(
 ) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
-    cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--store", store_url, "--bus", bus_url,
-        "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--poll-head-after", "2", "--bus-start", "earliest",
-    ]  # fmt: skip
+    cmd = serve_command(
+        store_url,
+        MODEL,
+        port,
+        bus=bus_url,
+        host="127.0.0.1",
+        poll_head_after="2",
+        bus_start="earliest",
+    )
     return subprocess.Popen(cmd, stdout=log, stderr=log), port
 
 

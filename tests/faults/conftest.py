@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from publisher.loopback import free_port
+from publisher.loopback import free_port, serve_command
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -261,23 +261,7 @@ class Processes:
         **flags: str,
     ) -> ServerProc:
         port = port or free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--store",
-            store,
-            "--model",
-            model,
-            "--port",
-            str(port),
-        ]
-        if bus:
-            args += ["--bus", bus]
-        for flag, value in flags.items():
-            args += [f"--{flag.replace('_', '-')}", value]
-        proc = self.spawn(args, name)
+        proc = self.spawn(serve_command(store, model, port, bus=bus or None, **flags), name)
         return ServerProc(
             proc,
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30),

@@ -12,7 +12,6 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 
 from publisher.architecture import DLRM, DLRMConfig
 from publisher.bus import open_announcer
-from publisher.loopback import free_port
+from publisher.loopback import free_port, serve_command
 from publisher.restore import restore
 from publisher.store.s3_store import S3Store
 from server.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
@@ -94,24 +93,14 @@ class Fleet:
         port = free_port()
         log = self.tmp / f"server-{port}.log"
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                "--store",
+            serve_command(
                 self.store_url,
-                "--bus",
-                self.bus_url,
-                "--model",
                 MODEL,
-                "--port",
-                str(port),
-                "--consistency",
-                scheme,
-                "--poll-head-after",
-                "2",
-            ],
+                port,
+                bus=self.bus_url,
+                consistency=scheme,
+                poll_head_after="2",
+            ),
             cwd=REPO,
             env=self.env,
             stdout=log.open("w"),
