@@ -1,17 +1,20 @@
 """Part `freshness`: train step -> served latency, apply time vs delta size, predict p99.
 
-Calls server.load_bench's `freshness`, `apply` and `http` commands. Freshness goes through real
+Runs server.load_bench's `freshness`, `apply` and `http` commands as child processes (trainer/
+does not import server/). Freshness goes through real
 Kafka + MinIO when CHECKNRUN_KAFKA_BOOTSTRAP and CHECKNRUN_S3_ENDPOINT are set (source
 ~/.cache/checknrun/services/env), else through a file store and a file bus (said in the result).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 from typing import Any
 
-from server import load_bench
 from trainer.bench.machine import describe_machine, log
 
 #: the target: snapshot -> served p99.
@@ -29,9 +32,19 @@ def services() -> tuple[str | None, str | None]:
 
 
 def _load_bench(argv: list[str]) -> dict[str, Any]:
-    args = load_bench.build_parser().parse_args(argv)
-    with load_bench.time_limit(args.max_seconds):
-        doc: dict[str, Any] = args.func(args)
+    """`python -m server.load_bench --json ARGV`: its summary goes to stderr as it comes, its JSON
+    document (the last line of its stdout) is returned."""
+    cmd = [sys.executable, "-m", "server.load_bench", "--json", *argv]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not line.startswith("{"):
+                sys.stderr.write(line)
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} exited with status {proc.returncode}")
+    doc: dict[str, Any] = json.loads(lines[-1])
     return doc
 
 
