@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
-from publisher.catalog import Catalog, CatalogError, VersionRef
+from publisher.read.catalog import Catalog, CatalogError, VersionRef
 from publisher.store import StoreError, StoreUnavailableError, open_store
 from schemas.errors import FormatError
 
@@ -140,7 +140,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     import torch  # only this command writes a torch file
 
-    from publisher.restore import restore
+    from publisher.read.restore import restore
 
     with open_store(args.store) as store:
         state = restore(store, args.model, args.version, progress=not args.json)
@@ -177,7 +177,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from publisher.retention import plan_gc, run_gc
+    from publisher.read.retention import plan_gc, run_gc
 
     with open_store(args.store) as store:
         plan = plan_gc(store, args.model, keep_baselines=args.keep_baselines, grace_s=args.grace)

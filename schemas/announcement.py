@@ -14,7 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.errors import AnnouncementError, ManifestError
-from schemas.manifest import Manifest, check_key, check_model_name
+from schemas.manifest import Manifest, check_model_name
+from schemas.store_keys import check_key, is_manifest_key
 
 MAX_ANNOUNCEMENT_BYTES = 4096
 
@@ -47,10 +48,7 @@ class Announcement(BaseModel):
             check_key(self.model, self.manifest_key)
         except ManifestError as exc:
             raise ValueError(str(exc)) from exc
-        if not (
-            self.manifest_key.startswith(self.model + "/manifests/")
-            and self.manifest_key.endswith(".json")
-        ):
+        if not is_manifest_key(self.model, self.manifest_key):
             raise ValueError(f"manifest_key {self.manifest_key!r} is not a manifest key")
         if self.parent is not None and self.parent >= self.version:
             raise ValueError(f"parent {self.parent} must be < version {self.version}")

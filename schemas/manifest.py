@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from schemas.codec_names import CODECS
 from schemas.errors import ManifestError
+from schemas.store_keys import check_key
 
 SCHEMA_VERSION = 1
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -36,23 +37,6 @@ def check_model_name(name: str) -> str:
     if not MODEL_NAME_RE.match(name) or name in (".", ".."):
         raise ManifestError(f"model name {name!r} must match {MODEL_NAME_RE.pattern}")
     return name
-
-
-def check_key(model: str, key: str) -> str:
-    """Return `key` if it is a safe store key owned by `model`, else raise ManifestError.
-
-    Keys come from fetched JSON: they must never reach outside the model's own prefix.
-    """
-    if (
-        not key.startswith(model + "/")
-        or ".." in key.split("/")
-        or "\\" in key
-        or "//" in key
-        or any(ord(c) < 0x20 for c in key)
-        or len(key) > 1024
-    ):
-        raise ManifestError(f"key {key!r} is not a safe key under {model + '/'!r}")
-    return key
 
 
 class _Frozen(BaseModel):

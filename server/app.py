@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 
 from publisher.bus import open_source
-from publisher.catalog import NoVersionError
-from publisher.follower import VersionFollower
+from publisher.read.catalog import NoVersionError
+from publisher.read.follower import VersionFollower
 from publisher.store import StoreUnavailableError, open_store
 from server.dependencies import ServerState
 from server.errors import NotBootstrappedError

@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from publisher.follower import VersionFollower
+from publisher.read.follower import VersionFollower
 from server.follow_loop import FollowLoop
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from publisher.architecture import DLRMConfig, SparseBatch
+from publisher.dlrm import DLRMConfig, SparseBatch
 
 #: problems reported per request; the rest are summarised in one last entry.
 MAX_REPORTED_ERRORS = 50

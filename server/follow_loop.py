@@ -29,8 +29,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from publisher.codecs import CodecError
-from publisher.follower import VersionFollower
-from publisher.restore import RestoreError
+from publisher.read.follower import VersionFollower
+from publisher.read.restore import RestoreError
 from publisher.store import IntegrityError, StoreError
 from schemas.errors import FormatError
 from server.errors import ApplyError, PinnedError, ShuttingDownError

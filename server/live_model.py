@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 
-from publisher.catalog import Catalog, VersionRef
+from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import ObjectStore
 from server.consistency import ModelSlot, UpdateResult, make_slot
 from server.errors import PinnedError, ShuttingDownError

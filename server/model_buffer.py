@@ -1,9 +1,10 @@
 """One servable copy of a model, and the verified contents of a version about to be written to it.
 
-`fetch_version` reads every blob of a version through `publisher.restore.read_blob` (the restore
-path's own fetch, size + sha256 check, hostile-input decode and manifest cross-check) and the
-dense tensor blob through `get_verified` + `decode_tensors`, so a follower verifies exactly what a
-restore verifies. Nothing is written to a model before every blob of the version has passed.
+`fetch_version` reads every blob of a version through `publisher.read.restore.read_blob` (the
+restore path's own fetch, size + sha256 check, hostile-input decode and manifest cross-check)
+and the dense tensor blob through `get_verified` + `decode_tensors`, so a follower verifies
+exactly what a restore verifies. Nothing is written to a model before every blob of the version
+has passed.
 
 A `ModelBuffer` is a `DLRM` with its weights reachable by table name and dense state name, plus
 the version it holds. Writing a version decodes rows straight into the buffer's tensors (a full
@@ -23,14 +24,14 @@ from datetime import datetime
 import numpy as np
 import torch
 
-from publisher.architecture import DLRM, DLRMConfig, table_weight_names
-from publisher.catalog import VersionRef
 from publisher.codecs import QuantizedRows, decode_rows
-from publisher.restore import read_blob
+from publisher.dlrm import DLRM, DLRMConfig, table_weight_names
+from publisher.read.catalog import VersionRef
+from publisher.read.restore import read_blob
 from publisher.store import ObjectStore
-from publisher.tensor_blob import decode_tensors
 from schemas.delta_blob import DeltaBlob
 from schemas.manifest import Manifest, TableEntry
+from schemas.tensor_blob import decode_tensors
 from server.errors import ApplyError
 
 #: blobs of one version fetched at once (network-bound on S3; hashing releases the GIL).

@@ -40,24 +40,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from publisher.policies import Plan, Policy, make_policy
-from publisher.publishing import BackgroundPublisher, CheckpointPublisher, PublishResult
-from publisher.restore import RestoredState, restore
-from publisher.snapshot import Snapshot, TableRows
+from publisher.read.restore import RestoredState, restore
+from publisher.state_dicts import flatten_optimizer_state, unflatten_optimizer_state
 from publisher.store import ObjectStore, open_store
-from publisher.tensor_blob import flatten_optimizer_state, unflatten_optimizer_state
-from publisher.tracker import (
+from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.policies import Plan, Policy, make_policy
+from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
+from publisher.write.publishing import BackgroundPublisher, CheckpointPublisher, PublishResult
+from publisher.write.snapshot import Snapshot, TableRows
+from publisher.write.tracker import (
     EmbeddingModule,
     TrackedEmbeddings,
     attach,
     check_optimizers,
     find_embedding_tables,
 )
-from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
 from schemas.manifest import Position
-from trainer.process_publisher import ProcessPublisher, ProcessPublisherConfig
 from trainer.row_buffers import RowBufferPool
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class IncrementalCheckpointer:
             on_published: called (on a publisher thread) with each published record.
             publish_in: "thread" runs encode + commit on a thread of this process, "process"
                 in a child process (needs `store` as a URL), which keeps that work off the
-                GIL the training thread needs; see trainer/process_publisher.py.
+                GIL the training thread needs; see publisher/write/process_publisher.py.
             preallocate: allocate and touch one full copy of every table (rows and optimizer
                 columns) now, so no snapshot stalls on page faults (one model copy of memory).
         """
@@ -592,7 +592,7 @@ class IncrementalCheckpointer:
 
         Returns its position; the step and sample counters continue from it. The next
         checkpoint is a full baseline: the restored version need not be HEAD's.
-        Raises `publisher.catalog.NoVersionError` when there is nothing to resume from.
+        Raises `publisher.read.catalog.NoVersionError` when there is nothing to resume from.
         """
         state = restore(self.store, self.model_name, version, progress=progress)
         self.load_state(state)

@@ -32,13 +32,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from publisher.architecture import DLRM
-from publisher.catalog import NoVersionError
 from publisher.cli import EXIT_ERROR, CommandError, add_store_args
-from publisher.policies import POLICIES, PolicyError, codec_for_expected_restores
+from publisher.dlrm import DLRM
+from publisher.read.catalog import NoVersionError
 from publisher.store import StoreError
-from publisher.tracker import TrackerError
-from publisher.version_writer import LeaseHeldError
+from publisher.write.policies import POLICIES, PolicyError, codec_for_expected_restores
+from publisher.write.tracker import TrackerError
+from publisher.write.version_writer import LeaseHeldError
 from schemas.codec_names import CODECS
 from trainer.checkpointer import CheckpointError, CheckpointRecord, IncrementalCheckpointer
 from trainer.online import (
@@ -70,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    """Every `train` option (also used by trainer.bench_stall)."""
+    """Every `train` option (also used by bench.stall_arms)."""
     p.add_argument(
         "--data",
         default="movielens",

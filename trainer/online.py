@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from publisher.architecture import DLRM, DLRMConfig, SparseFeature
+from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.rowwise_adagrad import RowWiseAdagrad

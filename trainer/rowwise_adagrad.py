@@ -27,7 +27,7 @@ class RowWiseAdagrad(Optimizer):
     before the first step already has the optimizer columns.
     """
 
-    #: read by publisher.tracker: a row with no gradient changes neither weight nor state.
+    #: read by publisher.write.tracker: a row with no gradient changes neither weight nor state.
     sparse_row_updates = True
 
     def __init__(

@@ -2,7 +2,7 @@
 
 An announcement is a hint (docs/FORMAT.md section 6): the store is the source of truth, so the bus
 may lose, repeat or reorder messages, and a subscriber that misses some catches up from HEAD
-(publisher/follower.py). That is why both ends are forgiving:
+(publisher/read/follower.py). That is why both ends are forgiving:
 
 - `Announcer.announce` never raises because the bus is down and never blocks training for long;
   at worst a version is announced late or not at all.
@@ -28,7 +28,6 @@ from typing import Literal
 from urllib.parse import parse_qsl
 
 from schemas.announcement import Announcement
-from schemas.manifest import check_model_name
 
 #: where a new source starts reading: only what is announced from now on, or everything kept.
 StartAt = Literal["latest", "earliest"]
@@ -159,37 +158,3 @@ def _valid_topic(topic: str) -> bool:
         and topic not in (".", "..")
         and all(c.isascii() and (c.isalnum() or c in "._-") for c in topic)
     )
-
-
-def _file_path(url: str) -> str:
-    path = url.removeprefix("file://")
-    if not path.startswith("/"):
-        raise BusError(f"{url!r}: expected file:///ABSOLUTE/PATH")
-    return path
-
-
-def open_announcer(url: str, model: str) -> Announcer:
-    """The announcer a bus URL names, for one model."""
-    check_model_name(model)
-    if url.startswith("file://"):
-        from publisher.bus.file_log import FileLogAnnouncer
-
-        return FileLogAnnouncer(_file_path(url), model)
-    if url.startswith("kafka://"):
-        from publisher.bus.kafka_bus import KafkaAnnouncer  # only Kafka users import kafka
-
-        return KafkaAnnouncer(parse_kafka_url(url), model)
-    raise BusError(f"unsupported bus URL {url!r}: expected file:///PATH or kafka://HOST:PORT/TOPIC")
-
-
-def open_source(url: str, *, start: StartAt = "latest") -> AnnouncementSource:
-    """The source a bus URL names. `start`: read only new messages, or everything kept."""
-    if url.startswith("file://"):
-        from publisher.bus.file_log import FileLogSource
-
-        return FileLogSource(_file_path(url), start=start)
-    if url.startswith("kafka://"):
-        from publisher.bus.kafka_bus import KafkaAnnouncementSource
-
-        return KafkaAnnouncementSource(parse_kafka_url(url), start=start)
-    raise BusError(f"unsupported bus URL {url!r}: expected file:///PATH or kafka://HOST:PORT/TOPIC")

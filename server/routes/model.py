@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, status
 
-from publisher.catalog import NoVersionError
+from publisher.read.catalog import NoVersionError
 from publisher.store import StoreError
 from server.api_models import (
     DigestResponse,

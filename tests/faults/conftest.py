@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from publisher.loopback import free_port, serve_command
+from bench.child_server import free_port, serve_command
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

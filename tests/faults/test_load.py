@@ -16,7 +16,7 @@ import time
 import httpx
 import numpy as np
 
-from publisher.catalog import Catalog
+from publisher.read.catalog import Catalog
 from publisher.store import open_store
 
 from .conftest import (

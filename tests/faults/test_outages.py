@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from publisher.catalog import Catalog
-from publisher.restore import restore
+from publisher.read.catalog import Catalog
+from publisher.read.restore import restore
 from publisher.store import open_store
 
 from .conftest import (

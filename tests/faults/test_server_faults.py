@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 
 from kafka import KafkaProducer
 
-from publisher.catalog import Catalog
 from publisher.faults import ENV_VAR
+from publisher.read.catalog import Catalog
 from publisher.store import open_store
 from schemas.manifest import Head
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from publisher.catalog import Catalog
 from publisher.faults import ENV_VAR
-from publisher.restore import restore
+from publisher.read.catalog import Catalog
+from publisher.read.restore import restore
 from publisher.store import open_store
 
 from .conftest import PrivateServices, Processes, kafka_url, s3_url, train_args

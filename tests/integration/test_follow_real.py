@@ -14,10 +14,10 @@ from kafka import KafkaAdminClient
 
 from publisher.bus.base import KafkaAddress
 from publisher.bus.kafka_bus import KafkaAnnouncementSource, KafkaAnnouncer
-from publisher.catalog import Catalog, VersionRef
-from publisher.follower import OLD, VersionFollower
+from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.follower import OLD, VersionFollower
 from publisher.store.s3_store import S3Settings, S3Store
-from publisher.version_writer import TableBlob, VersionDraft, VersionWriter
+from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
 from schemas.manifest import Position
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from publisher.catalog import Catalog, head_key
+from publisher.read.catalog import Catalog
 from publisher.store import (
     IntegrityError,
     NotFoundError,
@@ -23,7 +23,7 @@ from publisher.store import (
     open_store,
 )
 from publisher.store.s3_store import S3Settings, S3Store
-from publisher.version_writer import (
+from publisher.write.version_writer import (
     HeadConflictError,
     LeaseHeldError,
     TableBlob,
@@ -31,6 +31,7 @@ from publisher.version_writer import (
     VersionWriter,
 )
 from schemas.manifest import Head, Position
+from schemas.store_keys import head_key
 
 MiB = 1024 * 1024
 

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from publisher.architecture import DLRM, DLRMConfig
+from bench.child_server import free_port, serve_command
+from bench.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 from publisher.bus import open_announcer
-from publisher.loopback import free_port, serve_command
-from publisher.restore import restore
+from publisher.dlrm import DLRM, DLRMConfig
+from publisher.read.restore import restore
 from publisher.store.s3_store import S3Store
-from server.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 
 MODEL = "fleet"
 TOKEN = "fleet-admin-token-0123456789"

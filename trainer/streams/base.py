@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from publisher.architecture import SparseBatch, SparseFeature
+from publisher.dlrm import SparseBatch, SparseFeature
 
 
 class DataError(ValueError):

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow import csv
 
-from publisher.architecture import SparseFeature
+from publisher.dlrm import SparseFeature
 from trainer.streams.base import (
     ColumnarStream,
     DataError,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from publisher.architecture import SparseBatch, SparseFeature
+from publisher.dlrm import SparseBatch, SparseFeature
 from trainer.streams.base import Batch, DataError, InteractionStream, fingerprint_of
 
 #: cardinalities of the 26 categorical features of Criteo's Kaggle display-ads data set.

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyarrow import csv
 
-from publisher.architecture import SparseFeature
+from publisher.dlrm import SparseFeature
 from trainer.streams.base import (
     ColumnarStream,
     DataError,

@@ -1,0 +1,376 @@
+"""Part `paper`: write bandwidth, storage capacity and dirty rows of every policy x codec.
+
+Training does not depend on the checkpoint policy or codec, so each workload is trained once.
+At every interval boundary the rows looked up in the interval (the rows row-wise Adagrad
+changed) are fed to one instance of each policy, and the rows each plan names are encoded with
+the real encoder (`publisher.write.publishing.encode_table`: quantization, row index, zstd)
+for every codec, giving exact bytes per checkpoint. Consecutive and intermittent deltas hold the
+same rows, so each delta is encoded once per codec. A full checkpoint of a codec is encoded once (at
+the first boundary) and its size reused: its size depends on the values only through zstd.
+
+Alongside, the default setting (intermittent, int4) is published for real through
+`CheckpointPublisher` into a file store, restored with `publisher.read.restore`, and timed against
+`torch.load` of a full fp32 checkpoint of the same state; and the served model (the trainer's
+state through the default codec) is scored on each upcoming interval next to the fp32 model.
+
+Every checkpoint also carries the dense parameters and optimizer state in fp32, counted for
+every policy and for the full fp32 reference alike.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.machine import describe_machine, log
+from bench.workloads import (
+    DEFAULT_CODEC,
+    DEFAULT_POLICY,
+    WORKLOADS,
+    BenchTrainer,
+    Workload,
+    available,
+    evaluate,
+    make_workload,
+    quantize_in_place,
+)
+from publisher.read.catalog import Catalog
+from publisher.read.restore import restore
+from publisher.store import open_store
+from publisher.write.policies import POLICIES, Plan, make_policy
+from publisher.write.publishing import CheckpointPublisher, encode_table
+from publisher.write.snapshot import Snapshot, TableRows
+from schemas.codec_names import CODECS
+from schemas.manifest import Position
+from trainer.progressive_metrics import ProgressiveMetrics
+
+#: versions kept by the retention window (storage capacity over a window).
+RETAIN = 4
+#: codecs replayed in quick mode (the machinery, not the numbers).
+QUICK_CODECS = ("fp32", "int4", "int4-adaptive", "int2")
+#: manifest JSON per version (measured: ~1-3 KB); small next to the blobs but counted.
+MANIFEST_BYTES = 2_048
+
+
+class _Sizer:
+    """Encoded bytes of table rows per codec, with the caches the module docstring explains."""
+
+    def __init__(self, trainer: BenchTrainer, codecs: tuple[str, ...]) -> None:
+        self.trainer = trainer
+        self.codecs = codecs
+        self.full: dict[tuple[str, str], int] = {}
+        self.delta: dict[tuple[str, str, int], int] = {}
+
+    def rows(self, table: str, ids: np.ndarray | None, codec: str) -> TableRows:
+        weight = self.trainer.weight(table).detach()
+        aux = self.trainer.aux(table).detach()
+        if ids is None:
+            ids = np.arange(weight.shape[0], dtype=np.int64)
+            values, aux_rows = weight.numpy().copy(), aux.numpy().copy()
+        else:
+            index = torch.from_numpy(ids)
+            values = weight.index_select(0, index).numpy()
+            aux_rows = aux.index_select(0, index).numpy()
+        return TableRows(table, weight.shape[0], codec, ids, values, aux_rows)
+
+    def size(self, table: str, ids: np.ndarray | None, codec: str) -> int:
+        if ids is None:
+            key = (codec, table)
+            if key not in self.full:
+                self.full[key] = len(encode_table(self.rows(table, None, codec)).data)
+            return self.full[key]
+        dkey = (codec, table, id(ids))
+        if dkey not in self.delta:
+            self.delta[dkey] = len(encode_table(self.rows(table, ids, codec)).data)
+        return self.delta[dkey]
+
+    def new_interval(self) -> None:
+        self.delta.clear()  # ids arrays of the last boundary are gone: their id()s may recur
+
+
+def restore_chain_bytes(kinds: list[str], sizes: list[int], policy: str) -> list[int]:
+    """Indices of the versions needed to restore the latest one."""
+    last = len(kinds) - 1
+    base = max(i for i, k in enumerate(kinds) if k == "full")
+    if kinds[last] == "full":
+        return [last]
+    if policy == "one-shot":
+        return [base, last]
+    return list(range(base, last + 1))
+
+
+def storage(kinds: list[str], sizes: list[int], policy: str, retain: int) -> dict[str, int]:
+    """Bytes kept to restore the latest version, and any of the last `retain` versions."""
+    latest = restore_chain_bytes(kinds, sizes, policy)
+    keep: set[int] = set()
+    for end in range(max(0, len(kinds) - retain), len(kinds)):
+        keep.update(restore_chain_bytes(kinds[: end + 1], sizes[: end + 1], policy))
+    return {
+        "latest_bytes": sum(sizes[i] for i in latest),
+        "latest_chain_versions": len(latest),
+        "window_bytes": sum(sizes[i] for i in keep),
+        "window_versions_kept": len(keep),
+    }
+
+
+def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
+    """Train once, replay every policy x codec; see the module docstring."""
+    trainer = BenchTrainer(workload)
+    tables = list(trainer.table_rows)
+    policies = {p: make_policy(p, trainer.table_rows) for p in POLICIES}
+    sizer = _Sizer(trainer, codecs)
+    bitmaps = {t: np.zeros(r, dtype=bool) for t, r in trainer.table_rows.items()}
+    per: dict[str, dict[str, dict[str, list[Any]]]] = {
+        p: {c: {"bytes": [], "kinds": []} for c in codecs} for p in POLICIES
+    }
+    dirty_fraction: list[float] = []
+    dirty_by_table: list[dict[str, float]] = []
+    full_fp32: list[int] = []
+    served_ref, served_q = ProgressiveMetrics(), ProgressiveMetrics()
+    scratch = Path(tempfile.mkdtemp(prefix="checknrun-paper-"))
+    store = open_store(f"file://{scratch / 'store'}")
+    publisher = CheckpointPublisher(store, "paper")
+    published: list[dict[str, Any]] = []
+    total_rows = sum(trainer.table_rows.values())
+    dense_bytes = trainer.dense_bytes()
+    aux_dim = 1
+    fp32_full = total_rows * (workload.embedding_dim + aux_dim) * 4 + dense_bytes
+    since = position = steps = 0
+    started = time.perf_counter()
+    train_s = 0.0
+    boundary = 0
+    for batch in trainer.batches(0, workload.stop):
+        t0 = time.perf_counter()
+        trainer.train(batch)
+        train_s += time.perf_counter() - t0
+        for name, sb in batch.sparse.items():
+            bitmaps["embeddings." + name][sb.values.numpy()] = True
+        since += batch.size
+        position = batch.end
+        steps += 1
+        if since < workload.interval_samples and position < workload.stop:
+            continue
+        since = 0
+        boundary += 1
+        dirty = {t: np.flatnonzero(b) for t, b in bitmaps.items()}
+        for b in bitmaps.values():
+            b[:] = False
+        n_dirty = sum(len(v) for v in dirty.values())
+        dirty_fraction.append(n_dirty / total_rows)
+        dirty_by_table.append(
+            {t: round(len(v) / trainer.table_rows[t], 6) for t, v in dirty.items()}
+        )
+        full_fp32.append(fp32_full)
+        sizer.new_interval()
+        plans: dict[str, Plan] = {p: pol.plan(dirty) for p, pol in policies.items()}
+        for p, plan in plans.items():
+            for c in codecs:
+                size = sum(sizer.size(t, plan.rows[t], c) for t in tables)
+                per[p][c]["bytes"].append(size + dense_bytes + MANIFEST_BYTES)
+                per[p][c]["kinds"].append(plan.kind)
+        published.append(_publish(publisher, trainer, plans[DEFAULT_POLICY], steps, position))
+        if position < workload.stop:
+            _served_eval(trainer, position, workload, served_ref, served_q)
+        log(
+            f"{workload.name}: interval {boundary}/{workload.intervals} dirty "
+            f"{n_dirty / total_rows:.2%}, {time.perf_counter() - started:.0f} s"
+        )
+    publisher.close()
+    restore_doc = restore_vs_torch_load(store, "paper", scratch)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    results = []
+    for p in POLICIES:
+        for c in codecs:
+            sizes, kinds = per[p][c]["bytes"], per[p][c]["kinds"]
+            st = storage(kinds, sizes, p, RETAIN)
+            steady = sizes[1:] or sizes
+            ref_window = fp32_full * min(RETAIN, len(sizes))
+            results.append(
+                {
+                    "policy": p,
+                    "codec": c,
+                    "bytes_per_interval": sizes,
+                    "kinds": kinds,
+                    "bytes_mean": statistics.fmean(sizes),
+                    "bytes_max": max(sizes),
+                    "bandwidth_reduction_mean": fp32_full / statistics.fmean(sizes),
+                    "bandwidth_reduction_max": fp32_full / max(sizes),
+                    "bandwidth_reduction_steady_mean": fp32_full / statistics.fmean(steady),
+                    **st,
+                    "capacity_reduction_latest": fp32_full / st["latest_bytes"],
+                    "capacity_reduction_window": ref_window / st["window_bytes"],
+                }
+            )
+    served = _served_summary(served_ref, served_q)
+    return {
+        "workload": workload.describe(),
+        "train_s": round(train_s, 2),
+        "full_fp32_bytes": fp32_full,
+        "dense_bytes": dense_bytes,
+        "dirty_fraction": dirty_fraction,
+        "dirty_fraction_by_table": dirty_by_table,
+        "results": results,
+        "published_default": {
+            "policy": DEFAULT_POLICY,
+            "codec": DEFAULT_CODEC,
+            "versions": published,
+        },
+        "restore": restore_doc,
+        "served_default_codec": served,
+    }
+
+
+def _publish(
+    publisher: CheckpointPublisher, trainer: BenchTrainer, plan: Plan, steps: int, position: int
+) -> dict[str, Any]:
+    """Publish the default setting's plan for real (checks the replayed bytes end to end)."""
+    rows = tuple(_copy_rows(trainer, t, plan.rows[t], DEFAULT_CODEC) for t in trainer.table_rows)
+    dense = {
+        k: v.detach().numpy().copy()
+        for k, v in trainer.model.state_dict().items()
+        if not any(v.data_ptr() == trainer.weight(t).data_ptr() for t in trainer.table_rows)
+    }
+    snapshot = Snapshot(
+        kind=plan.kind,
+        relative_to=plan.relative_to,
+        policy=DEFAULT_POLICY,
+        tables=rows,
+        position=Position(step=steps, samples_seen=position, reader={"offset": position}),
+        dense=dense,
+        model_config=trainer.model.config.to_json(),
+    )
+    result = publisher.publish(snapshot)
+    return {
+        "version": result.ref.version,
+        "kind": plan.kind,
+        "bytes_written": result.bytes_written,
+        "encode_s": round(result.encode_s, 4),
+        "commit_s": round(result.commit_s, 4),
+    }
+
+
+def _copy_rows(trainer: BenchTrainer, table: str, ids: np.ndarray | None, codec: str) -> TableRows:
+    weight = trainer.weight(table).detach()
+    aux = trainer.aux(table).detach()
+    if ids is None:
+        ids = np.arange(weight.shape[0], dtype=np.int64)
+        return TableRows(
+            table, weight.shape[0], codec, ids, weight.numpy().copy(), aux.numpy().copy()
+        )
+    index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    return TableRows(
+        table,
+        weight.shape[0],
+        codec,
+        index.numpy(),
+        weight.index_select(0, index).numpy(),
+        aux.index_select(0, index).numpy(),
+    )
+
+
+def _served_eval(
+    trainer: BenchTrainer,
+    position: int,
+    workload: Workload,
+    ref: ProgressiveMetrics,
+    served: ProgressiveMetrics,
+) -> None:
+    """Score the next interval with the fp32 model and with its tables through the codec."""
+    stop = min(position + workload.interval_samples, workload.stop)
+    evaluate(trainer.model, trainer.batches(position, stop), ref)
+    saved = {t: trainer.weight(t).detach().clone() for t in trainer.table_rows}
+    with torch.no_grad():
+        for t in trainer.table_rows:
+            quantize_in_place(trainer.weight(t), DEFAULT_CODEC)
+        evaluate(trainer.model, trainer.batches(position, stop), served)
+        for t, w in saved.items():
+            trainer.weight(t).copy_(w)
+
+
+def _served_summary(ref: ProgressiveMetrics, served: ProgressiveMetrics) -> dict[str, Any]:
+    r, q = ref.cumulative(), served.cumulative()
+    if not r["samples_cumulative"]:
+        return {"codec": DEFAULT_CODEC, "samples": 0}
+    return {
+        "codec": DEFAULT_CODEC,
+        "samples": int(r["samples_cumulative"]),
+        "auc_fp32": r["auc_cumulative"],
+        "auc_served": q["auc_cumulative"],
+        "logloss_fp32": r["logloss_cumulative"],
+        "logloss_served": q["logloss_cumulative"],
+        "auc_rel_degradation_pct": (r["auc_cumulative"] - q["auc_cumulative"])
+        / r["auc_cumulative"]
+        * 100,
+        "logloss_rel_increase_pct": (q["logloss_cumulative"] - r["logloss_cumulative"])
+        / r["logloss_cumulative"]
+        * 100,
+    }
+
+
+def restore_vs_torch_load(
+    store: Any, model: str, scratch: Path, repeats: int = 3
+) -> dict[str, Any]:
+    """Median restore of the latest default-setting version vs torch.load of the same state."""
+    times = []
+    state = None
+    for _ in range(repeats):
+        state = restore(store, model)
+        times.append(state.seconds)
+    assert state is not None
+    full = {f"{n}.weight": torch.from_numpy(t.weights) for n, t in state.tables.items()}
+    full.update({f"{n}.aux": torch.from_numpy(t.aux) for n, t in state.tables.items()})
+    full.update({k: torch.from_numpy(v) for k, v in state.dense.items()})
+    path = scratch / "full_fp32.pt"
+    torch.save(full, path)
+    loads = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.load(path)
+        loads.append(time.perf_counter() - t0)
+    restore_s, load_s = statistics.median(times), statistics.median(loads)
+    return {
+        "version": state.version,
+        "chain_versions": state.version - _baseline_of(store, model) + 1,
+        "bytes_read": state.bytes_read,
+        "restore_s_median": round(restore_s, 4),
+        "torch_load_s_median": round(load_s, 4),
+        "torch_load_bytes": path.stat().st_size,
+        "restore_over_torch_load": round(restore_s / load_s, 3),
+        "note": "both from the page cache (file store and file on the same local disk)",
+    }
+
+
+def _baseline_of(store: Any, model: str) -> int:
+    return Catalog(store, model).chain()[0].version
+
+
+def run(quick: bool, workloads: tuple[str, ...] = WORKLOADS) -> dict[str, Any]:
+    """Both workloads (those installed); returns the part's document."""
+    torch.set_num_threads(1)  # the trainer's default: one core trains, the other publishes
+    codecs = QUICK_CODECS if quick else tuple(CODECS)
+    doc: dict[str, Any] = {
+        "part": "paper",
+        "quick": quick,
+        "machine": describe_machine(),
+        "policies": list(POLICIES),
+        "codecs": list(codecs),
+        "retain_versions": RETAIN,
+        "default": {"policy": DEFAULT_POLICY, "codec": DEFAULT_CODEC},
+        "workloads": {},
+    }
+    for name in workloads:
+        if not available(name):
+            log(f"paper: {name} data not installed, skipped")
+            continue
+        wl = make_workload(name, quick)
+        log(f"paper: {name}: {wl.describe()}")
+        doc["workloads"][name] = run_workload(wl, codecs)
+    return doc

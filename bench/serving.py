@@ -1,0 +1,724 @@
+"""Measurements of the serving side: apply time, predict pauses, loopback load, freshness.
+
+    python -m bench.serving apply      # apply time vs delta size, memory, per scheme
+    python -m bench.serving pause      # worst predict pause while deltas apply (in-process)
+    python -m bench.serving http       # predict latency over HTTP, idle vs applying
+    python -m bench.serving freshness  # train step -> served, p50/p99 (file or Kafka+MinIO)
+
+Every run is bounded in count and time (`--duration`, `--versions`, `--max-seconds`) and prints
+a human summary plus, with `--json`, one JSON document on stdout. A synthetic trainer
+(bench/synthetic_run.py) publishes real versions through the real publisher; servers run as
+`python -m server.cli serve` subprocesses on loopback ports. S3 and Kafka URLs take their
+settings from the environment (CHECKNRUN_S3_*), as the server does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from bench.child_server import free_port, serve_command
+from bench.synthetic_run import SyntheticRun, random_examples
+from publisher.bus import open_announcer
+from publisher.dlrm import DLRMConfig, SparseFeature
+from publisher.read.catalog import Catalog
+from publisher.store import ObjectStore, open_store
+from server.feature_batch import build_batch
+from server.live_model import LiveModel
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "bench"
+
+
+# --- small utilities ------------------------------------------------------------------------------
+
+
+def rss_bytes(pid: int | str = "self") -> dict[str, int]:
+    """Resident and peak resident memory of a process (Linux /proc)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                name, value, _unit = line.split()
+                out[name.rstrip(":")] = int(value) * 1024
+    return out
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p99/max/mean in milliseconds of values in seconds."""
+    if not values:
+        return {"n": 0}
+    a = np.asarray(values) * 1000.0
+    return {
+        "n": len(values),
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+        "max_ms": round(float(a.max()), 3),
+        "mean_ms": round(float(a.mean()), 3),
+    }
+
+
+def mib(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+def bench_config(rows: int, dim: int, small_rows: int = 10_000) -> DLRMConfig:
+    """One big table (`item`, `rows` rows), a small one (`user`), a bag, and 4 dense features."""
+    return DLRMConfig(
+        sparse=(
+            SparseFeature("item", rows),
+            SparseFeature("user", small_rows),
+            SparseFeature("tags", 64, bag=True),
+        ),
+        dense=("d0", "d1", "d2", "d3"),
+        embedding_dim=dim,
+        bottom_mlp=(64,),
+        top_mlp=(64, 32),
+    )
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Abort the whole run (SIGALRM) if it exceeds `seconds`: the bench is always bounded."""
+
+    def expired(signum: int, frame: object) -> None:
+        raise TimeoutError(f"load bench exceeded --max-seconds={seconds}")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclass
+class ServerProcess:
+    """A `python -m server.cli serve` child on a loopback port."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    log_path: Path
+
+    @classmethod
+    def start(
+        cls,
+        store: str,
+        bus: str | None,
+        *,
+        scheme: str,
+        log_dir: Path,
+        extra: list[str] | None = None,
+    ) -> ServerProcess:
+        port = free_port()
+        log_path = log_dir / f"server-{port}.log"
+        cmd = serve_command(
+            store,
+            MODEL,
+            port,
+            bus=bus or None,
+            consistency=scheme,
+            log_level="warning",
+            max_batch="4096",
+            max_body_bytes=str(16 * 2**20),
+            poll_head_after="5",
+        )
+        cmd += extra or []
+        log = open(log_path, "w")  # noqa: SIM115 - the child owns it for its lifetime
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return cls(proc, f"http://127.0.0.1:{port}", log_path)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server at {self.url} not ready after {timeout} s")
+
+    def info(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(f"{self.url}/v1/model", timeout=5).json()
+        return data
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def prepare_run(store: ObjectStore, args: argparse.Namespace, announce: Any = None) -> SyntheticRun:
+    run = SyntheticRun(
+        store,
+        MODEL,
+        bench_config(args.rows, args.dim),
+        codec=args.codec,
+        announce=announce,
+        seed=args.seed,
+    )
+    started = time.perf_counter()
+    run.publish("full")
+    print(
+        f"published full v1: {args.rows:,} x {args.dim} ({args.codec}) in "
+        f"{time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+    )
+    return run
+
+
+# --- apply: time vs delta size ------------------------------------------------------------------
+
+
+def cmd_apply(args: argparse.Namespace) -> dict[str, Any]:
+    """Apply time (fetch+verify+decode+swap) and swap pause per delta size, and memory."""
+    torch.set_num_threads(args.torch_threads)  # as the server does (settings.torch_threads)
+    workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
+    try:
+        store = open_store(f"file://{workdir}")
+        run = prepare_run(store, args)
+        sizes = [int(s) for s in args.sizes.split(",")]
+        plan: list[tuple[int, int]] = []  # (delta rows, version)
+        for size in sizes:
+            for _ in range(args.repeats):
+                run.touch_rows("embeddings.item", size)
+                plan.append((size, run.publish().ref.version))
+        run.close()
+        del run
+        gc.collect()
+        before = rss_bytes()
+        live = LiveModel(store, MODEL, scheme=args.scheme)
+        catalog = Catalog(store, MODEL)
+        started = time.perf_counter()
+        live.pin(1)  # build v1 from the store (the deltas are already committed)
+        boot_s = time.perf_counter() - started
+        live.unpin()
+        after_boot = rss_bytes()
+        results: dict[int, list[dict[str, float]]] = {s: [] for s in sizes}
+        peak = [after_boot["VmRSS"]]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.005):
+                peak[0] = max(peak[0], rss_bytes()["VmRSS"])
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        for size, version in plan:
+            ref = catalog.find(version)
+            t0 = time.perf_counter()
+            live.advance(ref)
+            seconds = time.perf_counter() - t0
+            last = live.last_apply
+            assert last is not None
+            results[size].append(
+                {"apply_s": seconds, "pause_s": last.pause_s, "bytes": float(last.bytes_fetched)}
+            )
+        stop.set()
+        sampler.join()
+        rows = []
+        for size in sizes:
+            per = results[size]
+            rows.append(
+                {
+                    "delta_rows": size,
+                    "fraction": round(size / args.rows, 6),
+                    "blob_bytes": int(np.mean([x["bytes"] for x in per])),
+                    "apply_ms_median": round(
+                        1000 * float(np.median([x["apply_s"] for x in per])), 2
+                    ),
+                    "apply_ms_max": round(1000 * max(x["apply_s"] for x in per), 2),
+                    "swap_pause_us_max": round(1e6 * max(x["pause_s"] for x in per), 1),
+                }
+            )
+        doc = {
+            "bench": "apply",
+            "scheme": args.scheme,
+            "rows": args.rows,
+            "dim": args.dim,
+            "codec": args.codec,
+            "bootstrap_s": round(boot_s, 3),
+            "model_tensor_bytes": live.nbytes(),
+            "rss_growth_after_bootstrap_mib": mib(after_boot["VmRSS"] - before["VmRSS"]),
+            "rss_peak_growth_during_applies_mib": mib(peak[0] - before["VmRSS"]),
+            "results": rows,
+        }
+        print(
+            f"\napply ({args.scheme}, {args.rows:,} x {args.dim}, {args.codec}): model "
+            f"tensors {mib(live.nbytes())} MiB, RSS +{doc['rss_growth_after_bootstrap_mib']} "
+            f"MiB after bootstrap, peak +{doc['rss_peak_growth_during_applies_mib']} MiB"
+        )
+        print(
+            f"{'delta rows':>10} {'blob bytes':>12} {'apply ms (median)':>18} {'max':>8} "
+            f"{'swap pause us':>14}"
+        )
+        for r in rows:
+            print(
+                f"{r['delta_rows']:>10,} {r['blob_bytes']:>12,} {r['apply_ms_median']:>18} "
+                f"{r['apply_ms_max']:>8} {r['swap_pause_us_max']:>14}"
+            )
+        return doc
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- pause: in-process readers while deltas apply ------------------------------------------------
+
+
+def cmd_pause(args: argparse.Namespace) -> dict[str, Any]:
+    """Reader threads predict non-stop; deltas apply; measure reader waits and latencies."""
+    torch.set_num_threads(args.torch_threads)
+    workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
+    try:
+        store = open_store(f"file://{workdir}")
+        run = prepare_run(store, args)
+        versions = []
+        for _ in range(args.versions):
+            run.touch_rows("embeddings.item", args.delta_rows)
+            versions.append(run.publish().ref.version)
+        config = run.config
+        run.close()
+        del run
+        gc.collect()
+        live = LiveModel(store, MODEL, scheme=args.scheme)
+        live.pin(1)
+        live.unpin()
+        catalog = Catalog(store, MODEL)
+        refs = [catalog.find(v) for v in versions]
+        batch = build_batch(random_examples(config, args.batch, seed=1), config)
+
+        phase = ["idle"]
+        samples: dict[str, list[tuple[float, float]]] = {"idle": [], "applying": []}
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    with live.reader() as buffer:
+                        t1 = time.perf_counter()
+                        buffer.forward(batch.dense, batch.sparse)
+                    t2 = time.perf_counter()
+                    samples[phase[0]].append((t1 - t0, t2 - t0))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, daemon=True) for _ in range(args.readers)]
+        for t in threads:
+            t.start()
+        time.sleep(args.duration)
+        phase[0] = "applying"
+        apply_times = []
+        pauses = []
+        started = time.monotonic()
+        for ref in refs:
+            if time.monotonic() - started > args.duration * 3:
+                break
+            t0 = time.perf_counter()
+            live.advance(ref)
+            apply_times.append(time.perf_counter() - t0)
+            assert live.last_apply is not None
+            pauses.append(live.last_apply.pause_s)
+        stop.set()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        doc = {
+            "bench": "pause",
+            "scheme": args.scheme,
+            "rows": args.rows,
+            "dim": args.dim,
+            "delta_rows": args.delta_rows,
+            "readers": args.readers,
+            "batch": args.batch,
+            "versions_applied": len(apply_times),
+            "apply": percentiles(apply_times),
+            "writer_swap_pause": percentiles(pauses),
+            "idle_reader_wait": percentiles([w for w, _ in samples["idle"]]),
+            "applying_reader_wait": percentiles([w for w, _ in samples["applying"]]),
+            "idle_predict": percentiles([lat for _, lat in samples["idle"]]),
+            "applying_predict": percentiles([lat for _, lat in samples["applying"]]),
+            "model_tensor_bytes": live.nbytes(),
+            "rss_mib": mib(rss_bytes()["VmRSS"]),
+        }
+        print(
+            f"\npause ({args.scheme}, {args.rows:,} x {args.dim}, deltas of "
+            f"{args.delta_rows:,} rows, {args.readers} readers x batch {args.batch}):"
+        )
+        for key in (
+            "apply",
+            "writer_swap_pause",
+            "idle_reader_wait",
+            "applying_reader_wait",
+            "idle_predict",
+            "applying_predict",
+        ):
+            print(f"  {key:<22} {doc[key]}")
+        print(f"  model tensors {mib(live.nbytes())} MiB")
+        return doc
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- http: loopback load generator ---------------------------------------------------------------
+
+
+@dataclass
+class LoadResult:
+    latencies: list[float] = field(default_factory=list)
+    failures: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    versions: set[int] = field(default_factory=set)
+
+
+def generate_load(
+    url: str, body: bytes, *, concurrency: int, duration: float, max_requests: int
+) -> LoadResult:
+    """`concurrency` closed-loop clients POST /v1/predict for `duration` s (or max_requests)."""
+    result = LoadResult()
+    lock = threading.Lock()
+    deadline = time.monotonic() + duration
+    count = [0]
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            while time.monotonic() < deadline:
+                with lock:
+                    if count[0] >= max_requests:
+                        return
+                    count[0] += 1
+                t0 = time.perf_counter()
+                try:
+                    r = c.post(
+                        "/v1/predict", content=body, headers={"Content-Type": "application/json"}
+                    )
+                    status = str(r.status_code)
+                    version = r.json().get("version") if r.status_code == 200 else None
+                except httpx.HTTPError as exc:
+                    status, version = type(exc).__name__, None
+                elapsed = time.perf_counter() - t0
+                with lock:
+                    result.statuses[status] = result.statuses.get(status, 0) + 1
+                    if status == "200":
+                        result.latencies.append(elapsed)
+                        result.versions.add(int(version))  # type: ignore[arg-type]
+                    else:
+                        result.failures += 1
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return result
+
+
+def cmd_http(args: argparse.Namespace) -> dict[str, Any]:
+    """Predict latency over loopback HTTP: idle, then while deltas are published and applied."""
+    workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
+    server: ServerProcess | None = None
+    try:
+        store_url = f"file://{workdir / 'store'}"
+        bus_url = f"file://{workdir / 'bus.log'}"
+        store = open_store(store_url)
+        announcer = open_announcer(bus_url, MODEL)
+        run = prepare_run(store, args, announce=announcer.announce)
+        server = ServerProcess.start(
+            store_url,
+            bus_url,
+            scheme=args.scheme,
+            log_dir=workdir,
+            extra=["--torch-threads", str(args.torch_threads)],
+        )
+        server.wait_ready()
+        body = json.dumps({"examples": random_examples(run.config, args.batch, seed=2)}).encode()
+        generate_load(
+            server.url, body, concurrency=args.concurrency, duration=1.0, max_requests=10**9
+        )  # warm-up
+        idle = generate_load(
+            server.url,
+            body,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            max_requests=args.max_requests,
+        )
+        v_before = server.info()["version"]
+        stop = threading.Event()
+        published: list[int] = []
+
+        def publish_loop() -> None:
+            while not stop.wait(args.interval):
+                run.touch_rows("embeddings.item", args.delta_rows)
+                published.append(run.publish().ref.version)
+
+        publisher = threading.Thread(target=publish_loop)
+        publisher.start()
+        busy = generate_load(
+            server.url,
+            body,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            max_requests=args.max_requests,
+        )
+        stop.set()
+        publisher.join()
+        info = server.info()
+        rss = rss_bytes(server.proc.pid)
+        run.close()
+        doc = {
+            "bench": "http",
+            "scheme": args.scheme,
+            "rows": args.rows,
+            "dim": args.dim,
+            "delta_rows": args.delta_rows,
+            "batch": args.batch,
+            "concurrency": args.concurrency,
+            "idle": {
+                **percentiles(idle.latencies),
+                "failed": idle.failures,
+                "statuses": idle.statuses,
+            },
+            "applying": {
+                **percentiles(busy.latencies),
+                "failed": busy.failures,
+                "statuses": busy.statuses,
+                "versions_seen": len(busy.versions),
+            },
+            "versions_published": len(published),
+            "versions_applied_during_load": info["version"] - v_before,
+            "server_rss_mib": mib(rss["VmRSS"]),
+            "server_peak_rss_mib": mib(rss["VmHWM"]),
+            "server_model_tensor_mib": mib(info["model_memory_bytes"]),
+        }
+        print(
+            f"\nhttp ({args.scheme}, {args.rows:,} x {args.dim}, batch {args.batch}, "
+            f"{args.concurrency} clients, deltas of {args.delta_rows:,} rows every "
+            f"{args.interval} s):"
+        )
+        print(f"  idle      {doc['idle']}")
+        print(f"  applying  {doc['applying']}")
+        print(
+            f"  versions applied during load: {doc['versions_applied_during_load']}, server "
+            f"RSS {doc['server_rss_mib']} MiB (peak {doc['server_peak_rss_mib']} MiB)"
+        )
+        return doc
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- freshness: train step -> served -------------------------------------------------------------
+
+
+def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
+    """Publish versions at an interval; time from the snapshot (end of the train step) to the
+    moment each server serves that version or a newer one (its `applied_at`)."""
+    workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
+    servers: list[ServerProcess] = []
+    run: SyntheticRun | None = None
+    try:
+        store_url = args.store or f"file://{workdir / 'store'}"
+        bus_url = args.bus or f"file://{workdir / 'bus.log'}"
+        store = open_store(store_url)
+        announcer = open_announcer(bus_url, MODEL)
+        run = prepare_run(store, args, announce=announcer.announce)
+        announcer.flush(10)
+        for _ in range(args.servers):
+            servers.append(
+                ServerProcess.start(store_url, bus_url, scheme=args.scheme, log_dir=workdir)
+            )
+        for s in servers:
+            s.wait_ready()
+        taken: dict[int, float] = {}
+        created: dict[int, float] = {}
+        served_at: list[dict[int, float]] = [{} for _ in servers]
+        stop = threading.Event()
+
+        def watch(i: int, server: ServerProcess) -> None:
+            last = 0
+            with httpx.Client(base_url=server.url, timeout=5) as c:
+                while not stop.is_set():
+                    try:
+                        info = c.get("/v1/model").json()
+                    except httpx.HTTPError:
+                        continue
+                    if info["version"] > last:
+                        applied = _ts(info["applied_at"])
+                        for v in range(last + 1, info["version"] + 1):
+                            served_at[i].setdefault(v, applied)
+                        last = info["version"]
+                    time.sleep(args.poll_s)
+
+        watchers = [
+            threading.Thread(target=watch, args=(i, s), daemon=True) for i, s in enumerate(servers)
+        ]
+        for w in watchers:
+            w.start()
+        for _ in range(args.versions):
+            time.sleep(args.interval)
+            run.train(args.steps_per_version, rows_per_step=args.rows_per_step)
+            result = run.publish()
+            taken[result.ref.version] = result.taken_at
+            created[result.ref.version] = result.manifest.created_at.timestamp()
+        last_version = max(taken)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(last_version in s for s in served_at):
+            time.sleep(0.05)
+        stop.set()
+        for w in watchers:
+            w.join(timeout=5)
+        fresh, publish_part, serve_part = [], [], []
+        for per_server in served_at:
+            for v, t_taken in taken.items():
+                if v in per_server:
+                    fresh.append(per_server[v] - t_taken)
+                    publish_part.append(created[v] - t_taken)
+                    serve_part.append(per_server[v] - created[v])
+        missing = sum(1 for s in served_at for v in taken if v not in s)
+        sizes = [r.bytes_written for r in run.published[1:]]
+        doc = {
+            "bench": "freshness",
+            "store": store_url.split("://")[0],
+            "bus": bus_url.split("://")[0],
+            "servers": len(servers),
+            "versions": len(taken),
+            "interval_s": args.interval,
+            "rows": args.rows,
+            "dim": args.dim,
+            "codec": args.codec,
+            "delta_bytes_median": int(np.median(sizes)) if sizes else 0,
+            "train_step_to_served": percentiles(fresh),
+            "train_step_to_committed": percentiles(publish_part),
+            "committed_to_served": percentiles(serve_part),
+            "never_seen": missing,
+        }
+        print(
+            f"\nfreshness ({doc['store']} store, {doc['bus']} bus, {len(servers)} servers, "
+            f"{len(taken)} versions every {args.interval} s, median delta "
+            f"{doc['delta_bytes_median']:,} bytes):"
+        )
+        for key in ("train_step_to_served", "train_step_to_committed", "committed_to_served"):
+            print(f"  {key:<24} {doc[key]}")
+        return doc
+    finally:
+        for s in servers:
+            s.stop()
+        if run is not None:
+            run.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _ts(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+# --- command line ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.serving",
+        description="Serving measurements (bounded in count and time); prints figures.",
+    )
+    parser.add_argument("--json", action="store_true", help="also print one JSON document")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=900.0,
+        help="abort the whole run after this long (default %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, rows: int, dim: int = 64) -> None:
+        p.add_argument("--rows", type=int, default=rows, help="rows of the big table")
+        p.add_argument("--dim", type=int, default=dim)
+        p.add_argument("--codec", default="int8")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--scheme", choices=["double-buffer", "rwlock"], default="double-buffer")
+        p.add_argument("--torch-threads", type=int, default=1)
+
+    p = sub.add_parser("apply", help="apply time vs delta size, and memory")
+    common(p, 1_000_000)
+    p.add_argument(
+        "--sizes", default="1000,10000,100000,300000", help="delta sizes in rows, comma separated"
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("pause", help="worst predict pause while deltas apply (in-process)")
+    common(p, 1_000_000)
+    p.add_argument("--delta-rows", type=int, default=100_000)
+    p.add_argument("--versions", type=int, default=10, help="deltas applied")
+    p.add_argument("--readers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--duration", type=float, default=5.0, help="seconds of the idle phase")
+    p.set_defaults(func=cmd_pause)
+
+    p = sub.add_parser("http", help="predict latency over loopback HTTP, idle vs applying")
+    common(p, 1_000_000)
+    p.add_argument("--delta-rows", type=int, default=10_000)
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between deltas")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--duration", type=float, default=15.0, help="seconds per phase")
+    p.add_argument("--max-requests", type=int, default=100_000, help="per phase")
+    p.set_defaults(func=cmd_http)
+
+    p = sub.add_parser("freshness", help="train step -> served latency (p50/p99)")
+    common(p, 100_000, dim=32)
+    p.add_argument("--store", help="store URL (default: a temporary file:// store)")
+    p.add_argument("--bus", help="bus URL (default: a temporary file:// log)")
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--versions", type=int, default=40)
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between versions")
+    p.add_argument("--steps-per-version", type=int, default=5)
+    p.add_argument("--rows-per-step", type=int, default=512)
+    p.add_argument("--poll-s", type=float, default=0.005, help="watcher poll interval")
+    p.set_defaults(func=cmd_freshness)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command: Callable[[argparse.Namespace], dict[str, Any]] = args.func
+    with time_limit(args.max_seconds):
+        doc = command(args)
+    if args.json:
+        print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

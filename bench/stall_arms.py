@@ -1,0 +1,238 @@
+"""Measure what checkpointing costs the trainer: stall per checkpoint and overall overhead.
+
+    python -m bench.stall_arms --data movielens --policy intermittent --codec int4 \\
+        --interval-samples 50000 [--max-samples N] [--repeats 2] [--json]
+
+Runs the same training (same seed, same batches) in two arms, alternating `--repeats` times:
+
+- `off`: no incremental checkpointing. At every interval boundary the full state (model
+  state_dict and optimizer state_dicts) is written with `torch.save` to a local file, the
+  synchronous checkpoint a plain PyTorch trainer would stall on; that time is measured per
+  checkpoint and left out of the arm's training time.
+- `on`: `IncrementalCheckpointer` with the given policy and codec, publishing to a file store in
+  a temporary directory (or `--store`).
+
+Overhead = (training time on / training time off) - 1, from the medians over the repeats. The
+machine is shared, so alternating arms and taking medians is what keeps noise from deciding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.checkpointer import IncrementalCheckpointer
+from trainer.cli import DEFAULT_INTERVAL_SAMPLES, add_train_args, build_model, open_stream
+from trainer.online import (
+    train_online,
+)
+from trainer.streams.base import Batch, InteractionStream
+
+
+def _stop(args: argparse.Namespace, stream: InteractionStream) -> int:
+    stop = args.max_samples or stream.num_samples
+    if stop is None:
+        raise SystemExit("the synthetic stream never ends: give --max-samples")
+    return min(stop, stream.num_samples or stop)
+
+
+def run_off(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+    """Train without incremental checkpoints; torch.save the full state at each boundary."""
+    model, optimizers = build_model(args, stream)
+    interval = args.interval_samples
+    path = scratch / "torch_save.pt"
+    saves: list[float] = []
+    save_cpu: list[float] = []
+    since = 0
+    size = 0
+
+    def on_batch(batch: Batch, _: object) -> None:
+        nonlocal since, size
+        since += batch.size
+        if since < interval:
+            return
+        since = 0
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        torch.save(
+            {"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers]},
+            path,
+        )
+        saves.append(time.perf_counter() - started)
+        save_cpu.append(time.thread_time() - cpu_started)
+        size = path.stat().st_size
+
+    report = train_online(
+        model,
+        optimizers,
+        stream,
+        batch_size=args.batch_size,
+        stop=_stop(args, stream),
+        on_batch=on_batch,
+    )
+    path.unlink(missing_ok=True)
+    return {
+        "train_s": report.seconds - sum(saves),
+        "train_cpu_s": report.cpu_seconds - sum(save_cpu),
+        "samples": report.samples,
+        "torch_save_ms": [s * 1e3 for s in saves],
+        "torch_save_bytes": size,
+        "auc": report.metrics.get("auc_cumulative"),
+    }
+
+
+def run_on(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+    """Train with the incremental checkpointer publishing to a file store."""
+    model, optimizers = build_model(args, stream)
+    store = args.store or f"file://{scratch / 'store'}"
+    ckpt = IncrementalCheckpointer(
+        model,
+        optimizers,
+        store=store,
+        model_name=args.model or "bench",
+        policy=args.policy,
+        codec=args.codec,
+        interval_samples=args.interval_samples,
+        publish_in=args.publish_in,
+    )
+    with ckpt:
+        report = train_online(
+            model,
+            optimizers,
+            stream,
+            batch_size=args.batch_size,
+            stop=_stop(args, stream),
+            checkpointer=ckpt,
+        )
+        started = time.perf_counter()
+        ckpt.flush()
+        flush_s = time.perf_counter() - started
+        merges = ckpt.background.merges
+        peak = ckpt.background.peak_pending_bytes
+    return {
+        "train_s": report.seconds,
+        "train_cpu_s": report.cpu_seconds,
+        "samples": report.samples,
+        "flush_s": flush_s,
+        "merges": merges,
+        "peak_pending_bytes": peak,
+        "records": [r.to_json() for r in report.records],
+        "auc": report.metrics.get("auc_cumulative"),
+    }
+
+
+def summarise(offs: list[dict[str, Any]], ons: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats and per-checkpoint statistics of the last `on` run."""
+    off_s = statistics.median(r["train_s"] for r in offs)
+    on_s = statistics.median(r["train_s"] for r in ons)
+    off_cpu = statistics.median(r["train_cpu_s"] for r in offs)
+    on_cpu = statistics.median(r["train_cpu_s"] for r in ons)
+    saves = [ms for r in offs for ms in r["torch_save_ms"]]
+    stalls = [rec["stall_ms"] for r in ons for rec in r["records"]]
+    last = ons[-1]["records"]
+    published = [rec for rec in last if rec["bytes"]]
+    written = sum(rec["bytes"] for rec in published)
+    full = sum(rec["full_fp32_bytes"] for rec in published)
+    dirty = [rec["dirty_fraction_total"] for rec in last]
+    deltas = [rec for rec in published if rec["kind"] == "delta"]
+    return {
+        "samples": ons[-1]["samples"],
+        "train_s_off": round(off_s, 3),
+        "train_s_on": round(on_s, 3),
+        "overhead_pct": round((on_s / off_s - 1) * 100, 2),
+        "train_cpu_s_off": round(off_cpu, 3),
+        "train_cpu_s_on": round(on_cpu, 3),
+        "overhead_cpu_pct": round((on_cpu / off_cpu - 1) * 100, 2),
+        "stall_total_s": round(sum(stalls) / 1e3 / len(ons), 3),
+        "samples_per_s_off": round(ons[-1]["samples"] / off_s, 1),
+        "samples_per_s_on": round(ons[-1]["samples"] / on_s, 1),
+        "checkpoints": len(last),
+        "stall_ms_median": round(statistics.median(stalls), 3) if stalls else None,
+        "stall_ms_max": round(max(stalls), 3) if stalls else None,
+        "torch_save_ms_median": round(statistics.median(saves), 3) if saves else None,
+        "torch_save_ms_max": round(max(saves), 3) if saves else None,
+        "torch_save_bytes": offs[-1]["torch_save_bytes"],
+        "dirty_fraction_median": round(float(np.median(dirty)), 6) if dirty else None,
+        "dirty_fraction_max": round(max(dirty), 6) if dirty else None,
+        "bytes_written": written,
+        "full_fp32_bytes": full,
+        "ratio_overall": round(full / written, 2) if written else None,
+        "ratio_delta_median": (
+            round(statistics.median(r["ratio"] for r in deltas), 2) if deltas else None
+        ),
+        "versions": len(published),
+        "merges": ons[-1]["merges"],
+        "flush_s": round(ons[-1]["flush_s"], 3),
+        "peak_pending_bytes": ons[-1]["peak_pending_bytes"],
+        "auc_off": offs[-1]["auc"],
+        "auc_on": ons[-1]["auc"],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run both arms and print the comparison (one JSON document with --json)."""
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    parser = argparse.ArgumentParser(prog="python -m bench.stall_arms", description=__doc__)
+    add_train_args(parser)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating off/on pairs")
+    parser.set_defaults(store=None)  # a temporary file store unless --store is given
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.interval_samples is None:
+        args.interval_samples = DEFAULT_INTERVAL_SAMPLES
+    stream = open_stream(args)
+    scratch = Path(tempfile.mkdtemp(prefix="checknrun-bench-"))
+    offs: list[dict[str, Any]] = []
+    ons: list[dict[str, Any]] = []
+    try:
+        for repeat in range(args.repeats):
+            offs.append(run_off(args, stream, scratch))
+            shutil.rmtree(scratch / "store", ignore_errors=True)
+            ons.append(run_on(args, stream, scratch))
+            if not args.json:
+                print(
+                    f"repeat {repeat + 1}: off {offs[-1]['train_s']:.2f} s "
+                    f"(cpu {offs[-1]['train_cpu_s']:.2f}), on {ons[-1]['train_s']:.2f} s "
+                    f"(cpu {ons[-1]['train_cpu_s']:.2f})",
+                    file=sys.stderr,
+                )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = summarise(offs, ons)
+    doc = {
+        "data": args.data,
+        "policy": args.policy,
+        "codec": args.codec,
+        "interval_samples": args.interval_samples,
+        "publish_in": args.publish_in,
+        "batch_size": args.batch_size,
+        "summary": summary,
+        "checkpoints": ons[-1]["records"],
+    }
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    for rec in ons[-1]["records"]:
+        print(
+            f"v{rec['version'] or '-':<3} {rec['kind']:<5} stall {rec['stall_ms']:8.2f} ms  "
+            f"dirty {rec['dirty_fraction_total']:7.2%}  bytes {rec['bytes'] or 0:>12,}  "
+            f"ratio {rec['ratio'] or 0:6.2f}x"
+        )
+    for key, value in summary.items():
+        print(f"{key:>22}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

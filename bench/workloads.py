@@ -1,0 +1,202 @@
+"""The two benchmark workloads and the small training loop every part shares.
+
+`movielens`: MovieLens-1M replayed in timestamp order (dim 16, the trainer's default).
+`synthetic`: the Criteo-like stream with table cap 730,000 (26 tables, ~4.2M rows x dim 64,
+~1.08 GB of fp32 embeddings). Quick mode shrinks both so every part checks its machinery in
+seconds. Training does not depend on the checkpoint policy or codec, so parts train once and
+look at the state at each interval boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from publisher.codecs import decode_rows, encode_rows
+from publisher.dlrm import DLRM, TABLE_PREFIX
+from trainer.online import (
+    DLRMSettings,
+    OptimizerSettings,
+    build_dlrm,
+    build_optimizers,
+    train_step,
+)
+from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.streams.base import Batch, DataError, InteractionStream
+
+WORKLOADS = ("movielens", "synthetic")
+#: the trainer's defaults (trainer.cli): what "the default settings" of the targets mean.
+DEFAULT_POLICY = "intermittent"
+DEFAULT_CODEC = "int4"
+BATCH_SIZE = 512
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A stream, the model sized for it, and the checkpoint interval."""
+
+    name: str
+    stream: InteractionStream
+    embedding_dim: int
+    interval_samples: int
+    stop: int
+    description: str
+
+    @property
+    def intervals(self) -> int:
+        return -(-self.stop // self.interval_samples)
+
+    def describe(self) -> dict[str, Any]:
+        rows = sum(f.rows for f in self.stream.features)
+        return {
+            "name": self.name,
+            "description": self.description,
+            "tables": len(self.stream.features),
+            "table_rows_total": rows,
+            "embedding_dim": self.embedding_dim,
+            "fp32_embedding_bytes": rows * self.embedding_dim * 4,
+            "interval_samples": self.interval_samples,
+            "samples": self.stop,
+            "intervals": self.intervals,
+            "batch_size": BATCH_SIZE,
+        }
+
+
+def make_workload(
+    name: str,
+    quick: bool,
+    *,
+    table_cap: int | None = None,
+    intervals: int | None = None,
+    interval_samples: int | None = None,
+) -> Workload:
+    """The named workload at full or quick size (overrides for the accuracy part's runs)."""
+    if name == "movielens":
+        from trainer.streams.movielens import load_movielens
+
+        stream: InteractionStream = load_movielens()
+        total = int(stream.num_samples or 0)
+        interval = interval_samples or (5_000 if quick else 50_000)
+        stop = min(total, interval * intervals) if intervals else total
+        if quick and not intervals:
+            stop = min(total, 3 * interval)
+        return Workload(
+            name, stream, 16, interval, stop, "MovieLens-1M in timestamp order (rating >= 4)"
+        )
+    if name == "synthetic":
+        from trainer.streams.synthetic import (
+            SyntheticConfig,
+            SyntheticStream,
+            criteo_like_cardinalities,
+        )
+
+        cap = table_cap or (500 if quick else 730_000)
+        stream = SyntheticStream(SyntheticConfig(cardinalities=criteo_like_cardinalities(cap)))
+        interval = interval_samples or (2_000 if quick else 50_000)
+        n = intervals or (3 if quick else 8)
+        return Workload(
+            name,
+            stream,
+            64,
+            interval,
+            interval * n,
+            f"synthetic Criteo-like stream, 26 tables capped at {cap:,} rows, Zipf ids, drift",
+        )
+    raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+def available(name: str) -> bool:
+    """Whether the workload's data is installed (MovieLens comes from a wheel)."""
+    if name != "movielens":
+        return True
+    try:
+        from trainer.streams.movielens import default_directory
+
+        return (default_directory() / "ml-1m.inter").exists()
+    except DataError:
+        return False
+
+
+class BenchTrainer:
+    """DLRM + [row-wise Adagrad, Adam] on a workload; tables addressed by manifest name."""
+
+    def __init__(self, workload: Workload, seed: int = 0) -> None:
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        self.workload = workload
+        self.model: DLRM = build_dlrm(
+            workload.stream.features,
+            workload.stream.dense_names,
+            DLRMSettings(embedding_dim=workload.embedding_dim),
+            seed=seed,
+        )
+        self.optimizers = build_optimizers(self.model, OptimizerSettings())
+        self.metrics = ProgressiveMetrics()
+        self.features = [f.name for f in workload.stream.features]
+        self.table_rows = {TABLE_PREFIX + f.name: f.rows for f in workload.stream.features}
+
+    def weight(self, table: str) -> torch.Tensor:
+        """The live weight of a table (`embeddings.<feature>`)."""
+        module = self.model.embeddings[table.removeprefix(TABLE_PREFIX)]
+        assert isinstance(module, torch.nn.EmbeddingBag)
+        return module.weight
+
+    def aux(self, table: str) -> torch.Tensor:
+        """Row-wise Adagrad's accumulator of a table as (rows, 1): the blob's aux column."""
+        state = self.optimizers[0].state[self.weight(table)]
+        accumulator: torch.Tensor = state["sum"]
+        return accumulator.reshape(-1, 1)
+
+    def batches(self, start: int, stop: int) -> Iterator[Batch]:
+        return self.workload.stream.batches(BATCH_SIZE, start=start, stop=stop)
+
+    def train(self, batch: Batch) -> None:
+        train_step(self.model, self.optimizers, batch, self.metrics)
+
+    def dense_bytes(self) -> int:
+        """fp32 bytes of the dense parameters and all non-row optimizer state."""
+        table_ids = {id(self.weight(t)) for t in self.table_rows}
+        params = sum(p.numel() * 4 for p in self.model.parameters() if id(p) not in table_ids)
+        dense_opt = self.optimizers[1].state_dict()["state"]
+        moments = sum(v.numel() * 4 for s in dense_opt.values() for v in s.values() if v.dim() > 0)
+        return int(params + moments)
+
+    def save_state(self) -> dict[str, Any]:
+        """A deep copy of model, optimizers and metrics (what an exact fp32 restore gives)."""
+        return {
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
+            "metrics": copy.deepcopy(self.metrics),
+        }
+
+    def load_state(self, state: dict[str, Any], codec: str) -> None:
+        """Restore a saved state with every table row passed through `codec`."""
+        self.model.load_state_dict(state["model"])
+        for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(copy.deepcopy(sd))
+        self.metrics = copy.deepcopy(state["metrics"])
+        if codec != "fp32":
+            with torch.no_grad():
+                for table in self.table_rows:
+                    quantize_in_place(self.weight(table), codec)
+
+
+def quantize_in_place(weight: torch.Tensor, codec: str) -> None:
+    """Replace a table's rows by what a reader decodes from `codec` (row chunks, bounded memory)."""
+    data = weight.detach().numpy()
+    chunk = 1 << 16
+    for lo in range(0, data.shape[0], chunk):
+        rows = np.ascontiguousarray(data[lo : lo + chunk])
+        data[lo : lo + chunk] = decode_rows(encode_rows(codec, rows))
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, batches: Iterator[Batch], metrics: ProgressiveMetrics) -> None:
+    """Score batches without training (the served model's view of the upcoming samples)."""
+    for batch in batches:
+        metrics.update(model(batch.dense, batch.sparse), batch.labels)

@@ -1,0 +1,1 @@
+"""The read side: the version catalog, restore, following announcements, retention."""

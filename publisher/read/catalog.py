@@ -1,0 +1,135 @@
+"""The read side of a model's store layout: HEAD, manifests and restore chains.
+
+Everything fetched is validated (schemas/) and checked to belong to the model asked for. A version
+is committed iff it is reachable from HEAD through `parent_manifest` links (docs/FORMAT.md
+section 2), so listing walks that chain and never shows an orphan of a crashed publish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from publisher.store import NotFoundError, ObjectStore
+from schemas.errors import ManifestError
+from schemas.manifest import Head, Manifest, check_model_name
+from schemas.store_keys import head_key
+
+
+class CatalogError(Exception):
+    """A model's versions cannot be read as asked."""
+
+
+class NoVersionError(CatalogError):
+    """The model has no committed version, or not the one asked for."""
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    """A committed manifest and the key it was read from."""
+
+    manifest: Manifest
+    key: str
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+class Catalog:
+    """Reads one model's committed versions from a store. Manifests are cached by key."""
+
+    def __init__(self, store: ObjectStore, model: str) -> None:
+        self.store = store
+        self.model = check_model_name(model)
+        self._manifests: dict[str, Manifest] = {}
+
+    def head(self) -> Head | None:
+        """The HEAD record, or None when nothing was committed yet."""
+        try:
+            data = self.store.get(head_key(self.model))
+        except NotFoundError:
+            return None
+        head = Head.from_json(data)
+        if head.model != self.model:
+            raise ManifestError(f"HEAD names model {head.model!r}, expected {self.model!r}")
+        return head
+
+    def manifest(self, key: str) -> Manifest:
+        """The validated manifest stored at `key`."""
+        cached = self._manifests.get(key)
+        if cached is not None:
+            return cached
+        manifest = Manifest.from_json(self.store.get(key))
+        if manifest.model != self.model:
+            raise ManifestError(f"{key} holds model {manifest.model!r}, expected {self.model!r}")
+        self._manifests[key] = manifest
+        return manifest
+
+    def remember(self, key: str, manifest: Manifest) -> None:
+        """Cache a manifest this process wrote itself."""
+        self._manifests[key] = manifest
+
+    def latest(self) -> VersionRef | None:
+        """The version HEAD points to."""
+        head = self.head()
+        if head is None:
+            return None
+        manifest = self.manifest(head.manifest)
+        if manifest.version != head.version:
+            raise ManifestError(
+                f"HEAD says version {head.version} but {head.manifest} holds {manifest.version}"
+            )
+        return VersionRef(manifest, head.manifest)
+
+    def versions(self, since: int = 0) -> list[VersionRef]:
+        """Committed versions newer than `since`, oldest first (walks back from HEAD)."""
+        found: list[VersionRef] = []
+        ref = self.latest()
+        while ref is not None and ref.version > since:
+            found.append(ref)
+            parent_key = ref.manifest.parent_manifest
+            if parent_key is None:
+                break
+            try:
+                parent = self.manifest(parent_key)
+            except NotFoundError:
+                break  # history before this version was removed by gc
+            if parent.version != ref.manifest.parent:
+                raise ManifestError(
+                    f"{ref.key} names parent {ref.manifest.parent} but {parent_key} holds "
+                    f"{parent.version}"
+                )
+            ref = VersionRef(parent, parent_key)
+        found.reverse()
+        return found
+
+    def find(self, version: int | None = None) -> VersionRef:
+        """The committed `version` (the latest when None)."""
+        if version is None:
+            ref = self.latest()
+            if ref is None:
+                raise NoVersionError(f"model {self.model!r} has no committed version")
+            return ref
+        for ref in reversed(self.versions(since=version - 1)):
+            if ref.version == version:
+                return ref
+        raise NoVersionError(f"model {self.model!r} has no committed version {version}")
+
+    def chain(self, version: int | None = None) -> list[VersionRef]:
+        """What restoring `version` reads: its full baseline, then each delta, in order.
+
+        Deltas are followed through `applies_to`, so a one-shot chain is baseline + one delta.
+        """
+        target = self.find(version)
+        by_version = {r.version: r for r in self.versions(since=target.manifest.baseline - 1)}
+        chain = [target]
+        while chain[0].manifest.kind == "delta":
+            applies_to = chain[0].manifest.applies_to
+            assert applies_to is not None  # the manifest validator guarantees it for deltas
+            ref = by_version.get(applies_to)
+            if ref is None:
+                raise NoVersionError(
+                    f"version {chain[0].version} applies to {applies_to}, which is not committed"
+                )
+            chain.insert(0, ref)
+        return chain

@@ -1,0 +1,363 @@
+"""Follows one model's committed versions: announcements are hints, the store is the truth.
+
+    follower = VersionFollower(Catalog(store, "movielens"), open_source(bus_url))
+    while running:
+        for ref in follower.poll(current=live.version, timeout_s=1.0):
+            live.apply(ref)              # the caller verifies blobs and checks ref.manifest
+
+`poll` returns the committed versions to apply on top of `current`, in order:
+
+- An announcement whose parent is `current` is the fast path: its manifest is read, checked to
+  be the one HEAD names (so it is committed, not an orphan of a crashed writer) and returned.
+- Anything else newer than `current` means messages were missed (the bus lost them, the server
+  started late, the topic was recreated): the follower reconciles from the store, reading HEAD
+  and walking `parent_manifest` links back to `current`. The plan starts at the newest full
+  version in (current, HEAD] if there is one, and otherwise holds every version in (current,
+  HEAD]; each delta in it is valid on top of the state before it (docs/FORMAT.md section 3:
+  `applies_to <= state < version`, which the caller can check on `ref.manifest.applies_to`).
+- With `current=None` (nothing applied yet) the plan is what restoring HEAD reads: its full
+  baseline, then the deltas its `applies_to` links lead through.
+- When no announcement of this model arrives for `poll_head_after_s` seconds, HEAD is polled
+  directly, so a dead bus only delays updates. The first poll reads HEAD at once.
+
+Messages are hostile input (docs/FORMAT.md section 6): each is size-capped and validated, and a
+bad one is dropped, logged and counted in `stats.ignored` by reason; nothing about a message, and
+no store failure, ever raises out of `poll`. Store failures are logged and retried on a later
+poll (`retry_after_error_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Final
+
+from publisher.bus.base import AnnouncementSource
+from publisher.read.catalog import Catalog, CatalogError, VersionRef
+from publisher.store import StoreError
+from schemas.announcement import MAX_ANNOUNCEMENT_BYTES, Announcement
+from schemas.errors import AnnouncementError, FormatError, ManifestError
+from schemas.manifest import Head
+from schemas.store_keys import check_key, is_manifest_key
+
+log = logging.getLogger(__name__)
+
+#: why a message was ignored, the keys of `FollowerStats.ignored`.
+OVERSIZED: Final = "oversized"  # longer than max_message_bytes
+BAD_JSON: Final = "bad_json"  # not UTF-8 JSON, or not an object
+UNKNOWN_SCHEMA: Final = "unknown_schema"  # schema_version is not 1
+OTHER_MODEL: Final = "other_model"  # an announcement of another model (normal on a shared bus)
+BAD_KEY: Final = "bad_key"  # manifest_key outside MODEL/manifests/, or unsafe
+INVALID: Final = "invalid"  # any other schema violation
+OLD: Final = "old"  # version <= current: a duplicate or a late message
+UNCOMMITTED: Final = "uncommitted"  # HEAD does not (yet) reach the announced manifest
+MISMATCH: Final = "mismatch"  # the manifest at manifest_key disagrees with the announcement
+REASONS: Final = (
+    OVERSIZED,
+    BAD_JSON,
+    UNKNOWN_SCHEMA,
+    OTHER_MODEL,
+    BAD_KEY,
+    INVALID,
+    OLD,
+    UNCOMMITTED,
+    MISMATCH,
+)
+
+#: what reading the store may raise; all of it is retried later, never raised out of poll.
+_STORE_FAILURES = (StoreError, FormatError, CatalogError, OSError)
+
+
+@dataclass
+class FollowerStats:
+    """Counters of what the follower received and did."""
+
+    received: int = 0  # raw messages taken from the source
+    applied_candidates: int = 0  # versions returned by poll
+    reconciles: int = 0  # catch-ups from the store because announcements had a gap
+    head_polls: int = 0  # HEAD reads on the timer (first poll, silence, retry after an error)
+    store_errors: int = 0  # store reads that failed (retried later)
+    ignored: dict[str, int] = field(default_factory=dict)  # by reason (see REASONS)
+
+    @property
+    def ignored_total(self) -> int:
+        return sum(self.ignored.values())
+
+
+class VersionFollower:
+    """Turns announcements (or, without them, HEAD polls) into the versions a replica applies."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        source: AnnouncementSource | None,
+        *,
+        poll_head_after_s: float = 5.0,
+        max_message_bytes: int = MAX_ANNOUNCEMENT_BYTES,
+        retry_after_error_s: float = 1.0,
+    ) -> None:
+        self.catalog = catalog
+        self.model = catalog.model
+        self.source = source
+        self.poll_head_after_s = poll_head_after_s
+        self.max_message_bytes = max_message_bytes
+        self.retry_after_error_s = retry_after_error_s
+        self.stats = FollowerStats()
+        self._next_head_poll = 0.0  # the first poll reads HEAD at once
+
+    def poll(self, current: int | None, timeout_s: float) -> list[VersionRef]:
+        """Committed versions newer than `current` to apply, in order; [] after `timeout_s`.
+
+        Returns as soon as there is something to apply. Never raises for bad messages or store
+        failures (see the module docstring).
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            refs = self._step(current, deadline)
+            if refs:
+                self.stats.applied_candidates += len(refs)
+                return refs
+            if time.monotonic() >= deadline:
+                return []
+
+    def start_reading(self, timeout_s: float = 5.0) -> bool:
+        """Fix the source's start before a bootstrap reads HEAD (see AnnouncementSource)."""
+        if self.source is None:
+            return True
+        try:
+            return self.source.start_reading(timeout_s)
+        except Exception:
+            log.exception("announcement source %r failed; relying on HEAD polls", self.source)
+            return False
+
+    def close(self) -> None:
+        """Close the source."""
+        if self.source is not None:
+            self.source.close()
+
+    # --- one round ---------------------------------------------------------------------------
+
+    def _step(self, current: int | None, deadline: float) -> list[VersionRef]:
+        now = time.monotonic()
+        if now >= self._next_head_poll:
+            self.stats.head_polls += 1
+            self._next_head_poll = now + self.poll_head_after_s
+            refs = self._guarded(partial(self._plan, current), "polling HEAD")
+            if refs:
+                return refs
+        wait = max(0.0, min(deadline, self._next_head_poll) - time.monotonic())
+        if self.source is None:
+            time.sleep(wait)
+            return []
+        try:
+            raw = self.source.poll(wait)
+        except Exception:
+            # Sources promise not to raise; if one does anyway, HEAD polling must go on.
+            log.exception("announcement source %r failed; relying on HEAD polls", self.source)
+            time.sleep(wait)
+            return []
+        return self._handle(raw, current)
+
+    def _handle(self, raw: list[bytes], current: int | None) -> list[VersionRef]:
+        refs: list[VersionRef] = []
+        cur = current
+        for data in raw:
+            self.stats.received += 1
+            announcement = self._validate(data)
+            if announcement is None:
+                continue
+            # Announcements of this model arrive: no need to poll HEAD for a while.
+            self._next_head_poll = time.monotonic() + self.poll_head_after_s
+            if cur is not None and announcement.version <= cur:
+                self._ignore(OLD, f"version {announcement.version} <= current {cur}")
+                continue
+            got = self._guarded(partial(self._follow, announcement, cur), "following")
+            if got is None:
+                break  # the store is failing: the next HEAD poll retries, the rest are hints
+            if got:
+                refs.extend(got)
+                cur = got[-1].version
+        return refs
+
+    def _guarded(self, read: Callable[[], list[VersionRef]], what: str) -> list[VersionRef] | None:
+        """`read()`, or None (logged, counted, retried soon) if the store fails."""
+        try:
+            return read()
+        except _STORE_FAILURES as exc:
+            self.stats.store_errors += 1
+            self._next_head_poll = min(
+                self._next_head_poll, time.monotonic() + self.retry_after_error_s
+            )
+            log.warning(
+                "%s %s: store read failed (%s: %s); retrying in %.1f s",
+                what,
+                self.model,
+                type(exc).__name__,
+                exc,
+                self.retry_after_error_s,
+            )
+            return None
+
+    # --- the two paths -----------------------------------------------------------------------
+
+    def _follow(self, announcement: Announcement, current: int | None) -> list[VersionRef]:
+        """The versions an announcement newer than `current` leads to."""
+        if current is None or announcement.parent != current:
+            self.stats.reconciles += 1
+            return self._plan(current)
+        head = self.catalog.head()
+        if head is None or head.version < announcement.version:
+            # Announced before HEAD shows it (a lagging replica of the store) or never
+            # committed at all: HEAD polls pick it up if and when it is.
+            self._ignore(UNCOMMITTED, _describe(announcement, head))
+            self._next_head_poll = min(
+                self._next_head_poll, time.monotonic() + self.retry_after_error_s
+            )
+            return []
+        if head.version == announcement.version and head.manifest != announcement.manifest_key:
+            # Same number, another manifest: the announced one is a losing writer's orphan;
+            # the committed one is read by the catch-up below.
+            self._ignore(UNCOMMITTED, _describe(announcement, head))
+        if head.version > announcement.version or head.manifest != announcement.manifest_key:
+            self.stats.reconciles += 1
+            return self._plan(current, head)
+        manifest = self.catalog.manifest(announcement.manifest_key)
+        if (
+            manifest.version != announcement.version
+            or manifest.parent != announcement.parent
+            or manifest.kind != announcement.kind
+        ):
+            self._ignore(
+                MISMATCH,
+                f"{announcement.manifest_key} holds version {manifest.version} (parent "
+                f"{manifest.parent}, {manifest.kind}), the announcement says "
+                f"{announcement.version} (parent {announcement.parent}, {announcement.kind})",
+            )
+            return []
+        return [VersionRef(manifest, announcement.manifest_key)]
+
+    def _plan(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
+        """The catch-up plan from `current` to HEAD, read from the store (module docstring)."""
+        latest = self._latest(head)
+        if latest is None:
+            return []
+        if current is not None and latest.version <= current:
+            if latest.version < current:
+                log.warning(
+                    "HEAD of %s is version %d, behind the applied version %d: was the store "
+                    "rolled back? keeping the current version",
+                    self.model,
+                    latest.version,
+                    current,
+                )
+            return []
+        # Walk parent links back from HEAD until the first version after `current`, or the
+        # newest full version, whichever comes first: nothing older is needed.
+        walked = [latest]
+        ref = latest
+        while ref.manifest.kind != "full":
+            parent, parent_key = ref.manifest.parent, ref.manifest.parent_manifest
+            if parent is None or parent_key is None:
+                raise ManifestError(f"{ref.key}: a delta without a parent")
+            if current is not None and parent <= current:
+                break
+            manifest = self.catalog.manifest(parent_key)
+            if manifest.version != parent:
+                raise ManifestError(
+                    f"{ref.key} names parent {parent} but {parent_key} holds {manifest.version}"
+                )
+            ref = VersionRef(manifest, parent_key)
+            walked.append(ref)
+        walked.reverse()
+        if current is not None:
+            return walked
+        # Bootstrap: the full baseline, then only the deltas the applies_to links go through
+        # (a one-shot chain is baseline + its last delta).
+        by_version = {r.version: r for r in walked}
+        chain = [latest]
+        while chain[0].manifest.kind == "delta":
+            applies_to = chain[0].manifest.applies_to
+            base = by_version.get(applies_to) if applies_to is not None else None
+            if base is None:
+                raise ManifestError(
+                    f"{chain[0].key} applies to {applies_to}, which is not in its chain"
+                )
+            chain.insert(0, base)
+        return chain
+
+    def _latest(self, head: Head | None) -> VersionRef | None:
+        if head is None:
+            return self.catalog.latest()
+        manifest = self.catalog.manifest(head.manifest)
+        if manifest.version != head.version:
+            raise ManifestError(
+                f"HEAD says version {head.version} but {head.manifest} holds {manifest.version}"
+            )
+        return VersionRef(manifest, head.manifest)
+
+    # --- validation --------------------------------------------------------------------------
+
+    def _validate(self, data: bytes) -> Announcement | None:
+        """The announcement in `data` if it is a valid one of this model, else None (counted)."""
+        if len(data) > self.max_message_bytes:
+            self._ignore(OVERSIZED, f"{len(data)} bytes > {self.max_message_bytes}")
+            return None
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            self._ignore(BAD_JSON, str(exc)[:200])
+            return None
+        if not isinstance(obj, dict):
+            self._ignore(BAD_JSON, f"a JSON {type(obj).__name__}, not an object")
+            return None
+        schema = obj.get("schema_version")
+        if type(schema) is not int or schema != 1:  # `type` check: True == 1 in Python
+            self._ignore(UNKNOWN_SCHEMA, f"schema_version {schema!r}")
+            return None
+        if obj.get("model") != self.model:
+            self._ignore(OTHER_MODEL, f"model {str(obj.get('model'))[:140]!r}")
+            return None
+        key = obj.get("manifest_key")
+        if not self._own_manifest_key(key):
+            self._ignore(BAD_KEY, f"manifest_key {str(key)[:300]!r}")
+            return None
+        try:
+            return Announcement.from_json(data)
+        except AnnouncementError as exc:
+            self._ignore(INVALID, str(exc)[:300])
+            return None
+
+    def _own_manifest_key(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        if not is_manifest_key(self.model, key):
+            return False
+        try:
+            check_key(self.model, key)
+        except ManifestError:
+            return False
+        return True
+
+    def _ignore(self, reason: str, detail: str) -> None:
+        count = self.stats.ignored.get(reason, 0) + 1
+        self.stats.ignored[reason] = count
+        # Logged at 1, 2, 4, 8... per reason: a flood of junk cannot flood the log. Other
+        # models' messages and duplicates are routine on a shared bus, not worth a warning.
+        if count & (count - 1) == 0:
+            log.log(
+                logging.DEBUG if reason in (OTHER_MODEL, OLD) else logging.WARNING,
+                "ignored announcement for %s (%s, %d so far): %s",
+                self.model,
+                reason,
+                count,
+                detail,
+            )
+
+
+def _describe(announcement: Announcement, head: Head | None) -> str:
+    where = "no HEAD" if head is None else f"HEAD is {head.version} at {head.manifest}"
+    return f"version {announcement.version} at {announcement.manifest_key}; {where}"

@@ -1,0 +1,81 @@
+"""Retention: what `checknrun gc` may delete, and deleting it.
+
+Kept: the newest `keep_baselines` full versions and every committed version after the oldest of
+them (restoring any of those needs only that range), every version created within the grace
+period, and every object younger than the grace period (a publish in progress writes its blobs
+and manifest before HEAD moves to them). Deleted: older committed versions, and orphans (objects
+under `manifests/` or `blobs/` that no committed version references: leftovers of crashed
+publishes). A version's manifest is deleted before its blobs, so a reader never finds a manifest
+whose blobs are gone; readers treat a missing parent manifest as the start of history.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from publisher.read.catalog import Catalog, VersionRef
+from publisher.store import ObjectStore
+from schemas.store_keys import blobs_prefix, manifests_prefix
+
+
+@dataclass
+class GcPlan:
+    """What a gc pass keeps and deletes."""
+
+    kept_versions: list[int] = field(default_factory=list)
+    deleted_versions: list[int] = field(default_factory=list)
+    delete_keys: list[str] = field(default_factory=list)
+    orphan_keys: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    bytes_kept: int = 0
+
+
+def plan_gc(
+    store: ObjectStore, model: str, *, keep_baselines: int, grace_s: float, now: float | None = None
+) -> GcPlan:
+    """Decide what to delete without deleting anything."""
+    if keep_baselines < 1:
+        raise ValueError(f"keep_baselines must be >= 1, got {keep_baselines}")
+    now = time.time() if now is None else now
+    catalog = Catalog(store, model)
+    versions = catalog.versions()
+    plan = GcPlan()
+    if not versions:
+        return plan
+    fulls = [r for r in versions if r.manifest.kind == "full"]
+    oldest_kept = fulls[-keep_baselines].version if len(fulls) >= keep_baselines else 0
+    keep: list[VersionRef] = []
+    drop: list[VersionRef] = []
+    for ref in versions:
+        recent = now - ref.manifest.created_at.timestamp() < grace_s
+        (keep if ref.version >= oldest_kept or recent else drop).append(ref)
+    referenced = {ref.key for ref in keep} | {b.key for ref in keep for b in ref.manifest.blobs}
+    # Old versions: manifest first, then blobs (see the module docstring).
+    for ref in sorted(drop, key=lambda r: r.version, reverse=True):
+        plan.delete_keys.append(ref.key)
+        plan.delete_keys.extend(b.key for b in ref.manifest.blobs if b.key not in referenced)
+    dropped = set(plan.delete_keys)
+    for prefix in (manifests_prefix(model), blobs_prefix(model)):
+        for info in store.list(prefix):
+            if info.key in referenced:
+                plan.bytes_kept += info.size
+            elif info.key in dropped:
+                plan.bytes_freed += info.size
+            elif now - info.modified >= grace_s:
+                plan.orphan_keys.append(info.key)
+                plan.bytes_freed += info.size
+            else:
+                plan.bytes_kept += info.size  # young: maybe a publish in progress
+    plan.kept_versions = [r.version for r in keep]
+    plan.deleted_versions = [r.version for r in drop]
+    return plan
+
+
+def run_gc(store: ObjectStore, plan: GcPlan) -> int:
+    """Delete what `plan` says (manifests of old versions first); return the number of keys."""
+    manifests = [k for k in plan.orphan_keys if "/manifests/" in k]
+    blobs = [k for k in plan.orphan_keys if "/manifests/" not in k]
+    for key in [*plan.delete_keys, *manifests, *blobs]:
+        store.delete(key)
+    return len(plan.delete_keys) + len(plan.orphan_keys)

@@ -1,0 +1,1 @@
+"""The write side: dirty-row tracking, policies, snapshots, encoding and the commit."""

@@ -1,0 +1,329 @@
+"""Turn snapshots into committed, announced versions: in the caller's thread or in the background.
+
+    publisher = CheckpointPublisher(store, "movielens", announce=bus.announce)
+    background = BackgroundPublisher(publisher)
+    background.submit(snapshot)      # returns at once; folded into a waiting one if busy
+    background.wait()                # re-raises a background failure
+
+`CheckpointPublisher.publish` runs the paper's stages two and three: quantize + encode every
+table (schemas/delta_blob.py), then commit (version_writer.py), then announce.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from publisher.codecs import encode_rows
+from publisher.read.catalog import VersionRef
+from publisher.store import ObjectStore, StoreError, StoreUnavailableError
+from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.snapshot import Snapshot, TableRows
+from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
+from schemas.announcement import Announcement
+from schemas.delta_blob import DeltaBlob, encode_delta_blob
+from schemas.manifest import Manifest
+from schemas.tensor_blob import encode_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """One committed version and what it cost."""
+
+    ref: VersionRef
+    bytes_written: int
+    #: bytes a full fp32 checkpoint of the same model would take (rows x dim x 4 + optimizer).
+    full_fp32_bytes: int
+    encode_s: float
+    commit_s: float
+    merged: int
+    taken_at: float
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.ref.manifest
+
+    @property
+    def ratio(self) -> float:
+        """How many times smaller than a full fp32 checkpoint."""
+        return self.full_fp32_bytes / max(self.bytes_written, 1)
+
+
+def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> TableBlob:
+    """Quantize and encode one table's copied rows as a delta blob."""
+    q = encode_rows(rows.codec, rows.values)
+    blob = DeltaBlob(
+        table=rows.name,
+        codec=rows.codec,
+        dim=rows.dim,
+        table_rows=rows.table_rows,
+        row_ids=rows.row_ids,
+        codes=q.codes,
+        scale=q.scale,
+        bias=q.bias,
+        aux=rows.aux,
+    )
+    return TableBlob(
+        name=rows.name,
+        rows=rows.table_rows,
+        dim=rows.dim,
+        codec=rows.codec,
+        rows_in_checkpoint=rows.n_rows,
+        aux_dim=int(rows.aux.shape[1]),
+        data=encode_delta_blob(blob, zstd_level=tunables.zstd_level),
+    )
+
+
+def full_fp32_bytes(snapshot: Snapshot) -> int:
+    """Size of the same state as an uncompressed fp32 full checkpoint."""
+    tables = sum(t.table_rows * (t.dim + int(t.aux.shape[1])) * 4 for t in snapshot.tables)
+    dense = sum(a.nbytes for a in snapshot.dense.values())
+    return tables + dense + sum(a.nbytes for a in snapshot.optimizer.values())
+
+
+class CheckpointPublisher:
+    """Encodes, commits and announces snapshots of one model, one at a time."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        model: str,
+        *,
+        announce: Callable[[Announcement], None] | None = None,
+        writer: VersionWriter | None = None,
+        tunables: Tunables = DEFAULT_TUNABLES,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.tunables = tunables
+        self.writer = writer or VersionWriter(store, model, tunables=tunables)
+        self.announce = announce
+
+    def publish(self, snapshot: Snapshot) -> PublishResult:
+        """Encode, commit and announce one snapshot; return the committed version."""
+        started = time.perf_counter()
+        tables = [encode_table(t, self.tunables) for t in snapshot.tables]
+        dense = encode_tensors(snapshot.dense) if snapshot.dense else None
+        optimizer = (
+            encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
+            if snapshot.optimizer or snapshot.optimizer_meta
+            else None
+        )
+        encoded = time.perf_counter()
+        draft = VersionDraft(
+            kind=snapshot.kind,
+            relative_to=snapshot.relative_to,
+            policy=snapshot.policy,
+            position=snapshot.position,
+            tables=tables,
+            dense=dense,
+            optimizer=optimizer,
+            model_config=snapshot.model_config,
+            metrics=snapshot.metrics,
+        )
+        ref = self.writer.commit(draft)
+        committed = time.perf_counter()
+        if self.announce is not None:
+            # The version is committed whatever happens here: subscribers reconcile from HEAD.
+            try:
+                self.announce(Announcement.of(ref.manifest, ref.key))
+            except Exception:
+                log.exception(
+                    "announcing version %d failed; subscribers will poll HEAD", ref.version
+                )
+        return PublishResult(
+            ref=ref,
+            bytes_written=ref.manifest.total_bytes + len(ref.manifest.to_json()),
+            full_fp32_bytes=full_fp32_bytes(snapshot),
+            encode_s=encoded - started,
+            commit_s=committed - encoded,
+            merged=snapshot.merged,
+            taken_at=snapshot.taken_at,
+        )
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class BackgroundPublisher:
+    """Publishes snapshots on a worker thread so the trainer never waits for storage.
+
+    `submit` only appends to a queue. While the worker publishes, a merger thread folds the
+    snapshots waiting behind it into one (union of rows, newest values), so memory stays bounded
+    by about one model copy plus the snapshot being folded, and the training thread never pays
+    for a merge. A store that is unreachable is retried with backoff, folding whatever arrives
+    meanwhile. Any other failure stops the worker and is re-raised by the next `submit`, `wait`
+    or `close`.
+
+    Threads (not processes) do the work: quantization, zstd, hashing, socket I/O and the numpy
+    copies of a merge all release the GIL for their heavy part, and the snapshot arrays need no
+    copy across a process boundary.
+    """
+
+    def __init__(
+        self,
+        publisher: CheckpointPublisher,
+        *,
+        on_published: Callable[[PublishResult], None] | None = None,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 10.0,
+    ) -> None:
+        self.publisher = publisher
+        self.on_published = on_published
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.results: list[PublishResult] = []
+        #: snapshots folded into a later one (submitted - published, once everything is out).
+        self.merges = 0
+        self.peak_pending_bytes = 0
+        self._queue: list[Snapshot] = []  # oldest first
+        self._queued_bytes = 0
+        self._merging = False
+        self._busy = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._merger = threading.Thread(target=self._merge_loop, name="merger", daemon=True)
+        self._thread.start()
+        self._merger.start()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        """Queue a snapshot; returns at once (no merge, no storage on the caller's thread)."""
+        with self._cond:
+            self._raise_error()
+            self._queue.append(snapshot)
+            self._queued_bytes += snapshot.nbytes
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes)
+            self._cond.notify_all()
+
+    @property
+    def backlog(self) -> bool:
+        """True while a snapshot waits behind a publish in progress."""
+        with self._cond:
+            return bool(self._queue) or self._merging
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until everything submitted is committed; re-raise a background failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._merging or self._busy) and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError("publishing did not finish in time")
+                self._cond.wait(remaining)
+            self._raise_error()
+
+    def close(self, flush: bool = True) -> None:
+        """Optionally flush, then stop the threads and release the writer's lease."""
+        try:
+            if flush:
+                self.wait()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._merger.join(timeout=30)
+            self._thread.join(timeout=30)
+            self.publisher.close()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("background publishing failed") from self._error
+
+    def _fold(self, snapshots: list[Snapshot]) -> Snapshot:
+        """One snapshot carrying all of `snapshots` (oldest first); called without the lock."""
+        merged = snapshots[0]
+        for newer in snapshots[1:]:
+            merged = merged.merge(newer)
+        return merged
+
+    def _take_all(self) -> list[Snapshot]:
+        """Empty the queue (lock held)."""
+        taken, self._queue, self._queued_bytes = self._queue, [], 0
+        return taken
+
+    def _put_front(self, snapshot: Snapshot, folded: int) -> None:
+        """Return a folded snapshot to the head of the queue (lock held)."""
+        self._queue.insert(0, snapshot)
+        self._queued_bytes += snapshot.nbytes
+        self.merges += folded - 1
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes)
+        self._cond.notify_all()
+
+    def _merge_loop(self) -> None:
+        """Fold the snapshots queued behind a busy worker, off the training thread."""
+        while True:
+            with self._cond:
+                while len(self._queue) < 2 and not self._closed:
+                    self._cond.wait()
+                if len(self._queue) < 2:
+                    return
+                batch = self._take_all()
+                self._merging = True
+            try:
+                merged = self._fold(batch)
+            except BaseException as exc:
+                with self._cond:
+                    self._error = exc
+                    self._merging = False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._put_front(merged, len(batch))
+                self._merging = False
+
+    def _run(self) -> None:
+        delay = self.retry_initial_s
+        while True:
+            with self._cond:
+                while (not self._queue or self._merging) and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = self._take_all()
+                self._busy = True
+                self.merges += len(batch) - 1
+            snapshot = batch[0]
+            try:
+                snapshot = self._fold(batch)
+                result = self.publisher.publish(snapshot)
+            except (StoreUnavailableError, ConnectionError, TimeoutError) as exc:
+                log.warning("store unavailable (%s); retrying in %.1f s", exc, delay)
+                with self._cond:
+                    self._put_front(snapshot, 1)
+                    self._busy = False
+                time.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+                continue
+            except BaseException as exc:
+                with self._cond:
+                    self._error = exc
+                    self._busy = False
+                    self._cond.notify_all()
+                return
+            delay = self.retry_initial_s
+            with self._cond:
+                self.results.append(result)
+                self._busy = False
+                self._cond.notify_all()
+            if self.on_published is not None:
+                try:
+                    self.on_published(result)
+                except Exception:
+                    log.exception("on_published callback failed")
+
+
+__all__ = [
+    "BackgroundPublisher",
+    "CheckpointPublisher",
+    "PublishResult",
+    "StoreError",
+    "encode_table",
+    "full_fp32_bytes",
+]

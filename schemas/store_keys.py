@@ -1,0 +1,61 @@
+"""The key layout of one model in a store (docs/FORMAT.md section 1).
+
+One model NAME owns the keys under `NAME/`:
+
+    NAME/HEAD                                   the commit point (schemas/manifest.py Head)
+    NAME/LEASE                                  the single-writer lease
+    NAME/manifests/VVVVVVVVVVVV-TOKEN.json      the manifest of version V by writer TOKEN
+    NAME/blobs/VVVVVVVVVVVV-TOKEN/...           that version's delta and tensor blobs
+
+Every module that builds or recognises a key does it here, so the layout is spelled once.
+"""
+
+from __future__ import annotations
+
+from schemas.errors import ManifestError
+
+
+def head_key(model: str) -> str:
+    return f"{model}/HEAD"
+
+
+def lease_key(model: str) -> str:
+    return f"{model}/LEASE"
+
+
+def manifests_prefix(model: str) -> str:
+    return f"{model}/manifests/"
+
+
+def blobs_prefix(model: str) -> str:
+    return f"{model}/blobs/"
+
+
+def manifest_key(model: str, version: int, token: str) -> str:
+    return f"{manifests_prefix(model)}{version:012d}-{token}.json"
+
+
+def blob_prefix(model: str, version: int, token: str) -> str:
+    return f"{blobs_prefix(model)}{version:012d}-{token}/"
+
+
+def is_manifest_key(model: str, key: str) -> bool:
+    """Whether `key` has the shape of one of `model`'s manifest keys (safety: `check_key`)."""
+    return key.startswith(manifests_prefix(model)) and key.endswith(".json")
+
+
+def check_key(model: str, key: str) -> str:
+    """Return `key` if it is a safe store key owned by `model`, else raise ManifestError.
+
+    Keys come from fetched JSON: they must never reach outside the model's own prefix.
+    """
+    if (
+        not key.startswith(model + "/")
+        or ".." in key.split("/")
+        or "\\" in key
+        or "//" in key
+        or any(ord(c) < 0x20 for c in key)
+        or len(key) > 1024
+    ):
+        raise ManifestError(f"key {key!r} is not a safe key under {model + '/'!r}")
+    return key

@@ -1,0 +1,56 @@
+"""Dense parameters and optimizer state as safetensors bytes (docs/FORMAT.md section 5).
+
+safetensors is a length-prefixed JSON header plus a fully indexed buffer and executes no code on
+load, which is why it is used instead of torch.save for anything that goes to the store. How torch
+state dicts become these named arrays is publisher/state_dicts.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from schemas.errors import FormatError
+
+MAX_TENSOR_BLOB_BYTES = 4 * 1024**3
+
+
+class TensorBlobError(FormatError):
+    """Tensor blob bytes that safetensors or our metadata rules refuse."""
+
+
+def encode_tensors(tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> bytes:
+    """safetensors bytes of `tensors`, with `meta` JSON in the header's metadata."""
+    metadata = {"checknrun": json.dumps(meta or {}, sort_keys=True)}
+    # np.require keeps 0-d arrays 0-d (ascontiguousarray would make them shape (1,)).
+    arrays = {k: np.require(v, requirements="C") for k, v in tensors.items()}
+    return bytes(st_save(arrays, metadata=metadata))
+
+
+def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Tensors and metadata from safetensors bytes; TensorBlobError on anything malformed."""
+    if len(data) > MAX_TENSOR_BLOB_BYTES:
+        raise TensorBlobError(f"tensor blob is {len(data)} bytes; cap {MAX_TENSOR_BLOB_BYTES}")
+    if len(data) < 8:
+        raise TensorBlobError(f"tensor blob is {len(data)} bytes; at least 8 expected")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8 or header_len > 100 * 1024 * 1024:
+        raise TensorBlobError(f"tensor blob header length {header_len} exceeds the blob")
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise TensorBlobError(f"invalid tensor blob: {exc}") from exc
+    raw_meta = (header.get("__metadata__") or {}).get("checknrun", "{}")
+    try:
+        meta = json.loads(raw_meta)
+    except (TypeError, ValueError) as exc:
+        raise TensorBlobError(f"invalid tensor blob metadata: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise TensorBlobError("tensor blob metadata must be a JSON object")
+    return tensors, meta

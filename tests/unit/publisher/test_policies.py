@@ -1,0 +1,119 @@
+"""Checkpoint policies on a synthetic Zipf stream: what each checkpoint holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from publisher.write.policies import POLICIES, PolicyError, make_policy
+
+TABLES = {"a": 5000, "b": 300}
+
+
+def zipf_intervals(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        dirty = {}
+        for name, rows in TABLES.items():
+            ids = np.minimum(rng.zipf(1.3, size=400) - 1, rows - 1)
+            dirty[name] = np.unique(ids).astype(np.int64)
+        out.append(dirty)
+    return out
+
+
+def sizes(policy_name: str, intervals: list[dict[str, np.ndarray]], **kw: float) -> list[int]:
+    policy = make_policy(policy_name, TABLES, **kw)
+    out = []
+    for dirty in intervals:
+        plan = policy.plan(dirty)
+        n = sum(TABLES[t] if r is None else len(r) for t, r in plan.rows.items())
+        assert (plan.kind == "full") == all(r is None for r in plan.rows.values())
+        out.append(n)
+    return out
+
+
+def test_full_policy_writes_everything() -> None:
+    assert sizes("full", zipf_intervals(5)) == [5300] * 5
+
+
+def test_consecutive_writes_each_interval() -> None:
+    intervals = zipf_intervals(6)
+    got = sizes("consecutive", intervals)
+    assert got[0] == 5300
+    assert got[1:] == [sum(len(v) for v in d.values()) for d in intervals[1:]]
+
+
+def test_one_shot_grows_as_the_union_since_baseline() -> None:
+    intervals = zipf_intervals(8)
+    got = sizes("one-shot", intervals)
+    assert got[0] == 5300
+    union = {t: np.zeros(0, dtype=np.int64) for t in TABLES}
+    for dirty, n in zip(intervals[1:], got[1:], strict=True):
+        union = {t: np.union1d(union[t], dirty[t]) for t in TABLES}
+        assert n == sum(len(v) for v in union.values())
+    assert got[1:] == sorted(got[1:])
+
+
+def test_one_shot_plan_kinds() -> None:
+    policy = make_policy("one-shot", TABLES)
+    d = zipf_intervals(3)
+    assert policy.plan(d[0]).kind == "full"
+    plan = policy.plan(d[1])
+    assert (plan.kind, plan.relative_to) == ("delta", "baseline")
+    policy.force_full()
+    assert policy.plan(d[2]).kind == "full"
+    # After a new baseline the union restarts.
+    assert sum(len(r) for r in policy.plan(d[0]).rows.values() if r is not None) == sum(
+        len(v) for v in d[0].values()
+    )
+
+
+def test_intermittent_bounds_the_chain_and_takes_baselines() -> None:
+    intervals = zipf_intervals(60, seed=1)
+    policy = make_policy("intermittent", TABLES, budget=0.5)
+    chain = 0
+    fulls = 0
+    for dirty in intervals:
+        plan = policy.plan(dirty)
+        if plan.kind == "full":
+            fulls += 1
+            chain = 0
+        else:
+            assert plan.relative_to == "parent"
+            chain += sum(len(r) for r in plan.rows.values() if r is not None)
+        assert chain <= 0.5 * sum(TABLES.values())
+    assert 2 <= fulls < 30
+
+
+def test_intermittent_restore_cost_below_consecutive() -> None:
+    intervals = zipf_intervals(60, seed=2)
+    consecutive = sizes("consecutive", intervals)
+    intermittent = sizes("intermittent", intervals, budget=1.0)
+
+    # What restoring the last version reads: the chain since the last full.
+    def tail(s: list[int]) -> int:
+        last_full = max(i for i, n in enumerate(s) if n == 5300)
+        return sum(s[last_full:])
+
+    assert tail(intermittent) < tail(consecutive)
+
+
+def test_unknown_policy() -> None:
+    assert set(POLICIES) == {"full", "one-shot", "consecutive", "intermittent"}
+    with pytest.raises(PolicyError, match="unknown policy"):
+        make_policy("sometimes", TABLES)
+    with pytest.raises(PolicyError):
+        make_policy("intermittent", TABLES, budget=0)
+
+
+def test_bit_rule_from_measurements() -> None:
+    from publisher.write.policies import codec_for_expected_restores
+
+    assert codec_for_expected_restores(0) == "int4"
+    assert codec_for_expected_restores(2) == "int4"
+    assert codec_for_expected_restores(3) == "int8"
+    assert codec_for_expected_restores(10) == "int8"
+    assert codec_for_expected_restores(50) == "fp16"
+    with pytest.raises(PolicyError):
+        codec_for_expected_restores(-1)

@@ -1,0 +1,227 @@
+"""Publish a simulated training run, restore every version: bitwise for fp32, bounded if lossy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from publisher.cli import main
+from publisher.codecs import encode_rows, max_abs_error_bound
+from publisher.read.catalog import Catalog
+from publisher.read.restore import RestoreError, restore
+from publisher.store import FileStore, IntegrityError
+from publisher.write.policies import make_policy
+from publisher.write.publishing import BackgroundPublisher, CheckpointPublisher
+from publisher.write.snapshot import Snapshot, TableRows
+from schemas.manifest import Position
+
+TABLES = {"emb.a": (500, 8), "emb.b": (64, 4)}
+
+
+class FakeTraining:
+    """Tables that change a few rows per interval, like sparse training does."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.weights = {
+            n: self.rng.normal(size=(r, d)).astype(np.float32) for n, (r, d) in TABLES.items()
+        }
+        self.aux = {n: np.zeros((r, 1), dtype=np.float32) for n, (r, _) in TABLES.items()}
+        self.dense = {"mlp.w": self.rng.normal(size=(3, 3)).astype(np.float32)}
+        self.step = 0
+
+    def interval(self) -> dict[str, np.ndarray]:
+        self.step += 1
+        dirty = {}
+        for name, (rows, dim) in TABLES.items():
+            ids = np.unique(self.rng.integers(0, rows, size=rows // 10)).astype(np.int64)
+            self.weights[name][ids] += self.rng.normal(size=(len(ids), dim)).astype(np.float32)
+            self.aux[name][ids] += 1.0
+            dirty[name] = ids
+        self.dense["mlp.w"] += 0.1
+        return dirty
+
+    def snapshot(
+        self, plan_rows: dict[str, np.ndarray | None], kind: str, rel: str | None, codec: str
+    ) -> Snapshot:
+        tables = []
+        for name, (rows, _) in TABLES.items():
+            ids = plan_rows[name]
+            ids = np.arange(rows, dtype=np.int64) if ids is None else ids
+            tables.append(
+                TableRows(
+                    name,
+                    rows,
+                    codec,
+                    ids.copy(),
+                    self.weights[name][ids].copy(),
+                    self.aux[name][ids].copy(),
+                )
+            )
+        return Snapshot(
+            kind=kind,
+            relative_to=rel,
+            policy="test",  # type: ignore[arg-type]
+            tables=tuple(tables),
+            position=Position(
+                step=self.step, samples_seen=self.step * 100, reader={"offset": self.step * 100}
+            ),
+            dense={k: v.copy() for k, v in self.dense.items()},
+            model_config={"arch": "fake"},
+            metrics={"auc": 0.5},
+        )
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {
+            **{n: w.copy() for n, w in self.weights.items()},
+            **{n + ".aux": a.copy() for n, a in self.aux.items()},
+            **{k: v.copy() for k, v in self.dense.items()},
+        }
+
+
+def run(
+    store: FileStore, policy_name: str, codec: str, intervals: int
+) -> list[dict[str, np.ndarray]]:
+    training = FakeTraining()
+    policy = make_policy(policy_name, {n: r for n, (r, _) in TABLES.items()})
+    publisher = CheckpointPublisher(store, "m")
+    states = []
+    try:
+        for _ in range(intervals):
+            plan = policy.plan(training.interval())
+            publisher.publish(training.snapshot(plan.rows, plan.kind, plan.relative_to, codec))
+            states.append(training.state())
+    finally:
+        publisher.close()
+    return states
+
+
+@pytest.mark.parametrize("policy", ["consecutive", "one-shot", "intermittent", "full"])
+def test_fp32_restore_is_bitwise_exact_at_every_version(tmp_path: Path, policy: str) -> None:
+    store = FileStore(tmp_path)
+    states = run(store, policy, "fp32", intervals=8)  # 1 full + 7 deltas for consecutive
+    chains = [len(Catalog(store, "m").chain(v)) for v in range(1, 9)]
+    if policy == "consecutive":
+        assert chains == list(range(1, 9))  # the longest chain: baseline + 7 deltas
+    for version, expected in enumerate(states, start=1):
+        got = restore(store, "m", version)
+        assert got.position.step == version and got.position.reader == {"offset": version * 100}
+        for name in TABLES:
+            np.testing.assert_array_equal(got.tables[name].weights, expected[name], strict=True)
+            np.testing.assert_array_equal(got.tables[name].aux, expected[name + ".aux"])
+        np.testing.assert_array_equal(got.dense["mlp.w"], expected["mlp.w"])
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "int2", "int4-adaptive"])
+def test_lossy_restore_is_within_codec_bound(tmp_path: Path, codec: str) -> None:
+    store = FileStore(tmp_path)
+    states = run(store, "consecutive", codec, intervals=6)
+    got = restore(store, "m")
+    for name in TABLES:
+        expected = states[-1][name]
+        bound = max_abs_error_bound(encode_rows(codec, expected))
+        err = np.abs(got.tables[name].weights - expected).max(axis=1)
+        assert np.all(err <= bound + 1e-6)
+        # optimizer rows stay full precision
+        np.testing.assert_array_equal(got.tables[name].aux, states[-1][name + ".aux"])
+
+
+def test_corrupt_blob_is_rejected(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    run(store, "consecutive", "int4", intervals=3)
+    key = Catalog(store, "m").find(2).manifest.tables[0].blob.key
+    data = bytearray(store.get(key))
+    data[len(data) // 2] ^= 0x10
+    store.put(key, bytes(data))
+    with pytest.raises(IntegrityError):
+        restore(store, "m", 3)
+    restore(store, "m", 1)  # versions that do not need the blob are unaffected
+
+
+def test_blob_disagreeing_with_manifest_is_rejected(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    run(store, "consecutive", "int4", intervals=2)
+    catalog = Catalog(store, "m")
+    m = catalog.find(2).manifest
+    # Swap table a's blob bytes for table b's: sha256 then fails; forge the manifest too.
+    a, b = m.tables[0].blob, m.tables[1].blob
+    store.put(a.key, store.get(b.key))
+    forged = m.model_copy(
+        update={
+            "tables": (
+                m.tables[0].model_copy(update={"blob": b.model_copy(update={"key": a.key})}),
+                m.tables[1],
+            )
+        }
+    )
+    store.put(catalog.find(2).key, forged.to_json())
+    with pytest.raises(RestoreError, match="manifest says"):
+        restore(store, "m", 2)
+
+
+def test_background_publisher_merges_on_backlog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    gate = threading.Event()
+    merged_on: set[str] = set()
+    original_merge = Snapshot.merge
+
+    def recording_merge(self: Snapshot, newer: Snapshot) -> Snapshot:
+        merged_on.add(threading.current_thread().name)
+        return original_merge(self, newer)
+
+    monkeypatch.setattr(Snapshot, "merge", recording_merge)
+
+    class SlowStore(FileStore):
+        def put(self, key: str, data: bytes) -> str:
+            if "/blobs/" in key:  # uploads hang until the gate opens; the lease works
+                assert gate.wait(30)
+            return super().put(key, data)
+
+    store = SlowStore(tmp_path)
+    training = FakeTraining()
+    policy = make_policy("consecutive", {n: r for n, (r, _) in TABLES.items()})
+    bg = BackgroundPublisher(CheckpointPublisher(store, "m"))
+    for _ in range(6):
+        plan = policy.plan(training.interval())
+        bg.submit(training.snapshot(plan.rows, plan.kind, plan.relative_to, "fp32"))
+    gate.set()
+    bg.close()
+    versions = Catalog(store, "m").versions()
+    # Everything queued behind the blocked upload was folded into one version.
+    assert len(versions) <= 2
+    assert bg.merges == 6 - len(versions)
+    # Folding happened on the publisher's threads, never on the submitting (training) thread.
+    assert merged_on and threading.current_thread().name not in merged_on
+    got = restore(store, "m")
+    for name in TABLES:
+        np.testing.assert_array_equal(got.tables[name].weights, training.weights[name])
+
+
+def test_cli_ls_inspect_restore(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store_dir = tmp_path / "store"
+    run(FileStore(store_dir), "intermittent", "int4", intervals=4)
+    url = f"file://{store_dir}"
+    assert main(["ls", "--store", url, "--model", "m", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [v["version"] for v in listing["versions"]] == [1, 2, 3, 4]
+    assert listing["versions"][0]["kind"] == "full"
+    assert main(["inspect", "--store", url, "--model", "m", "--version", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["version"] == 2 and {t["name"] for t in doc["tables"]} == set(TABLES)
+    assert all(t["ratio_vs_full_fp32"] > 1 for t in doc["tables"])
+    out = tmp_path / "state.pt"
+    assert main(["restore", "--store", url, "--model", "m", "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == 4
+    payload = torch.load(out, weights_only=True)  # our own local file
+    assert payload["state_dict"]["emb.a.weight"].shape == (500, 8)
+    assert main(["ls", "--store", url, "--model", "nothing", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["versions"] == []
+    assert main(["inspect", "--store", url, "--model", "nothing"]) == 1
+    assert "no committed version" in capsys.readouterr().err

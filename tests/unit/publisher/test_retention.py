@@ -1,0 +1,127 @@
+"""Retention (`checknrun gc`): old chains and orphans go, what a kept version needs stays."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from publisher.read.catalog import Catalog
+from publisher.read.retention import plan_gc, run_gc
+from publisher.store import FileStore
+from publisher.write.version_writer import CommitStage, TableBlob, VersionDraft, VersionWriter
+from schemas.manifest import Position
+
+
+def draft(kind: str, step: int) -> VersionDraft:
+    return VersionDraft(
+        kind=kind,  # type: ignore[arg-type]
+        relative_to=None if kind == "full" else "parent",
+        policy="intermittent",
+        position=Position(step=step, samples_seen=step),
+        tables=[TableBlob("t", 4, 2, "fp32", 4 if kind == "full" else 1, 0, b"x" * (10 + step))],
+        dense=b"d" * step,
+    )
+
+
+def publish(store: FileStore, kinds: str) -> None:
+    with VersionWriter(store, "m") as w:
+        for i, k in enumerate(kinds):
+            w.commit(draft("full" if k == "F" else "delta", i + 1))
+
+
+def age_everything(root: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            os.utime(Path(dirpath) / f, (past, past))
+
+
+def test_keeps_newest_baselines_and_their_chains(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    publish(store, "FddFddFdd")  # versions 1..9, fulls at 1, 4, 7
+    plan = plan_gc(store, "m", keep_baselines=2, grace_s=0)
+    assert plan.deleted_versions == [1, 2, 3]
+    assert plan.kept_versions == [4, 5, 6, 7, 8, 9]
+    before = sum(i.size for i in store.list("m/"))
+    run_gc(store, plan)
+    after = sum(i.size for i in store.list("m/"))
+    assert after < before
+    catalog = Catalog(store, "m")
+    assert [r.version for r in catalog.versions()] == [4, 5, 6, 7, 8, 9]
+    for version in (4, 6, 9):  # every kept version is still fully readable
+        for ref in catalog.chain(version):
+            for blob in ref.manifest.blobs:
+                store.get_verified(blob.key, blob.size, blob.sha256)
+
+
+def test_grace_protects_recent_versions(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    publish(store, "FdFd")
+    plan = plan_gc(store, "m", keep_baselines=1, grace_s=3600)
+    assert plan.deleted_versions == [] and plan.orphan_keys == []
+
+
+def test_orphans_of_crashed_publishes_are_removed_after_grace(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    publish(store, "Fd")
+
+    def crash(stage: CommitStage) -> None:
+        if stage == "manifest_written":
+            raise RuntimeError("crash")
+
+    w = VersionWriter(store, "m", crash_hook=crash)
+    with pytest.raises(RuntimeError):
+        w.commit(draft("delta", 3))
+    w.close()
+    young = plan_gc(store, "m", keep_baselines=1, grace_s=600)
+    assert young.orphan_keys == []  # could be a publish in progress
+    age_everything(tmp_path, 3600)
+    old = plan_gc(store, "m", keep_baselines=1, grace_s=600)
+    assert len(old.orphan_keys) == 3  # the crashed version 3: table blob, dense blob, manifest
+    assert all("000000000003-" in k for k in old.orphan_keys)
+    run_gc(store, old)
+    assert [r.version for r in Catalog(store, "m").versions()] == [1, 2]
+    assert plan_gc(store, "m", keep_baselines=1, grace_s=600).orphan_keys == []
+
+
+def test_long_run_with_periodic_gc_stays_bounded(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    sizes = []
+    with VersionWriter(store, "m") as w:
+        for i in range(60):
+            w.commit(draft("full" if i % 5 == 0 else "delta", i + 1))
+            if i % 5 == 4:
+                run_gc(store, plan_gc(store, "m", keep_baselines=2, grace_s=0))
+                sizes.append(sum(info.size for info in store.list("m/")))
+    assert max(sizes[3:]) <= 1.2 * min(sizes[3:])
+    assert len(Catalog(store, "m").versions()) == 10
+
+
+def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
+    from publisher.cli import main
+
+    store = FileStore(tmp_path)
+    publish(store, "FdFd")
+    keys = [i.key for i in store.list("")]
+    assert (
+        main(
+            [
+                "gc",
+                "--store",
+                f"file://{tmp_path}",
+                "--model",
+                "m",
+                "--keep-baselines",
+                "1",
+                "--grace",
+                "0",
+                "--dry-run",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert [i.key for i in store.list("")] == keys

@@ -1,0 +1,63 @@
+"""Merging a newer snapshot into a pending one: union of rows, newest values."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from publisher.write.snapshot import Snapshot, TableRows
+from schemas.manifest import Position
+
+
+def rows(ids: list[int], fill: float, name: str = "t") -> TableRows:
+    n = len(ids)
+    return TableRows(
+        name=name,
+        table_rows=10,
+        codec="fp32",
+        row_ids=np.array(ids, dtype=np.int64),
+        values=np.full((n, 2), fill, dtype=np.float32),
+        aux=np.full((n, 1), fill * 10, dtype=np.float32),
+    )
+
+
+def snap(kind: str, table: TableRows, step: int) -> Snapshot:
+    return Snapshot(
+        kind=kind,  # type: ignore[arg-type]
+        relative_to=None if kind == "full" else "parent",
+        policy="consecutive",
+        tables=(table,),
+        position=Position(step=step, samples_seen=step),
+        dense={"w": np.full(3, step, dtype=np.float32)},
+    )
+
+
+def test_delta_into_delta_is_union_with_newest_values() -> None:
+    merged = snap("delta", rows([1, 4, 7], 1.0), 1).merge(snap("delta", rows([4, 9], 2.0), 2))
+    t = merged.tables[0]
+    assert t.row_ids.tolist() == [1, 4, 7, 9]
+    assert t.values[:, 0].tolist() == [1.0, 2.0, 1.0, 2.0]
+    assert t.aux[:, 0].tolist() == [10.0, 20.0, 10.0, 20.0]
+    assert merged.kind == "delta" and merged.merged == 2
+    assert merged.position.step == 2 and merged.dense["w"][0] == 2
+
+
+def test_delta_into_full_stays_full() -> None:
+    full = snap("full", rows(list(range(10)), 1.0), 1)
+    merged = full.merge(snap("delta", rows([3], 5.0), 2))
+    assert merged.kind == "full" and merged.relative_to is None
+    assert merged.tables[0].n_rows == 10 and merged.tables[0].values[3, 0] == 5.0
+
+
+def test_full_replaces_pending() -> None:
+    merged = snap("delta", rows([1], 1.0), 1).merge(snap("full", rows(list(range(10)), 3.0), 2))
+    assert merged.kind == "full" and float(merged.tables[0].values.min()) == 3.0
+
+
+def test_memory_stays_bounded_by_one_copy() -> None:
+    pending = snap("delta", rows([0], 0.0), 0)
+    rng = np.random.default_rng(0)
+    for step in range(1, 200):
+        ids = sorted(set(rng.integers(0, 10, size=4).tolist()))
+        pending = pending.merge(snap("delta", rows(ids, float(step)), step))
+    assert pending.tables[0].n_rows <= 10
+    assert pending.merged == 200

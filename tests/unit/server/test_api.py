@@ -1,0 +1,509 @@
+"""The REST API over real HTTP: create_app under uvicorn on a loopback port, httpx as client.
+
+A synthetic trainer publishes real versions into a FileStore and announces them on a file bus;
+the server follows. Covers bootstrap and readiness, following, gap fill, duplicates, pin/unpin
+with and without a token, every 4xx path of /v1/predict, metrics, and that no secret leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from bench.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
+from publisher.bus import open_announcer
+from publisher.store import FileStore
+from schemas.announcement import Announcement
+from server.app import create_app
+from server.settings import ServerSettings
+
+with warnings.catch_warnings():  # starlette's notice about its httpx-based client
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+TOKEN = "t0k3n-for-tests-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def messages_received(s: Served) -> int:
+    """Announcement messages the server's follower has taken from the bus so far."""
+    follower = s.app.state.server.follower
+    assert follower is not None, "the lifespan has not run"
+    return int(follower.stats.received)
+
+
+@dataclass
+class Served:
+    """A running server and the trainer feeding it."""
+
+    client: httpx.Client
+    app: FastAPI
+    run: SyntheticRun
+    root: Path
+
+    def publish(self, kind: str = "delta", *, announce: bool = True, **kw: Any) -> int:
+        return self.run.train_and_publish(kind, announce=announce, **kw)  # type: ignore[arg-type]
+
+    def version(self) -> int | None:
+        r = self.client.get("/v1/model")
+        return r.json()["version"] if r.status_code == 200 else None
+
+    def wait_version(self, version: int, timeout: float = 10.0) -> None:
+        wait_for(lambda: self.version() == version, timeout, f"version {version}")
+
+
+class ServerFactory:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.store = FileStore(tmp_path / "store")
+        self.bus_url = f"file://{tmp_path / 'bus.log'}"
+        self._cleanups: list[Callable[[], None]] = []
+
+    def trainer(self, **config: Any) -> SyntheticRun:
+        announcer = open_announcer(self.bus_url, "m")
+        run = SyntheticRun(self.store, "m", small_config(**config), announce=announcer.announce)
+        self._cleanups.append(run.close)
+        return run
+
+    def settings(self, **overrides: Any) -> ServerSettings:
+        base: dict[str, Any] = dict(
+            store=f"file://{self.tmp_path / 'store'}",
+            bus=self.bus_url,
+            model="m",
+            poll_timeout_s=0.05,
+            poll_head_after_s=0.5,
+            retry_initial_s=0.05,
+            retry_max_s=0.2,
+            max_batch=16,
+            max_body_bytes=64 * 1024,
+        )
+        base.update(overrides)
+        return ServerSettings(**base)
+
+    def start(self, run: SyntheticRun, **overrides: Any) -> Served:
+        app = create_app(self.settings(**overrides))
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_for(lambda: server.started, 30, "uvicorn")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+        def stop() -> None:
+            client.close()
+            server.should_exit = True
+            thread.join(timeout=10)
+
+        self._cleanups.append(stop)
+        return Served(client, app, run, self.tmp_path / "store")
+
+    def close(self) -> None:
+        for cleanup in reversed(self._cleanups):
+            cleanup()
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Iterator[ServerFactory]:
+    f = ServerFactory(tmp_path)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def served(factory: ServerFactory) -> Served:
+    """A server that bootstrapped v2 (full + delta) and has an admin token."""
+    run = factory.trainer()
+    run.train(2)
+    run.publish("full")
+    run.train(2)
+    run.publish()
+    s = factory.start(run, admin_token=TOKEN)
+    s.wait_version(2)
+    return s
+
+
+def examples(s: Served, n: int = 4, seed: int = 0) -> list[dict[str, Any]]:
+    return random_examples(s.run.config, n, seed)
+
+
+# --- bootstrap, readiness, info ------------------------------------------------------------------
+
+
+def test_not_ready_until_the_first_version(factory: ServerFactory) -> None:
+    run = factory.trainer()
+    s = factory.start(run)
+    assert s.client.get("/healthz").json() == {"status": "ok"}
+    ready = s.client.get("/readyz")
+    assert ready.status_code == 503 and ready.json()["reason"] == "bootstrapping"
+    assert s.client.get("/v1/model").status_code == 503
+    r = s.client.post("/v1/predict", json={"examples": random_examples(run.config, 1)})
+    assert r.status_code == 503
+    s.publish("full")
+    wait_for(lambda: s.client.get("/readyz").status_code == 200, what="ready")
+    assert s.client.get("/readyz").json()["version"] == 1
+
+
+def test_model_info(served: Served) -> None:
+    info = served.client.get("/v1/model").json()
+    head = served.run.published[-1].manifest
+    assert info["model"] == "m" and info["version"] == 2 and info["parent"] == 1
+    assert info["kind"] == "delta" and info["baseline"] == 1 and info["applies_to"] == 1
+    assert info["trainer_step"] == head.position.step
+    assert info["created_at"].startswith(head.created_at.isoformat()[:19])
+    assert info["applied_at"] >= info["created_at"]
+    assert info["staleness_s"] == 0.0 and info["age_s"] >= 0
+    assert info["versions_applied"] == 2 and info["bytes_fetched"] > 0
+    assert info["pinned"] is False and info["pinned_version"] is None
+    assert info["consistency"] == "double-buffer"
+    kinds = {f["name"]: f["kind"] for f in info["features"]}
+    assert kinds == {"d0": "dense", "d1": "dense", "f0": "sparse", "f1": "sparse", "tags": "bag"}
+
+
+def test_openapi_documents_the_api(served: Served) -> None:
+    spec = served.client.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path in (
+        "/v1/predict",
+        "/v1/model",
+        "/v1/model/pin",
+        "/v1/model/unpin",
+        "/v1/model/digest",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in paths, path
+    schemas = spec["components"]["schemas"]
+    for name in ("PredictRequest", "PredictResponse", "ModelInfo", "PinRequest"):
+        assert name in schemas
+    assert {"413", "422", "503"} <= set(paths["/v1/predict"]["post"]["responses"])
+    assert "HTTPBearer" in spec["components"]["securitySchemes"]
+
+
+def test_test_client_runs_the_lifespan(factory: ServerFactory) -> None:
+    run = factory.trainer()
+    run.publish("full")
+    with TestClient(create_app(factory.settings())) as client:
+        wait_for(lambda: client.get("/readyz").status_code == 200, what="ready")
+        assert client.get("/v1/model").json()["version"] == 1
+
+
+# --- following -----------------------------------------------------------------------------------
+
+
+def test_follows_announced_versions_and_scores_match_the_trainer(served: Served) -> None:
+    v3 = served.publish()
+    served.wait_version(v3)
+    batch = examples(served, 8)
+    r = served.client.post("/v1/predict", json={"examples": batch})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["model"] == "m" and body["version"] == v3
+    np.testing.assert_allclose(body["scores"], model_scores(served.run.model, batch), atol=1e-6)
+
+
+def test_gap_fill_and_duplicate_announcements(served: Served, factory: ServerFactory) -> None:
+    v3 = served.publish(announce=False)
+    v4 = served.publish()
+    served.wait_version(v4)
+    applied = served.client.get("/v1/model").json()["versions_applied"]
+    assert applied == 4  # v3 came from the store, not the bus
+    received = messages_received(served)
+    announcer = open_announcer(factory.bus_url, "m")
+    for ref in served.run.published:
+        announcer.announce(Announcement.of(ref.manifest, ref.ref.key))  # all again, old first
+    sent = len(served.run.published)
+    wait_for(lambda: messages_received(served) >= received + sent, what="redelivery")
+    info = served.client.get("/v1/model").json()
+    assert info["version"] == v4 and info["versions_applied"] == applied
+    assert v3 < v4
+
+
+def test_corrupt_delta_is_rejected_and_readiness_reflects_staleness(
+    factory: ServerFactory,
+) -> None:
+    run = factory.trainer()
+    run.publish("full")
+    # No HEAD polls: they could apply v2 between its commit and its corruption below.
+    s = factory.start(run, ready_max_staleness_s=0.3, admin_token=TOKEN, poll_head_after_s=600)
+    s.wait_version(1)
+    s.run.publisher.announce = None  # write v2, corrupt it, then announce it
+    v2 = s.publish()
+    ref = s.run.published[-1].ref
+    blob = s.root / ref.manifest.tables[0].blob.key
+    blob.write_bytes(b"\0" * blob.stat().st_size)
+    open_announcer(factory.bus_url, "m").announce(Announcement.of(ref.manifest, ref.key))
+
+    wait_for(lambda: s.client.get("/v1/model").json()["rejected_versions"] >= 1, what="reject")
+    r = s.client.post("/v1/predict", json={"examples": examples(s)})
+    assert r.status_code == 200 and r.json()["version"] == 1
+    wait_for(lambda: s.client.get("/readyz").status_code == 503, what="stale")
+    assert "waited" in s.client.get("/readyz").json()["reason"]
+    assert s.client.get("/v1/model").json()["latest_known_version"] == v2
+    text = s.client.get("/metrics").text
+    assert 'checknrun_server_rejected_versions_total{reason="integrity"}' in text
+    # Pinned on purpose: stale is expected, so still ready.
+    assert s.client.post("/v1/model/pin", json={"version": 1}, headers=AUTH).status_code == 200
+    assert s.client.get("/readyz").status_code == 200
+
+
+# --- admin ---------------------------------------------------------------------------------------
+
+
+def test_admin_endpoints_are_disabled_without_a_token(factory: ServerFactory) -> None:
+    run = factory.trainer()
+    run.publish("full")
+    s = factory.start(run)
+    s.wait_version(1)
+    for method, path in (
+        ("post", "/v1/model/pin"),
+        ("post", "/v1/model/unpin"),
+        ("get", "/v1/model/digest"),
+    ):
+        r = s.client.request(method, path, json={"version": 1}, headers=AUTH)
+        assert r.status_code == 404, path
+        assert "disabled" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong-token-0123456789"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": "Bearer"},
+    ],
+    ids=["missing", "wrong", "wrong-scheme", "empty"],
+)
+def test_admin_endpoints_need_the_bearer_token(served: Served, headers: dict[str, str]) -> None:
+    for method, path in (
+        ("post", "/v1/model/pin"),
+        ("post", "/v1/model/unpin"),
+        ("get", "/v1/model/digest"),
+    ):
+        r = served.client.request(method, path, json={"version": 1}, headers=headers)
+        assert r.status_code == 401, (path, r.text)
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert served.version() == 2
+
+
+def test_pin_then_unpin(served: Served) -> None:
+    r = served.client.post("/v1/model/pin", json={"version": 1}, headers=AUTH)
+    assert r.status_code == 200
+    assert r.json()["version"] == 1 and r.json()["pinned"] is True
+    assert r.json()["pinned_version"] == 1
+    assert (
+        served.client.post("/v1/predict", json={"examples": examples(served)}).json()["version"]
+        == 1
+    )
+    v3 = served.publish()
+    wait_for(
+        lambda: served.client.get("/v1/model").json()["latest_known_version"] == v3,
+        what="v3 announced",
+    )
+    assert served.client.get("/v1/model").json()["version"] == 1  # pinned: not applied
+    r = served.client.post("/v1/model/unpin", headers=AUTH)
+    assert r.status_code == 200 and r.json()["was_pinned"] is True
+    served.wait_version(v3)
+    assert served.client.get("/v1/model").json()["pinned"] is False
+    assert served.client.post("/v1/model/unpin", headers=AUTH).json()["was_pinned"] is False
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"version": 99}, 404),
+        ({"version": "1"}, 422),
+        ({"version": 0}, 422),
+        ({}, 422),
+        ({"version": 1, "extra": True}, 422),
+    ],
+)
+def test_pin_errors(served: Served, body: dict[str, Any], status: int) -> None:
+    r = served.client.post("/v1/model/pin", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    assert served.client.get("/v1/model").json()["pinned"] is False
+
+
+def test_pin_of_a_corrupt_version_is_502_and_changes_nothing(served: Served) -> None:
+    blob = served.root / served.run.published[0].manifest.tables[0].blob.key
+    blob.write_bytes(b"\0" * blob.stat().st_size)
+    r = served.client.post("/v1/model/pin", json={"version": 1}, headers=AUTH)
+    assert r.status_code == 502 and "IntegrityError" in r.json()["detail"]
+    info = served.client.get("/v1/model").json()
+    assert info["version"] == 2 and info["pinned"] is False
+    assert served.client.post("/v1/predict", json={"examples": examples(served)}).is_success
+
+
+def test_digest_matches_between_replicas(served: Served, factory: ServerFactory) -> None:
+    other = factory.start(served.run, admin_token=TOKEN, consistency="rwlock")
+    other.wait_version(2)
+    a = served.client.get("/v1/model/digest", headers=AUTH).json()
+    b = other.client.get("/v1/model/digest", headers=AUTH).json()
+    assert a["version"] == b["version"] == 2
+    assert a["tensors"] == b["tensors"] and "embeddings.f0" in a["tensors"]
+
+
+# --- predict validation --------------------------------------------------------------------------
+
+
+def _example(**changes: Any) -> dict[str, Any]:
+    ex: dict[str, Any] = {"d0": 0.5, "d1": -1, "f0": 3, "f1": 4, "tags": [1, 2]}
+    for k, v in changes.items():
+        if v is _DROP:
+            del ex[k]
+        else:
+            ex[k] = v
+    return ex
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    ("example", "feature", "kind"),
+    [
+        (_example(colour=3), "colour", "unknown_feature"),
+        (_example(f1=_DROP), "f1", "missing_feature"),
+        (_example(f0=1000), "f0", "id_out_of_range"),
+        (_example(f0=-1), "f0", "id_out_of_range"),
+        (_example(tags=[1, 20]), "tags", "id_out_of_range"),
+        (_example(f0=[1, 2]), "f0", "wrong_type"),
+        (_example(f0=1.5), "f0", "wrong_type"),
+        (_example(tags=3), "tags", "wrong_type"),
+        (_example(d0=[1]), "d0", "wrong_type"),
+    ],
+)
+def test_predict_rejects_invalid_features(
+    served: Served, example: dict[str, Any], feature: str, kind: str
+) -> None:
+    r = served.client.post("/v1/predict", json={"examples": [_example(), example]})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert detail[0]["loc"] == ["body", "examples", 1, feature]
+    assert detail[0]["type"] == kind
+    assert feature in detail[0]["msg"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"examples": [{"d0": "x", "d1": 1, "f0": 1, "f1": 1, "tags": []}]}',  # string
+        b'{"examples": [{"d0": true, "d1": 1, "f0": 1, "f1": 1, "tags": []}]}',  # bool
+        b'{"examples": []}',  # empty batch
+        b'{"examples": [], "extra": 1}',  # unknown top-level field
+        b'{"rows": []}',  # missing examples
+        b'{"examples": [{"d0": 1, "d1": 1, "f0": 1, "f1": 1, "tags": [true]}]}',
+        b"not json",
+    ],
+)
+def test_predict_rejects_malformed_bodies(served: Served, raw: bytes) -> None:
+    r = served.client.post("/v1/predict", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+
+
+def test_predict_rejects_non_finite_numbers(served: Served) -> None:
+    raw = b'{"examples": [{"d0": NaN, "d1": 1, "f0": 1, "f1": 1, "tags": []}]}'
+    r = served.client.post("/v1/predict", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_batch_above_the_cap_is_413(served: Served) -> None:
+    r = served.client.post("/v1/predict", json={"examples": [_example()] * 17})
+    assert r.status_code == 413 and "16" in r.json()["detail"]
+    assert served.client.post("/v1/predict", json={"examples": [_example()] * 16}).is_success
+
+
+def test_body_above_the_cap_is_413_declared_or_streamed(served: Served) -> None:
+    big = json.dumps({"examples": [_example(tags=list(range(10)) * 3000)]}).encode()
+    assert len(big) > 64 * 1024
+    r = served.client.post("/v1/predict", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "Content-Length" not in r.text
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    r = served.client.post(
+        "/v1/predict", content=chunks(), headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 413
+    assert served.client.get("/healthz").status_code == 200
+
+
+def test_hashing_model_folds_ids_in(factory: ServerFactory) -> None:
+    run = factory.trainer(hashing=True)
+    run.publish("full")
+    s = factory.start(run)
+    s.wait_version(1)
+    assert s.client.get("/v1/model").json()["hashing"] is True
+    far = _example(f0=10**12 + 3, f1=-7, tags=[25, -1])
+    near = _example(f0=(10**12 + 3) % 1000, f1=-7 % 500, tags=[25 % 20, -1 % 20])
+    r = s.client.post("/v1/predict", json={"examples": [far, near]})
+    assert r.status_code == 200, r.text
+    a, b = r.json()["scores"]
+    assert a == pytest.approx(b, abs=1e-7)
+    r = s.client.post("/v1/predict", json={"examples": [_example(f0=2**70)]})
+    assert r.status_code == 422
+
+
+# --- metrics and secrets -------------------------------------------------------------------------
+
+
+def test_metrics_exposition(served: Served) -> None:
+    served.client.post("/v1/predict", json={"examples": examples(served)})
+    served.client.post("/v1/predict", json={"examples": [_example(colour=1)]})
+    r = served.client.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = r.text
+    for line in (
+        "checknrun_server_model_version 2",
+        "checknrun_server_staleness_seconds 0",
+        'checknrun_server_predict_seconds_bucket{le="+Inf"} 1',
+        "checknrun_server_predict_seconds_count 1",
+        'checknrun_server_http_requests_total{route="/v1/predict",method="POST",status="200"} 1',
+        'checknrun_server_http_requests_total{route="/v1/predict",method="POST",status="422"} 1',
+        'checknrun_server_apply_seconds_count{kind="bootstrap"} 1',
+        "# TYPE checknrun_server_apply_seconds histogram",
+        "# TYPE checknrun_server_bytes_fetched_total counter",
+        "checknrun_server_pinned 0",
+        "checknrun_server_ready 1",
+    ):
+        assert line in text, line
+
+
+def test_no_response_exposes_the_token_or_the_store(served: Served) -> None:
+    texts = [
+        served.client.get(p).text
+        for p in ("/v1/model", "/openapi.json", "/metrics", "/readyz", "/docs")
+    ]
+    texts.append(served.client.post("/v1/model/pin", json={"version": 1}).text)
+    texts.append(served.client.post("/v1/model/pin", json={"version": 99}, headers=AUTH).text)
+    for text in texts:
+        assert TOKEN not in text
+        assert str(served.root) not in text
+    settings = served.app.state.server.settings
+    assert TOKEN not in repr(settings) and TOKEN not in str(settings.model_dump())

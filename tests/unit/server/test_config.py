@@ -1,0 +1,194 @@
+"""Settings (env prefix, weak-token refusal, secrecy), the `serve` command, metrics format."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from bench.child_server import free_port as _free_port
+from bench.child_server import serve_command
+from bench.synthetic_run import SyntheticRun, random_examples, small_config
+from publisher.store import FileStore
+from server.cli import register, settings_from_args
+from server.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
+from server.settings import ServerSettings, load_settings
+
+STRONG = "Zq8-vT3pL0xW9mR2bN7c"
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+
+def test_settings_read_the_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHECKNRUN_SERVER_STORE", "file:///tmp/s")
+    monkeypatch.setenv("CHECKNRUN_SERVER_MODEL", "movielens")
+    monkeypatch.setenv("CHECKNRUN_SERVER_MAX_BATCH", "7")
+    monkeypatch.setenv("CHECKNRUN_SERVER_ADMIN_TOKEN", STRONG)
+    s = load_settings(port=9000, bus=None)
+    assert (s.store, s.model, s.max_batch, s.port, s.bus) == (
+        "file:///tmp/s",
+        "movielens",
+        7,
+        9000,
+        None,
+    )
+    assert s.admin_token is not None and s.admin_token.get_secret_value() == STRONG
+    assert STRONG not in repr(s) and STRONG not in str(s.model_dump())
+
+
+@pytest.mark.parametrize(
+    "token", ["changeme", "letmein", "short-tok", "aaaaaaaaaaaaaaaaaaaa", "ChangeMe"]
+)
+def test_weak_tokens_are_refused_outside_development(token: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ServerSettings(store="file:///s", model="m", admin_token=SecretStr(token))
+    assert token not in str(info.value)  # the error names the rule, never the token
+    dev = ServerSettings(
+        store="file:///s", model="m", admin_token=SecretStr(token), environment="development"
+    )
+    assert dev.admin_enabled
+
+
+def test_no_token_means_admin_disabled() -> None:
+    s = ServerSettings(store="file:///s", model="m")
+    assert s.admin_token is None and not s.admin_enabled
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model": "../etc"},
+        {"max_batch": 0},
+        {"consistency": "lockfree"},
+        {"retry_initial_s": 5.0, "retry_max_s": 1.0},
+        {"unknown": 1},
+    ],
+)
+def test_invalid_settings(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ServerSettings(**{"store": "file:///s", "model": "m", **bad})  # type: ignore[arg-type]
+
+
+# --- the serve command ---------------------------------------------------------------------------
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHECKNRUN_SERVER_MODEL", "from-env")
+    monkeypatch.setenv("CHECKNRUN_SERVER_PORT", "1234")
+    args = _parse("--store", "file:///x", "--max-batch", "9", "--consistency", "rwlock")
+    s = settings_from_args(args)
+    assert (s.model, s.port, s.max_batch, s.consistency) == ("from-env", 1234, 9, "rwlock")
+
+
+def test_admin_token_from_a_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MY_TOKEN", STRONG)
+    args = _parse("--store", "file:///x", "--model", "m", "--admin-token-env", "MY_TOKEN")
+    s = settings_from_args(args)
+    assert s.admin_token is not None and s.admin_token.get_secret_value() == STRONG
+    monkeypatch.delenv("MY_TOKEN")
+    assert settings_from_args(args).admin_token is None
+
+
+@pytest.mark.slow
+def test_serve_runs_uvicorn_and_stops_on_sigterm(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    run = SyntheticRun(store, "m", small_config())
+    run.publish("full")
+    run.close()
+    port = _free_port()
+    env = {**os.environ, "CHECKNRUN_SERVER_ADMIN_TOKEN": STRONG}
+    proc = subprocess.Popen(
+        serve_command(f"file://{tmp_path / 'store'}", "m", port, log_level="info"),
+        env=env,
+        cwd=Path(__file__).resolve().parents[3],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError("server did not become ready")
+        r = httpx.post(f"{url}/v1/predict", json={"examples": random_examples(small_config(), 2)})
+        assert r.status_code == 200 and r.json()["version"] == 1
+        assert (
+            httpx.get(
+                f"{url}/v1/model/digest", headers={"Authorization": f"Bearer {STRONG}"}
+            ).status_code
+            == 200
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -15).
+    assert proc.returncode in (0, -signal.SIGTERM), stderr
+    assert "Application shutdown complete" in stderr and "Traceback" not in stderr, stderr
+    assert STRONG not in stderr
+
+
+# --- metrics format ------------------------------------------------------------------------------
+
+
+def test_counter_and_gauge_exposition() -> None:
+    reg = Registry()
+    c = Counter("x_total", "Things.", ["reason"])
+    g = Gauge("y", "A level.")
+    reg.register(c)
+    reg.register(g)
+    c.inc(labels=['bad "quote"\n'])
+    c.inc(2, labels=["ok"])
+    g.set(1.5)
+    assert reg.render() == (
+        "# HELP x_total Things.\n# TYPE x_total counter\n"
+        'x_total{reason="bad \\"quote\\"\\n"} 1\nx_total{reason="ok"} 2\n'
+        "# HELP y A level.\n# TYPE y gauge\ny 1.5\n"
+    )
+    with pytest.raises(ValueError):
+        c.inc(-1, labels=["ok"])
+    with pytest.raises(ValueError):
+        c.inc(labels=[])
+    with pytest.raises(ValueError):
+        reg.register(Counter("x_total", "again"))
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    h = Histogram("lat_seconds", "Latency.", buckets=[0.1, 1.0])
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.render()[2:] == [
+        'lat_seconds_bucket{le="0.1"} 2',
+        'lat_seconds_bucket{le="1"} 3',
+        'lat_seconds_bucket{le="+Inf"} 4',
+        "lat_seconds_sum 3.65",
+        "lat_seconds_count 4",
+    ]
+    with pytest.raises(ValueError):
+        Histogram("bad", "x", buckets=[math.inf])
+
+
+def test_server_metrics_render_without_a_model() -> None:
+    text = ServerMetrics().render()
+    assert "# TYPE checknrun_server_model_version gauge" in text
+    assert "\ncheckknrun_server_model_version " not in text  # no sample until a version is served

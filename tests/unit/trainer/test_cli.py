@@ -1,0 +1,181 @@
+"""`checknrun train`: --json prints one document on stdout; --resume continues; bad input exits 1
+with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyarrow import csv
+
+from publisher.read.catalog import Catalog
+from publisher.store import FileStore
+from trainer.cli import main
+
+SYNTHETIC = [
+    "--data",
+    "synthetic",
+    "--table-cap",
+    "400",
+    "--embedding-dim",
+    "8",
+    "--batch-size",
+    "256",
+    "--interval-samples",
+    "2000",
+    "--codec",
+    "int8",
+    "--policy",
+    "consecutive",
+]
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        yield
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_train_json_then_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = f"file://{tmp_path}"
+    status, out, _ = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "5000", "--json")
+    assert status == 0
+    doc = json.loads(out)  # stdout holds exactly one JSON document
+    assert doc["model"] == "synthetic" and doc["samples"] == 5000 and doc["end_offset"] == 5000
+    records = doc["checkpoints"]
+    assert [r["samples_seen"] for r in records] == [2048, 4096, 5000]  # the last at the end
+    # A snapshot taken while the previous one is still being published merges into the next.
+    versions = [r["version"] for r in records if r["version"] is not None]
+    assert versions == list(range(1, len(versions) + 1)) and records[-1]["version"] is not None
+    assert records[0]["kind"] == "full" and {r["kind"] for r in records[1:]} <= {"delta"}
+    for r in records:
+        assert r["stall_ms"] > 0
+        if r["version"] is not None:
+            assert 0 < r["bytes"] < r["full_fp32_bytes"]
+        else:
+            assert r["merged_into"] is not None
+        assert set(r["dirty_fraction"]) == {f"embeddings.c{i}" for i in range(1, 27)}
+        assert 0 < r["dirty_fraction_total"] <= 1
+    assert 0.0 < doc["metrics"]["auc_cumulative"] < 1.0
+    last = doc["summary"]["last_version"]
+    assert doc["summary"]["versions"] == last == len(versions)
+
+    status, out, _ = run(
+        capsys, *SYNTHETIC, "--store", store, "--max-samples", "7000", "--resume", "--json"
+    )
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["resumed_from"] == last and doc["start_offset"] == 5000 and doc["samples"] == 2000
+    assert [r["version"] for r in doc["checkpoints"]] == [last + 1]
+    head = Catalog(FileStore(tmp_path), "synthetic").latest()
+    assert head is not None and head.manifest.position.reader["offset"] == 7000
+    assert head.manifest.model_config_["embedding_dim"] == 8
+
+    # Nothing left to train is an error, not a silent no-op.
+    status, _, err = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "7000", "--resume")
+    assert status == 1 and "nothing to train" in err
+
+
+def test_human_output_lists_published_versions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run(
+        capsys,
+        *SYNTHETIC,
+        "--store",
+        f"file://{tmp_path}",
+        "--max-samples",
+        "4096",
+        "--model",
+        "demo",
+    )
+    assert status == 0
+    published = re.findall(r"published v(\d+) (full|delta)", err)  # 1 or 2 (if merged)
+    assert published[0] == ("1", "full") and all(k == "delta" for _, k in published[1:])
+    assert [int(v) for v, _ in published] == list(range(1, len(published) + 1))
+    assert f"{len(published)} version(s) published" in out
+
+
+def test_csv_data_and_bad_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "clicks.csv"
+    n = 3000
+    table = pa.table(
+        {
+            "uid": [f"u{i % 97}" for i in range(n)],
+            "sku": [i % 31 for i in range(n)],
+            "ts": list(range(n)),
+            "clicked": [int(i % 3 == 0) for i in range(n)],
+        }
+    )
+    csv.write_csv(table, path)
+    common = [
+        "--data",
+        str(path),
+        "--store",
+        f"file://{tmp_path}/store",
+        "--user-col",
+        "uid",
+        "--item-col",
+        "sku",
+        "--time-col",
+        "ts",
+        "--interval-samples",
+        "1000",
+        "--json",
+    ]
+    status, out, _ = run(capsys, *common, "--label-col", "clicked")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["model"] == "clicks" and doc["samples"] == n
+
+    status, out, err = run(capsys, *common, "--label-col", "label")
+    assert status == 1 and out == ""
+    assert "'label'" in err and "missing" in err
+
+    status, _, err = run(capsys, "--data", str(tmp_path / "x.xlsx"), "--store", str(tmp_path))
+    assert status == 1 and "unknown file type" in err
+
+    status, _, err = run(capsys, *SYNTHETIC, "--store", f"file://{tmp_path}/s2", "--resume")
+    assert status == 1 and "no committed version" in err
+
+
+def test_bus_announces_every_committed_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "announcements.log"
+    for publish_in in ("thread", "process"):
+        status, out, _ = run(
+            capsys,
+            *SYNTHETIC,
+            "--store",
+            f"file://{tmp_path}/{publish_in}",
+            "--max-samples",
+            "4096",
+            "--bus",
+            f"file://{log}",
+            "--publish-in",
+            publish_in,
+            "--json",
+            "--model",
+            publish_in,
+        )
+        assert status == 0
+        versions = [r["version"] for r in json.loads(out)["checkpoints"] if r["version"]]
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        announced = [a["version"] for a in lines if a["model"] == publish_in]
+        assert announced == versions and all(a["manifest_key"] for a in lines)
+
+    status, _, err = run(capsys, *SYNTHETIC, "--store", str(tmp_path), "--bus", "nats://x")
+    assert status == 1 and "--bus nats://x" in err

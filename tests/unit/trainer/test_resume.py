@@ -1,0 +1,170 @@
+"""Resume exactness: an interrupted run resumed from an fp32 checkpoint ends bitwise equal to an
+uninterrupted run, and the reader continues with no sample trained twice or skipped."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from publisher.read.catalog import Catalog, NoVersionError
+from publisher.store import FileStore
+from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
+from trainer.online import build_dlrm, build_optimizers, train_online
+from trainer.streams.base import Batch, DataError
+from trainer.streams.synthetic import SyntheticConfig, SyntheticStream
+
+BATCH = 128
+INTERVAL = 1000  # not a multiple of the batch: checkpoints land on the next batch boundary
+TOTAL = 8000
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        yield
+
+
+def stream() -> SyntheticStream:
+    return SyntheticStream(
+        SyntheticConfig(cardinalities=(40, 900, 5000, 6, 2500), seed=11, chunk=500, drift=0.5)
+    )
+
+
+def trainer(seed: int, store: FileStore, policy: str) -> tuple[Any, list[Any], Any]:
+    s = stream()
+    model = build_dlrm(s.features, s.dense_names, seed=seed)
+    optimizers = build_optimizers(model)
+    ckpt = IncrementalCheckpointer(
+        model,
+        optimizers,
+        store=store,
+        model_name="resume",
+        policy=policy,
+        codec="fp32",
+        interval_samples=INTERVAL,
+    )
+    return model, optimizers, ckpt
+
+
+def state_of(model: torch.nn.Module, optimizers: list[Any]) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor, by a stable name."""
+    out = {f"param.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, opt in enumerate(optimizers):
+        for j, per in opt.state_dict()["state"].items():
+            for name, value in per.items():
+                out[f"opt{i}.{j}.{name}"] = torch.as_tensor(value).clone()
+    return out
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("policy", ["consecutive", "intermittent"])
+def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path: Path, policy: str) -> None:
+    # Uninterrupted reference.
+    model, opts, ckpt = trainer(seed=0, store=FileStore(tmp_path / "a"), policy=policy)
+    with ckpt:
+        train_online(model, opts, stream(), batch_size=BATCH, stop=TOTAL, checkpointer=ckpt)
+    reference = state_of(model, opts)
+
+    # Interrupted: crash 3 checkpoints in, a few batches past the third boundary.
+    store = FileStore(tmp_path / "b")
+    seen: list[tuple[int, int]] = []
+
+    def record(batch: Batch, _: object) -> None:
+        seen.append((batch.offset, batch.end))
+
+    model, opts, ckpt = trainer(seed=0, store=store, policy=policy)
+    with ckpt:
+        crash_at = 3 * INTERVAL + 5 * BATCH
+        report = train_online(
+            model,
+            opts,
+            stream(),
+            batch_size=BATCH,
+            stop=crash_at,
+            checkpointer=ckpt,
+            final_checkpoint=False,
+            on_batch=record,
+        )
+    assert len(report.records) == 3
+    committed = Catalog(store, "resume").latest()
+    # (snapshots may have merged while the publisher was busy: fewer versions, same state)
+    assert committed is not None and committed.manifest.kind in ("full", "delta")
+    position = committed.manifest.position
+    checkpoint_offset = int(position.reader["offset"])
+    assert checkpoint_offset == report.records[-1].samples_seen == position.samples_seen
+    assert checkpoint_offset % BATCH == 0 and INTERVAL * 3 <= checkpoint_offset < crash_at
+    del model, opts  # the crashed process is gone
+
+    # Resume into a model initialised differently: everything must come from the checkpoint.
+    model, opts, ckpt = trainer(seed=99, store=store, policy=policy)
+    with ckpt:
+        pos = ckpt.resume()
+        s = stream()
+        start = s.resume_offset(pos.reader)
+        assert start == checkpoint_offset and ckpt.samples_seen == checkpoint_offset
+        resumed: list[tuple[int, int]] = []
+        train_online(
+            model,
+            opts,
+            s,
+            batch_size=BATCH,
+            start=start,
+            stop=TOTAL,
+            checkpointer=ckpt,
+            on_batch=lambda b, _: resumed.append((b.offset, b.end)),
+        )
+        first_after_resume = ckpt.records[0]
+    assert first_after_resume.kind == "full"  # a resumed writer starts a new baseline
+    assert_bitwise_equal(state_of(model, opts), reference)
+
+    # The samples that made it into the final model: each exactly once, none skipped.
+    kept = [(a, b) for a, b in seen if b <= checkpoint_offset] + resumed
+    covered = [i for a, b in kept for i in range(a, b)]
+    assert covered == list(range(TOTAL))
+
+
+def test_resume_of_a_given_version_and_errors(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    model, opts, ckpt = trainer(seed=0, store=store, policy="consecutive")
+    with ckpt:
+        with pytest.raises(NoVersionError):
+            ckpt.resume()
+        train_online(model, opts, stream(), batch_size=BATCH, stop=2500, checkpointer=ckpt)
+    # Version 1 is the first snapshot, or the first ones folded together if publishing lagged.
+    v1 = next(r for r in ckpt.records if r.version == 1)
+    model, opts, ckpt = trainer(seed=5, store=store, policy="consecutive")
+    with ckpt:
+        pos = ckpt.resume(version=1)
+        assert ckpt.last_restored_version == 1
+        assert pos.reader["offset"] == pos.samples_seen == ckpt.samples_seen
+        assert INTERVAL <= pos.samples_seen == v1.samples_seen < 2500
+        other_data = SyntheticStream(SyntheticConfig(cardinalities=(40, 900), seed=1))
+        with pytest.raises(DataError, match="fingerprint"):
+            other_data.resume_offset(pos.reader)
+
+    # A model with another architecture refuses the checkpoint.
+    s = stream()
+    other = build_dlrm(s.features, s.dense_names, seed=0, extra={"variant": 2})
+    ckpt = IncrementalCheckpointer(
+        other,
+        build_optimizers(other),
+        store=store,
+        model_name="resume",
+        codec="fp32",
+        interval_samples=INTERVAL,
+    )
+    with ckpt, pytest.raises(CheckpointError, match="model_config"):
+        ckpt.resume()
