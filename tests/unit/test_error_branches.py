@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 from publisher.bus import BusError
+from publisher.cli import CommandError
 from publisher.codecs import CodecError, NonFiniteRowsError
 from publisher.dlrm import ArchitectureError
 from publisher.read.catalog import CatalogError, NoVersionError
@@ -55,6 +56,7 @@ EXPECTED: list[tuple[type[CheckNRunError], type[CheckNRunError] | None]] = [
     (PolicyError, BadDataError),
     (TrackerError, BadDataError),
     (RowIdError, BadDataError),
+    (CommandError, BadDataError),
     (CheckpointError, BadDataError),
     (DataError, BadDataError),
     (ApplyError, BadDataError),
