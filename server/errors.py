@@ -21,10 +21,6 @@ class ApplyError(ServerError, BadDataError):
     """
 
 
-class NotApplicableError(ApplyError):
-    """A delta whose base is not the served version (`applies_to <= current < version` fails)."""
-
-
 class ShuttingDownError(ServerError, UnavailableError):
     """The server is stopping: an apply in progress was abandoned before its next version."""
 
