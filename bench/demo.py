@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from bench.child_server import free_port, serve_command
-from publisher.cli import CommandError
+from publisher.cli import CommandError, run_command
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
 from trainer.progressive_metrics import ProgressiveMetrics
@@ -401,12 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     args = parser.parse_args(["demo", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        status: int = args.func(args)
-    except CommandError as exc:
-        print(f"checknrun demo: {exc}", file=sys.stderr)
-        return 1
-    return status
+    return run_command(args)
 
 
 if __name__ == "__main__":

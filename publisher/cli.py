@@ -5,7 +5,8 @@ trainer and server packages; they plug in through the `checknrun.commands` entry
 this module never imports them (imports flow one way: trainer and server stand on publisher).
 
 Every command with `--json` prints one JSON document on stdout and nothing else; errors go to
-stderr with a non-zero exit status.
+stderr with a non-zero exit status (`exit_status`). Every command, built in or plugged in, runs
+through `run_command`, so all of them report errors the same way.
 """
 
 from __future__ import annotations
@@ -16,20 +17,57 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
-from publisher.read.catalog import Catalog, CatalogError, VersionRef
-from publisher.store import StoreError, StoreUnavailableError, open_store
-from schemas.errors import FormatError
+from publisher.read.catalog import Catalog, VersionRef
+from publisher.store import open_store
+from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 
 DEFAULT_STORE = "file://./checknrun-store"
 
-#: exit statuses: 1 = bad input or state, 2 = usage (argparse), 3 = store unreachable.
-EXIT_ERROR, EXIT_UNAVAILABLE = 1, 3
+#: exit statuses: 1 = bad input or state, 2 = usage (argparse), 3 = a service unreachable.
+EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 3, 130
 
 
-class CommandError(Exception):
+class CommandError(BadDataError):
     """A command failed in a way the user can fix; the message says how."""
+
+
+def exit_status(exc: CheckNRunError | OSError) -> int:
+    """The exit status of a command that failed with `exc`.
+
+    3 when a service could not be reached (retrying later may work), else 1: bad input or state,
+    a conflict with another writer, or a local file that cannot be read or written (OSError).
+    """
+    return EXIT_UNAVAILABLE if isinstance(exc, UnavailableError) else EXIT_ERROR
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run `args.func(args)` and return its exit status.
+
+    A checknrun error (or a local file's OSError) becomes its message on stderr and
+    `exit_status`; anything else is a bug and propagates with its traceback.
+    """
+    try:
+        status: int = args.func(args)
+    except (CheckNRunError, OSError) as exc:
+        code = exit_status(exc)
+        reason = "unavailable: " if code == EXIT_UNAVAILABLE else ""
+        print(f"checknrun {args.command}: {reason}{exc}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print(f"checknrun {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return status
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a bad one is a usage error, exit status 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_store_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
@@ -142,6 +180,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     from publisher.read.restore import restore
 
+    if not Path(args.out).absolute().parent.is_dir():  # before the restore, not after it
+        raise CommandError(f"--out {args.out}: no such directory")
     with open_store(args.store) as store:
         state = restore(store, args.model, args.version, progress=not args.json)
     out: dict[str, Any] = {}
@@ -225,7 +265,9 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     p = sub.add_parser("gc", help="delete versions and orphans no kept version needs")
     add_store_args(p)
-    p.add_argument("--keep-baselines", type=int, default=2, help="full versions to keep (>= 1)")
+    p.add_argument(
+        "--keep-baselines", type=positive_int, default=2, help="full versions to keep (>= 1)"
+    )
     p.add_argument(
         "--grace",
         type=float,
@@ -263,21 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    try:
-        status: int = args.func(args)
-    except StoreUnavailableError as exc:
-        print(f"checknrun {args.command}: store unreachable: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except StoreError as exc:
-        print(f"checknrun {args.command}: store error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except (CatalogError, FormatError, CommandError, ValueError, OSError) as exc:
-        print(f"checknrun {args.command}: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print(f"checknrun {args.command}: interrupted", file=sys.stderr)
-        return 130
-    return status
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes
+from schemas.errors import BadDataError
 
 if sys.byteorder != "little":  # codes are host memory viewed as little-endian wire bytes
     raise ImportError("publisher.codecs needs a little-endian host")
@@ -90,7 +91,7 @@ _FP16_MIN_NORMAL: Final = 2.0**-14
 _FP32_SLACK: Final = 2.0**-18  # float32 rounding: (x - bias) / scale, bias + code * scale, search
 
 
-class CodecError(ValueError):
+class CodecError(BadDataError, ValueError):
     """Input a codec cannot encode or decode: bad shape, dtype or values."""
 
 

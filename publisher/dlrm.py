@@ -25,10 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from schemas.errors import BadDataError
+
 TABLE_PREFIX = "embeddings."
 
 
-class ArchitectureError(ValueError):
+class ArchitectureError(BadDataError, ValueError):
     """A model config that does not describe a model this module can build."""
 
 

@@ -76,8 +76,8 @@ from schemas.row_index import (
     ROW_ENCODINGS,
     RowEncoding,
     choose_encoding,
-    decode_rows,
-    encode_rows,
+    decode_row_ids,
+    encode_row_ids,
 )
 
 MAGIC: Final[bytes] = b"CNRDELTA"
@@ -341,7 +341,7 @@ def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int
     else:
         scale_bias = np.zeros(0, dtype="<f2")
     raws: tuple[bytes, ...] = (
-        encode_rows(blob.row_ids, blob.table_rows, encoding),
+        encode_row_ids(blob.row_ids, blob.table_rows, encoding),
         blob.codes.tobytes(),
         scale_bias.tobytes(),
         blob.aux.astype("<f4", copy=False).tobytes(),
@@ -437,7 +437,7 @@ def decode_delta_blob(data: BytesLike, *, limits: BlobLimits = DEFAULT_LIMITS) -
     rows, codes, scale_bias, aux = payloads
 
     n = header.n_rows
-    row_ids = decode_rows(rows, header.row_encoding, header.table_rows, n)
+    row_ids = decode_row_ids(rows, header.row_encoding, header.table_rows, n)
     codes_arr = np.frombuffer(codes, dtype=np.uint8).reshape(n, row_bytes(header.codec, header.dim))
     sb = np.frombuffer(scale_bias, dtype="<f2")
     # For fp codecs the section is empty, so both slices are the (0,) arrays the blob wants.

@@ -1,14 +1,44 @@
-"""The error hierarchy of schemas/: every rejection of bytes or JSON has its own type.
+"""Every error checknrun raises on purpose: one root, and a branch that says what to do about it.
 
-All derive from `FormatError` (itself a `ValueError`), so callers that only care that input was
-bad catch one type, and tests can check that each rejection path raises the documented one.
+    CheckNRunError        the root: a failure checknrun foresaw and describes
+    +- BadDataError       the input or the state is wrong (hostile or malformed bytes, a bad
+    |  |                  manifest, config or argument, no such version): retrying won't help
+    |  +- FormatError     bytes or JSON that do not follow docs/FORMAT.md (the types below)
+    +- UnavailableError   a service could not be reached or timed out: retry later
+    +- ConflictError      another writer holds or moved what this one meant to change (a held
+                          lease, a lost compare-and-swap): stop that writer, or wait
+
+Each package keeps its own small hierarchy (`StoreError`, `CodecError`, `RestoreError`, ...) and
+each class picks its branch once, here in its bases; callers decide by branch and never list
+types. A package base that is raised for reasons of several kinds (`StoreError` for a refused or
+misconfigured store) sits directly under the root. Anything that is not a `CheckNRunError` (a
+bare ValueError, TypeError, KeyError...) is a bug and is left to propagate with its traceback.
+
+The bad-data classes keep the builtin base they always had (`FormatError` is a ValueError, so
+pydantic validators and callers that catch ValueError still see one).
 """
 
 from __future__ import annotations
 
 
-class FormatError(ValueError):
-    """Bytes or JSON that do not follow docs/FORMAT.md."""
+class CheckNRunError(Exception):
+    """Root of every error checknrun raises on purpose."""
+
+
+class BadDataError(CheckNRunError):
+    """The input or state is wrong: retrying the same thing will not help."""
+
+
+class UnavailableError(CheckNRunError):
+    """A service could not be reached or timed out: the same thing may work later."""
+
+
+class ConflictError(CheckNRunError):
+    """Another writer holds or moved what this one meant to change."""
+
+
+class FormatError(BadDataError, ValueError):
+    """Bytes or JSON that do not follow docs/FORMAT.md; each rejection has its own subclass."""
 
 
 # --- delta blob (docs/FORMAT.md section 4) ---------------------------------------------------

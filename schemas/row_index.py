@@ -262,7 +262,7 @@ def _ids_from_gaps(values: RowIds, table_rows: int) -> RowIds:
 # --- all three --------------------------------------------------------------------------------
 
 
-def encode_rows(row_ids: npt.ArrayLike, table_rows: int, encoding: RowEncoding) -> bytes:
+def encode_row_ids(row_ids: npt.ArrayLike, table_rows: int, encoding: RowEncoding) -> bytes:
     """The `rows` section for `row_ids` in `encoding` (see `choose_encoding`)."""
     if encoding == "all":
         ids = _as_row_ids(row_ids)
@@ -281,7 +281,7 @@ def encode_rows(row_ids: npt.ArrayLike, table_rows: int, encoding: RowEncoding) 
     raise ValueError(f"unknown row encoding {encoding!r}, expected one of {ROW_ENCODINGS}")
 
 
-def decode_rows(
+def decode_row_ids(
     data: npt.ArrayLike | bytes, encoding: RowEncoding, table_rows: int, n_rows: int
 ) -> RowIds:
     """The row ids of a `rows` section in `encoding`; raises `RowIndexError` on any violation."""

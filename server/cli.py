@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
+from publisher.cli import run_command
 from server.settings import ENV_PREFIX, load_settings
 
 DEFAULT_TOKEN_ENV = f"{ENV_PREFIX}ADMIN_TOKEN"
@@ -139,8 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    status: int = args.func(args)
-    return status
+    return run_command(args)
 
 
 if __name__ == "__main__":

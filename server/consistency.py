@@ -17,7 +17,7 @@ reader may wait for and in memory:
   A full version (or a new architecture) is built as a new copy beside the old one and swapped in
   by pointer under the lock. Memory: 1 x the model in steady state, 2 x while a full is built.
 
-Measured (bench/serving.py, 1M x 64 int8 table, 2 busy cores; details in server/README.md):
+Measured (bench/serving.py, 1M x 64 int8 table, 2 busy cores; details in docs/SERVER.md):
 
     delta rows   double-buffer swap pause   rwlock write-lock hold   apply (db / rwlock)
     1,000        6 us                        0.4 ms                   2.4 / 1.9 ms

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
 
-class ServerError(Exception):
+
+class ServerError(CheckNRunError):
     """Base of the serving side's own failures."""
 
 
-class NotBootstrappedError(ServerError):
+class NotBootstrappedError(ServerError, UnavailableError):
     """No version is served yet (the bootstrap has not finished)."""
 
 
-class ApplyError(ServerError):
+class ApplyError(ServerError, BadDataError):
     """A version that cannot be applied to the live model: it disagrees with its layout.
 
     Raised with what the version says and what the live model holds, e.g. a delta for a table the
@@ -19,13 +21,9 @@ class ApplyError(ServerError):
     """
 
 
-class NotApplicableError(ApplyError):
-    """A delta whose base is not the served version (`applies_to <= current < version` fails)."""
-
-
-class ShuttingDownError(ServerError):
+class ShuttingDownError(ServerError, UnavailableError):
     """The server is stopping: an apply in progress was abandoned before its next version."""
 
 
-class PinnedError(ServerError):
+class PinnedError(ServerError, ConflictError):
     """The live model is pinned: following is suspended until an admin unpins it."""

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from publisher.dlrm import DLRMConfig, SparseBatch
+from schemas.errors import BadDataError
 
 #: problems reported per request; the rest are summarised in one last entry.
 MAX_REPORTED_ERRORS = 50
@@ -49,7 +50,7 @@ class FeatureProblem:
         return {"loc": loc, "msg": self.message, "type": self.type}
 
 
-class FeatureValidationError(ValueError):
+class FeatureValidationError(BadDataError, ValueError):
     """The examples do not match the served model's features; `.problems` says where."""
 
     def __init__(self, problems: list[FeatureProblem]) -> None:

@@ -11,13 +11,13 @@ Rules (quix-streams / aiokafka style):
 - The served version moves only after a version's work is done (fetched, verified, decoded,
   swapped in); `LiveModel.advance` is idempotent by version, so a redelivered or old
   announcement does nothing.
-- A version that fails verification, decoding or layout checks (IntegrityError, FormatError,
-  RestoreError, CodecError, ApplyError) is rejected and counted; the model keeps serving the
+- A version that is bad data (a `BadDataError`: it fails verification, decoding or layout
+  checks, or names a blob that is missing) is rejected and counted; the model keeps serving the
   version it had (the schemes never publish a half-written model). The loop then backs off
   (`retry_initial_s`, doubling up to `retry_max_s`) and reconciles from the store's HEAD, which
   retries the version (the store may have healed), or skips it once a newer full version exists.
-- Store outages and unexpected errors are logged, counted and retried the same way; nothing
-  escapes `run` except KeyboardInterrupt/SystemExit.
+- Store failures (unreachable, refused) and unexpected errors are logged, counted and retried
+  the same way; nothing escapes `run` except KeyboardInterrupt/SystemExit.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from typing import TypeVar
 
 from publisher.codecs import CodecError
 from publisher.read.follower import VersionFollower
-from publisher.read.restore import RestoreError
 from publisher.store import IntegrityError, StoreError
-from schemas.errors import FormatError
+from schemas.errors import BadDataError, FormatError
 from server.errors import ApplyError, PinnedError, ShuttingDownError
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics
@@ -41,12 +40,10 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: failures that mean "this version is bad", as opposed to "the store is away".
-REJECTABLE = (IntegrityError, FormatError, RestoreError, CodecError, ApplyError)
 
-
-def rejection_reason(exc: BaseException) -> str:
-    """The `reason` label of a rejected version."""
+def rejection_reason(exc: BadDataError) -> str:
+    """The `reason` label of a rejected version ("restore": anything else keeping it from being
+    rebuilt, such as a RestoreError or a missing blob)."""
     if isinstance(exc, IntegrityError):
         return "integrity"
     if isinstance(exc, FormatError):
@@ -177,7 +174,7 @@ class FollowLoop:
                 applied += self.live.advance(ref)
             except PinnedError:
                 break
-            except REJECTABLE as exc:
+            except BadDataError as exc:
                 self._rejected(ref.version, exc)
                 break
             except StoreError as exc:
@@ -202,7 +199,7 @@ class FollowLoop:
             result = action()
         except PinnedError:
             return None
-        except REJECTABLE as exc:
+        except BadDataError as exc:
             self._rejected(None, exc)
             return None
         except StoreError as exc:
@@ -211,7 +208,7 @@ class FollowLoop:
         self._succeeded()
         return result
 
-    def _rejected(self, version: int | None, exc: BaseException) -> None:
+    def _rejected(self, version: int | None, exc: BadDataError) -> None:
         reason = rejection_reason(exc)
         self.rejected += 1
         self.metrics.rejected.inc(labels=[reason])

@@ -40,10 +40,6 @@ MIN_TOKEN_CHARS = 16
 ConsistencyScheme = Literal["double-buffer", "rwlock"]
 
 
-class SettingsError(ValueError):
-    """A configuration the server refuses to start with."""
-
-
 class ServerSettings(BaseSettings):
     """Everything `checknrun serve` can be told; each field is also `CHECKNRUN_SERVER_<NAME>`."""
 

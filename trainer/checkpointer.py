@@ -57,6 +57,7 @@ from publisher.write.tracker import (
 )
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
+from schemas.errors import BadDataError
 from schemas.manifest import Position
 from trainer.row_buffers import RowBufferPool
 
@@ -70,7 +71,7 @@ Reader = Mapping[str, int | str]
 _OPT_PREFIX = "optimizers.{}."
 
 
-class CheckpointError(Exception):
+class CheckpointError(BadDataError):
     """The checkpointer was misused or a checkpoint does not fit the model it is loaded into."""
 
 

@@ -32,15 +32,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from publisher.cli import EXIT_ERROR, CommandError, add_store_args
+from publisher.bus import BusError
+from publisher.cli import CommandError, add_store_args, positive_int, run_command
 from publisher.dlrm import DLRM
 from publisher.read.catalog import NoVersionError
-from publisher.store import StoreError
-from publisher.write.policies import POLICIES, PolicyError, codec_for_expected_restores
-from publisher.write.tracker import TrackerError
-from publisher.write.version_writer import LeaseHeldError
+from publisher.write.policies import POLICIES, codec_for_expected_restores
 from schemas.codec_names import CODECS
-from trainer.checkpointer import CheckpointError, CheckpointRecord, IncrementalCheckpointer
+from schemas.errors import BadDataError
+from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import (
     DENSE_OPTIMIZERS,
     SPARSE_OPTIMIZERS,
@@ -52,7 +51,7 @@ from trainer.online import (
     train_online,
 )
 from trainer.progressive_metrics import ProgressiveMetrics
-from trainer.streams.base import Batch, DataError, InteractionStream
+from trainer.streams.base import Batch, InteractionStream
 
 DEFAULT_INTERVAL_SAMPLES = 50_000
 DEFAULT_TABLE_CAP = 730_000  # ~4.2M rows in 26 tables: ~1.08 GB of fp32 rows at dim 64
@@ -93,7 +92,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--interval-samples",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"checkpoint every N samples (default {DEFAULT_INTERVAL_SAMPLES:,} unless "
         "--interval-seconds is given)",
@@ -101,7 +100,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval-seconds", type=float, default=None, help="checkpoint every S s")
     p.add_argument(
         "--max-samples",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="stop at this stream offset (counted from the stream's start, also on --resume)",
     )
@@ -116,8 +115,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document at the end")
     p.add_argument("--bus", default=None, help="announce versions: file:///PATH or kafka://...")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=_positive_int, default=512)
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=512)
     p.add_argument(
         "--publish-in",
         choices=("thread", "process"),
@@ -126,7 +125,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="torch intra-op threads for training (default %(default)s: on a 2-core machine "
         "one trains while the publisher thread encodes on the other)",
@@ -134,19 +133,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
     m = p.add_argument_group("model")
     m.add_argument(
-        "--embedding-dim", type=_positive_int, default=None, help="default 16 (64 for synthetic)"
+        "--embedding-dim", type=positive_int, default=None, help="default 16 (64 for synthetic)"
     )
     m.add_argument("--bottom-mlp", type=_widths, default=(64,), help="e.g. 64 or 128,64")
     m.add_argument("--top-mlp", type=_widths, default=(64, 32), help="e.g. 64,32")
     m.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default="rowwise-adagrad")
-    m.add_argument("--sparse-lr", type=float, default=0.05)
+    m.add_argument("--sparse-lr", type=_positive_float, default=0.05)
     m.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default="adam")
-    m.add_argument("--dense-lr", type=float, default=1e-3)
+    m.add_argument("--dense-lr", type=_positive_float, default=1e-3)
 
     s = p.add_argument_group("synthetic data")
     s.add_argument(
         "--table-cap",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_TABLE_CAP,
         help="rows per table at most (Criteo cardinalities, capped)",
     )
@@ -170,10 +169,17 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--bag-sep", default="|")
 
 
-def _positive_int(text: str) -> int:
+def _non_negative_int(text: str) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -282,32 +288,17 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _bus_errors() -> tuple[type[Exception], ...]:
-    """What opening `--bus` may raise: the bus's own error, or ImportError without the bus."""
-    try:
-        from publisher.bus import BusError
-    except ImportError:
-        return (ImportError,)
-    return (BusError, ImportError)
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `train`; returns the exit status."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
     if args.codec == "auto":
-        try:
-            args.codec = codec_for_expected_restores(args.expected_restores)
-        except PolicyError as exc:
-            raise CommandError(str(exc)) from exc
+        args.codec = codec_for_expected_restores(args.expected_restores)
     model_name = args.model or default_model_name(args.data)
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:
         interval_samples = DEFAULT_INTERVAL_SAMPLES
-    try:
-        stream = open_stream(args)
-    except DataError as exc:
-        raise CommandError(str(exc)) from exc
+    stream = open_stream(args)
     model, optimizers = build_model(args, stream, extra={"source": stream.source})
     show = not args.no_progress
     bar: tqdm[Any] | None = None
@@ -335,9 +326,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             on_published=published,
             publish_in=args.publish_in,
         )
-    except (LeaseHeldError, TrackerError, PolicyError, CheckpointError) as exc:
-        raise CommandError(str(exc)) from exc
-    except _bus_errors() as exc:
+    except BusError as exc:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc
     with ckpt:
         start, resumed = _resume(ckpt, stream, args)
@@ -398,7 +387,7 @@ def _resume(
         start = stream.resume_offset(position.reader)
     except NoVersionError as exc:
         raise CommandError(f"--resume: {exc}; run without --resume to start fresh") from exc
-    except (CheckpointError, DataError) as exc:
+    except BadDataError as exc:
         raise CommandError(f"--resume: {exc}") from exc
     resumed = ckpt.last_restored_version
     return start, resumed
@@ -497,12 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    try:
-        status: int = args.func(args)
-    except (CommandError, StoreError, ValueError, OSError) as exc:
-        print(f"checknrun {args.command}: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    return status
+    return run_command(args)
 
 
 if __name__ == "__main__":

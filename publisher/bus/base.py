@@ -28,12 +28,13 @@ from typing import Literal
 from urllib.parse import parse_qsl
 
 from schemas.announcement import Announcement
+from schemas.errors import BadDataError
 
 #: where a new source starts reading: only what is announced from now on, or everything kept.
 StartAt = Literal["latest", "earliest"]
 
 
-class BusError(Exception):
+class BusError(BadDataError):
     """A bus URL or setting that cannot work (never raised for a transient outage)."""
 
 

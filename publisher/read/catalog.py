@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from publisher.store import NotFoundError, ObjectStore
-from schemas.errors import ManifestError
+from schemas.errors import BadDataError, ManifestError
 from schemas.manifest import Head, Manifest, check_model_name
 from schemas.store_keys import head_key
 
 
-class CatalogError(Exception):
+class CatalogError(BadDataError):
     """A model's versions cannot be read as asked."""
 
 

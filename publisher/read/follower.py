@@ -37,10 +37,9 @@ from functools import partial
 from typing import Final
 
 from publisher.bus.base import AnnouncementSource
-from publisher.read.catalog import Catalog, CatalogError, VersionRef
-from publisher.store import StoreError
+from publisher.read.catalog import Catalog, VersionRef
 from schemas.announcement import MAX_ANNOUNCEMENT_BYTES, Announcement
-from schemas.errors import AnnouncementError, FormatError, ManifestError
+from schemas.errors import AnnouncementError, CheckNRunError, ManifestError
 from schemas.manifest import Head
 from schemas.store_keys import check_key, is_manifest_key
 
@@ -68,8 +67,9 @@ REASONS: Final = (
     MISMATCH,
 )
 
-#: what reading the store may raise; all of it is retried later, never raised out of poll.
-_STORE_FAILURES = (StoreError, FormatError, CatalogError, OSError)
+#: what reading the store may raise (any checknrun error, or the disk's); all of it is retried
+#: later, never raised out of poll.
+_STORE_FAILURES = (CheckNRunError, OSError)
 
 
 @dataclass

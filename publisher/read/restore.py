@@ -22,12 +22,12 @@ from publisher.codecs import QuantizedRows, decode_rows
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob, decode_delta_blob
-from schemas.errors import FormatError
+from schemas.errors import BadDataError, FormatError
 from schemas.manifest import Manifest, Position, TableEntry
 from schemas.tensor_blob import decode_tensors
 
 
-class RestoreError(Exception):
+class RestoreError(BadDataError):
     """A version cannot be rebuilt: a blob that disagrees with its manifest or its table."""
 
 

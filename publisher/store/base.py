@@ -12,28 +12,30 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-
-class StoreError(Exception):
-    """Base of every store failure."""
+from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
 
 
-class NotFoundError(StoreError):
+class StoreError(CheckNRunError):
+    """Base of every store failure; raised itself when the store refuses or is misconfigured."""
+
+
+class NotFoundError(StoreError, BadDataError):
     """The key does not exist."""
 
 
-class PreconditionFailedError(StoreError):
+class PreconditionFailedError(StoreError, ConflictError):
     """A conditional write lost: the object exists, or its ETag changed."""
 
 
-class StoreUnavailableError(StoreError):
+class StoreUnavailableError(StoreError, UnavailableError):
     """The store cannot be reached (after retries)."""
 
 
-class IntegrityError(StoreError):
+class IntegrityError(StoreError, BadDataError):
     """Fetched bytes do not match the size or sha256 the manifest promises."""
 
 
-class BadKeyError(StoreError):
+class BadKeyError(StoreError, BadDataError):
     """A key that is not a safe relative path."""
 
 

@@ -26,10 +26,12 @@ from typing import Literal
 
 import numpy as np
 
+from schemas.errors import BadDataError
+
 POLICIES = ("full", "one-shot", "consecutive", "intermittent")
 
 
-class PolicyError(ValueError):
+class PolicyError(BadDataError, ValueError):
     """Unknown policy or bad policy parameter."""
 
 

@@ -37,12 +37,13 @@ import numpy as np
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
+from schemas.errors import CheckNRunError
 
 #: how long start-up (imports, lease) may take before the parent gives up.
 START_TIMEOUT_S = 120.0
 
 
-class PublisherProcessError(RuntimeError):
+class PublisherProcessError(CheckNRunError, RuntimeError):
     """The publisher process died or could not start."""
 
 

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from publisher.codecs import encode_rows
 from publisher.read.catalog import VersionRef
-from publisher.store import ObjectStore, StoreError, StoreUnavailableError
+from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.snapshot import Snapshot, TableRows
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
 from schemas.delta_blob import DeltaBlob, encode_delta_blob
+from schemas.errors import UnavailableError
 from schemas.manifest import Manifest
 from schemas.tensor_blob import encode_tensors
 
@@ -293,7 +294,7 @@ class BackgroundPublisher:
             try:
                 snapshot = self._fold(batch)
                 result = self.publisher.publish(snapshot)
-            except (StoreUnavailableError, ConnectionError, TimeoutError) as exc:
+            except (UnavailableError, ConnectionError, TimeoutError) as exc:
                 log.warning("store unavailable (%s); retrying in %.1f s", exc, delay)
                 with self._cond:
                     self._put_front(snapshot, 1)

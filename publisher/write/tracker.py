@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from schemas.errors import BadDataError
+
 EmbeddingModule: TypeAlias = nn.Embedding | nn.EmbeddingBag
 RowIds: TypeAlias = npt.NDArray[np.int64]
 _PreHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 
-class TrackerError(Exception):
+class TrackerError(BadDataError):
     """Base of this module's errors; also raised for misuse (unknown table, mismatched tracker)."""
 
 

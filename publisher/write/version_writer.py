@@ -27,6 +27,7 @@ from publisher.faults import fault_point
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import NotFoundError, ObjectStore, PreconditionFailedError, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from schemas.errors import CheckNRunError, ConflictError
 from schemas.manifest import (
     BlobRef,
     Head,
@@ -40,15 +41,15 @@ from schemas.manifest import (
 from schemas.store_keys import blob_prefix, head_key, lease_key, manifest_key
 
 
-class WriterError(StoreError):
-    """The commit protocol refused to go on."""
+class WriterError(CheckNRunError):
+    """The commit protocol refused to go on (raised itself for a draft it cannot commit)."""
 
 
-class LeaseHeldError(WriterError):
+class LeaseHeldError(WriterError, ConflictError):
     """Another live writer holds the model's lease."""
 
 
-class HeadConflictError(WriterError):
+class HeadConflictError(WriterError, ConflictError):
     """HEAD moved under this writer: another writer committed, so this one must stop."""
 
 
@@ -175,8 +176,9 @@ class VersionWriter:
         while not self._stop.wait(self.tunables.lease_ttl_s / 3):
             try:
                 self.renew_lease()
-            except StoreError:
-                # The store may be down for a while; commit() re-checks before moving HEAD.
+            except (StoreError, LeaseHeldError):
+                # The store may be down for a while, or the lease taken; commit() re-checks
+                # before moving HEAD.
                 continue
 
     def close(self) -> None:

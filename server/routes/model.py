@@ -8,6 +8,7 @@ from fastapi import APIRouter, HTTPException, status
 
 from publisher.read.catalog import NoVersionError
 from publisher.store import StoreError
+from schemas.errors import BadDataError
 from server.api_models import (
     DigestResponse,
     ErrorResponse,
@@ -18,7 +19,6 @@ from server.api_models import (
 )
 from server.dependencies import AdminDep, LiveModelDep, StateDep
 from server.errors import NotBootstrappedError
-from server.follow_loop import REJECTABLE
 from server.live_model import LiveModel
 
 router = APIRouter(prefix="/v1/model", tags=["model"])
@@ -100,7 +100,7 @@ def pin(body: PinRequest, _admin: AdminDep, live: LiveModelDep, state: StateDep)
         live.pin(body.version)
     except NoVersionError as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    except REJECTABLE as exc:
+    except BadDataError as exc:
         state.metrics.rejected.inc(labels=["pin"])
         raise HTTPException(
             status.HTTP_502_BAD_GATEWAY,

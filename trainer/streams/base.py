@@ -20,9 +20,10 @@ import pyarrow.compute as pc
 import torch
 
 from publisher.dlrm import SparseBatch, SparseFeature
+from schemas.errors import BadDataError
 
 
-class DataError(ValueError):
+class DataError(BadDataError, ValueError):
     """Input data that cannot become an interaction stream; the message names the file/column."""
 
 

@@ -14,10 +14,10 @@ from schemas.row_index import (
     bitmap_size,
     choose_encoding,
     decode_bitmap,
-    decode_rows,
+    decode_row_ids,
     decode_varint,
     encode_bitmap,
-    encode_rows,
+    encode_row_ids,
     encode_varint,
     varint_size,
 )
@@ -54,14 +54,14 @@ def test_empty_encodings() -> None:
     assert decode_varint(b"", 10, 0).tolist() == []
     assert encode_bitmap(ids(), 10) == b"\x00\x00"
     assert decode_bitmap(b"\x00\x00", 10, 0).tolist() == []
-    assert decode_rows(b"", "varint", 10, 0).dtype == np.int64
+    assert decode_row_ids(b"", "varint", 10, 0).dtype == np.int64
 
 
 def test_all_encoding() -> None:
-    assert encode_rows(np.arange(5, dtype=np.int64), 5, "all") == b""
-    assert decode_rows(b"", "all", 5, 5).tolist() == [0, 1, 2, 3, 4]
+    assert encode_row_ids(np.arange(5, dtype=np.int64), 5, "all") == b""
+    assert decode_row_ids(b"", "all", 5, 5).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="every row"):
-        encode_rows(ids(0, 1), 5, "all")
+        encode_row_ids(ids(0, 1), 5, "all")
 
 
 # --- the writer's choice ----------------------------------------------------------------------
@@ -97,8 +97,8 @@ def test_round_trip_and_choice_property(table_rows: int, density: float, seed: i
         assert choice == "all"
     else:
         assert choice == ("bitmap" if len(bitmap) < len(varint) else "varint")
-    encoded = encode_rows(row_ids, table_rows, choice)
-    np.testing.assert_array_equal(decode_rows(encoded, choice, table_rows, n), row_ids)
+    encoded = encode_row_ids(row_ids, table_rows, choice)
+    np.testing.assert_array_equal(decode_row_ids(encoded, choice, table_rows, n), row_ids)
 
 
 @settings(max_examples=100, deadline=None)
@@ -143,7 +143,7 @@ def test_encoders_refuse_ids_out_of_range() -> None:
     with pytest.raises(ValueError, match="out of range"):
         encode_bitmap(ids(10), 10)
     with pytest.raises(ValueError, match="out of range"):
-        encode_rows(ids(10), 10, "varint")
+        encode_row_ids(ids(10), 10, "varint")
     with pytest.raises(ValueError, match="varint bytes"):
         encode_varint(ids(2**35))
 
@@ -216,11 +216,11 @@ def test_varint_huge_gaps_do_not_wrap_around() -> None:
 
 def test_all_with_bytes_or_wrong_count() -> None:
     with pytest.raises(RowIndexError, match="'all' takes 0 bytes, got 1"):
-        decode_rows(b"\x00", "all", 5, 5)
+        decode_row_ids(b"\x00", "all", 5, 5)
     with pytest.raises(RowIndexError, match="n_rows == table_rows"):
-        decode_rows(b"", "all", 5, 4)
+        decode_row_ids(b"", "all", 5, 4)
 
 
 def test_unknown_encoding() -> None:
     with pytest.raises(RowIndexError, match="unknown row encoding"):
-        decode_rows(b"", "runs", 5, 0)  # type: ignore[arg-type]
+        decode_row_ids(b"", "runs", 5, 0)  # type: ignore[arg-type]

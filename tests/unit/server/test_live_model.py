@@ -172,6 +172,22 @@ def test_corrupt_delta_is_rejected_then_retried_once_healed(world: World) -> Non
     assert_matches_restore(world.live, world.store, v2)
 
 
+def test_missing_blob_is_rejected_not_counted_as_an_outage(world: World) -> None:
+    # A blob the manifest names but the store lacks is bad data (NotFoundError), not an outage.
+    world.publish("full")
+    world.loop.run(max_messages=1, timeout=5)
+    v2 = world.publish()
+    path = world.blob_path(v2)
+    good = path.read_bytes()
+    path.unlink()
+    assert world.loop.run(timeout=0.3) == []
+    assert world.live.version == 1
+    assert world.live.metrics.rejected.value(["restore"]) >= 1
+    assert world.live.metrics.follow_errors.total() == 0
+    path.write_bytes(good)  # the store heals
+    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+
+
 def test_broken_delta_is_skipped_once_a_newer_full_exists(world: World) -> None:
     world.publish("full")
     world.loop.run(max_messages=1, timeout=5)

@@ -15,6 +15,7 @@ from pyarrow import csv
 
 from publisher.read.catalog import Catalog
 from publisher.store import FileStore
+from publisher.write.version_writer import VersionWriter
 from trainer.cli import main
 
 SYNTHETIC = [
@@ -179,3 +180,21 @@ def test_bus_announces_every_committed_version(
 
     status, _, err = run(capsys, *SYNTHETIC, "--store", str(tmp_path), "--bus", "nats://x")
     assert status == 1 and "--bus nats://x" in err
+
+
+def test_held_lease_is_reported_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Another live writer publishes the model: exit 1 with the lease's own message.
+    with VersionWriter(FileStore(tmp_path), "synthetic"):
+        status, out, err = run(capsys, *SYNTHETIC, "--store", str(tmp_path), "--json")
+    assert status == 1 and out == ""
+    assert "'synthetic' is being published by" in err and "store error" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--sparse-lr", "0"), ("--dense-lr", "-1"), ("--seed", "-1")]
+)
+def test_bad_numbers_are_usage_errors(tmp_path: Path, flag: str, value: str) -> None:
+    # Checked by argparse (exit status 2): a ValueError from torch or numpy would be a bug.
+    with pytest.raises(SystemExit) as info:
+        main(["train", *SYNTHETIC, "--store", str(tmp_path), flag, value])
+    assert info.value.code == 2

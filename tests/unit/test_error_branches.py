@@ -1,0 +1,103 @@
+"""Every error class checknrun raises sits under one root, in the branch its name promises: the
+CLIs' exit statuses and the server's reject-or-retry decision read nothing else."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from publisher.bus import BusError
+from publisher.cli import CommandError
+from publisher.codecs import CodecError, NonFiniteRowsError
+from publisher.dlrm import ArchitectureError
+from publisher.read.catalog import CatalogError, NoVersionError
+from publisher.read.restore import RestoreError
+from publisher.store import (
+    BadKeyError,
+    IntegrityError,
+    NotFoundError,
+    PreconditionFailedError,
+    StoreError,
+    StoreUnavailableError,
+)
+from publisher.write.policies import PolicyError
+from publisher.write.process_publisher import PublisherProcessError
+from publisher.write.tracker import RowIdError, TrackerError
+from publisher.write.version_writer import HeadConflictError, LeaseHeldError, WriterError
+from schemas.errors import (
+    BadDataError,
+    CheckNRunError,
+    ConflictError,
+    FormatError,
+    ManifestError,
+    UnavailableError,
+)
+from schemas.tensor_blob import TensorBlobError
+from server.errors import ApplyError, NotBootstrappedError, PinnedError, ShuttingDownError
+from server.feature_batch import FeatureValidationError
+from trainer.checkpointer import CheckpointError
+from trainer.streams.base import DataError
+
+BRANCHES = (BadDataError, UnavailableError, ConflictError)
+
+#: each class and the one branch it belongs to (None: directly under the root).
+EXPECTED: list[tuple[type[CheckNRunError], type[CheckNRunError] | None]] = [
+    (FormatError, BadDataError),
+    (ManifestError, BadDataError),
+    (TensorBlobError, BadDataError),
+    (CodecError, BadDataError),
+    (NonFiniteRowsError, BadDataError),
+    (ArchitectureError, BadDataError),
+    (CatalogError, BadDataError),
+    (NoVersionError, BadDataError),
+    (RestoreError, BadDataError),
+    (BusError, BadDataError),
+    (PolicyError, BadDataError),
+    (TrackerError, BadDataError),
+    (RowIdError, BadDataError),
+    (CommandError, BadDataError),
+    (CheckpointError, BadDataError),
+    (DataError, BadDataError),
+    (ApplyError, BadDataError),
+    (FeatureValidationError, BadDataError),
+    (NotFoundError, BadDataError),
+    (IntegrityError, BadDataError),
+    (BadKeyError, BadDataError),
+    (StoreUnavailableError, UnavailableError),
+    (NotBootstrappedError, UnavailableError),
+    (ShuttingDownError, UnavailableError),
+    (PreconditionFailedError, ConflictError),
+    (LeaseHeldError, ConflictError),
+    (HeadConflictError, ConflictError),
+    (PinnedError, ConflictError),
+    (StoreError, None),  # a refused or misconfigured store: neither the data nor an outage
+    (WriterError, None),
+    (PublisherProcessError, None),
+]
+
+
+@pytest.mark.parametrize(("cls", "branch"), EXPECTED, ids=lambda v: getattr(v, "__name__", "-"))
+def test_each_error_is_in_exactly_its_branch(
+    cls: type[CheckNRunError], branch: type[CheckNRunError] | None
+) -> None:
+    assert issubclass(cls, CheckNRunError)
+    assert [b for b in BRANCHES if issubclass(cls, b)] == ([] if branch is None else [branch])
+
+
+def test_a_held_lease_is_not_a_store_error() -> None:
+    assert not issubclass(LeaseHeldError, StoreError)
+    assert not issubclass(HeadConflictError, StoreError)
+
+
+def test_bad_data_keeps_its_builtin_base() -> None:
+    # pydantic validators and callers of the codecs catch ValueError: keep giving them one.
+    for cls in (FormatError, CodecError, PolicyError, DataError, ArchitectureError):
+        assert issubclass(cls, ValueError), cls
+
+
+@pytest.mark.parametrize("cls", [LeaseHeldError, StoreUnavailableError, IntegrityError])
+def test_errors_survive_pickling(cls: type[CheckNRunError]) -> None:
+    # The process publisher hands its child's errors to the parent by pickle.
+    again = pickle.loads(pickle.dumps(cls("why")))
+    assert type(again) is cls and str(again) == "why"
