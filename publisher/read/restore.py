@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from publisher.codecs import QuantizedRows, decode_rows
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.planner import restore_plan
 from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob, decode_delta_blob
 from schemas.errors import FormatError
@@ -188,4 +189,4 @@ def restore(
     store: ObjectStore, model: str, version: int | None = None, *, progress: bool = False
 ) -> RestoredState:
     """The state of `model` at `version` (the latest when None)."""
-    return restore_chain(store, Catalog(store, model).chain(version), progress=progress)
+    return restore_chain(store, restore_plan(Catalog(store, model), version), progress=progress)
