@@ -349,7 +349,7 @@ def restore_vs_torch_load(
 
 
 def _baseline_of(store: Any, model: str) -> int:
-    return Catalog(store, model).chain()[0].version
+    return Catalog(store, model).find().manifest.baseline
 
 
 def run(quick: bool, workloads: tuple[str, ...] = WORKLOADS) -> dict[str, Any]:

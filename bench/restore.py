@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from publisher.read.catalog import Catalog
+from publisher.read.planner import restore_plan
 from publisher.read.restore import restore_chain
 from publisher.store import FileStore
 from publisher.write.publishing import CheckpointPublisher
@@ -70,7 +71,7 @@ def build_chain(root: Path, args: argparse.Namespace) -> FileStore:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         store = build_chain(Path(tmp) / "store", args)
-        chain = Catalog(store, "bench").chain()
+        chain = restore_plan(Catalog(store, "bench"))
         timings: dict[str, list[float]] = {"one_worker": [], "default_workers": [], "load": []}
         state = restore_chain(store, chain)
         full = {f"{n}.weight": torch.from_numpy(t.weights) for n, t in state.tables.items()}

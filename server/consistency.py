@@ -12,8 +12,9 @@ reader may wait for and in memory:
   Memory: 2 x the model, plus the decoded rows of one delta while it is written.
 
 ``rwlock``: one copy behind a writer-preferring reader-writer lock. Rows are decoded outside the
-  lock; the lock is then taken for writing and the rows are scattered in (`index_copy_`), so new
-  predictions wait for in-flight ones to finish plus the scatter, which grows with the delta.
+  lock; the lock is then taken for writing and the rows are scattered in (one vectorised
+  assignment per table), so new predictions wait for in-flight ones to finish plus the scatter,
+  which grows with the delta.
   A full version (or a new architecture) is built as a new copy beside the old one and swapped in
   by pointer under the lock. Memory: 1 x the model in steady state, 2 x while a full is built.
 
@@ -339,7 +340,7 @@ class ReaderWriterSlot(ModelSlot):
             fetched = fetch(ref)
             buffer.check(fetched)
             fetched_all.append(fetched)
-        decoded = [(buffer.decode_rows_of(f), f.dense or {}) for f in fetched_all]
+        decoded = [(f.decode_rows(), f.dense or {}) for f in fetched_all]
         served = ServedVersion(plan[-1], _now())
 
         def scatter() -> None:

@@ -10,10 +10,10 @@ Rules it keeps:
 
 - Idempotent by version: a version at or below the served one is ignored, so redelivered or old
   announcements do no harm.
-- A delta is applied directly only when `baseline <= current` and `applies_to <= current <
-  version` (docs/FORMAT.md section 3); otherwise the plan to reach it is rebuilt from the store:
-  the part of its restore chain newer than the served version, or the whole chain when the served
-  version is not in its lineage. So a gap is filled from the store, never guessed.
+- What to apply is planned by `publisher.read.planner.plan_versions`, the planner restore and
+  the follower use: the part of the target's restore chain newer than the served version (just
+  the target when its parent is served), or the whole chain when the served version is not in
+  its lineage. So a gap is filled from the store, never guessed.
 - A plan is applied as one swap by the consistency scheme (server/consistency.py); until it has
   fully passed verification the served version does not move.
 - While pinned, nothing but an admin moves the version.
@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.planner import plan_versions
 from publisher.store import ObjectStore
 from server.consistency import ModelSlot, UpdateResult, make_slot
 from server.errors import PinnedError, ShuttingDownError
@@ -138,9 +139,9 @@ class LiveModel:
                 return None
             if self.version is not None and self.version >= target.version:
                 return self.served
-            chain = self.catalog.chain(target.version)
+            chain = plan_versions(self.catalog, self.version, target)
             log.info(
-                "model %s: bootstrapping v%d from baseline v%d (%d versions, %d bytes)",
+                "model %s: bootstrapping v%d from v%d (%d versions, %d bytes)",
                 self.model_name,
                 target.version,
                 chain[0].version,
@@ -164,7 +165,7 @@ class LiveModel:
             if current is not None and ref.version <= current:
                 return []  # idempotent: already served (or older)
             self.note_known([ref])
-            plan = [ref] if self._applies_directly(ref, current) else self._plan_to(ref)
+            plan = plan_versions(self.catalog, current, ref)
             if not plan:
                 return []
             return list(self._apply(plan, kind=plan[0].manifest.kind).versions)
@@ -181,7 +182,7 @@ class LiveModel:
             current = self.version
             if current is not None and target.version <= current:
                 return []
-            plan = self._plan_to(target)
+            plan = plan_versions(self.catalog, current, target)
             if not plan:
                 return []
             return list(self._apply(plan, kind="catch_up").versions)
@@ -199,7 +200,7 @@ class LiveModel:
                 # Remember what we leave, so staleness keeps telling how far behind we are.
                 self._pending[served.version] = served.manifest.created_at
             if served is None or served.version != version:
-                self._apply(self._plan_to(target), kind="pin")
+                self._apply(plan_versions(self.catalog, self.version, target), kind="pin")
             self._pinned = version
             log.info("model %s: pinned to v%d", self.model_name, version)
             result = self.served
@@ -215,23 +216,6 @@ class LiveModel:
         return was is not None
 
     # --- internals -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _applies_directly(ref: VersionRef, current: int | None) -> bool:
-        m = ref.manifest
-        if m.kind == "full":
-            return True
-        if current is None or m.applies_to is None:
-            return False
-        return m.baseline <= current and m.applies_to <= current < m.version
-
-    def _plan_to(self, target: VersionRef) -> list[VersionRef]:
-        """The versions to write to go from the served version to `target`."""
-        chain = self.catalog.chain(target.version)
-        current = self.version
-        if current is None or target.version < current or chain[0].version > current:
-            return chain  # not in the served lineage (or going back): rebuild from the baseline
-        return [r for r in chain if r.version > current]
 
     def _fetch(self, ref: VersionRef) -> FetchedVersion:
         if self._interrupted.is_set():

@@ -7,10 +7,11 @@ exactly what a restore verifies. Nothing is written to a model before every blob
 has passed.
 
 A `ModelBuffer` is a `DLRM` with its weights reachable by table name and dense state name, plus
-the version it holds. Writing a version decodes rows straight into the buffer's tensors (a full
-table decodes in place, a delta's rows land with one `index_copy_` per table: no Python loop over
-rows) and records what it touched, so a second buffer can be brought level by copying only those
-rows (server/consistency.py).
+the version it holds. Writing a version decodes rows straight into the buffer's tensors through
+`publisher.read.blob_rows`, the restore path's own blob-to-rows code (a full table decodes in
+place, a delta's rows are scattered in by one vectorised assignment per table), and records what
+it touched, so a second buffer can be brought level by repeating only those writes
+(server/consistency.py).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from datetime import datetime
 import numpy as np
 import torch
 
-from publisher.codecs import QuantizedRows, decode_rows
 from publisher.dlrm import DLRM, DLRMConfig, table_weight_names
+from publisher.read.blob_rows import BlobRows, decode_blob, write_blob
 from publisher.read.catalog import VersionRef
 from publisher.read.restore import read_blob
 from publisher.store import ObjectStore
@@ -49,18 +50,6 @@ class FetchedTable:
     def name(self) -> str:
         return self.entry.name
 
-    @property
-    def every_row(self) -> bool:
-        return self.blob.n_rows == self.blob.table_rows
-
-    def quantized(self) -> QuantizedRows:
-        b = self.blob
-        return QuantizedRows(codec=b.codec, dim=b.dim, codes=b.codes, scale=b.scale, bias=b.bias)
-
-    def row_ids(self) -> torch.Tensor:
-        # The blob's ids are a read-only view of the fetched bytes; torch wants its own copy.
-        return torch.from_numpy(np.array(self.blob.row_ids, dtype=np.int64, copy=True))
-
 
 @dataclass(frozen=True)
 class FetchedVersion:
@@ -74,6 +63,11 @@ class FetchedVersion:
     @property
     def manifest(self) -> Manifest:
         return self.ref.manifest
+
+    def decode_rows(self) -> dict[str, BlobRows]:
+        """Every table's rows decoded to float32, for `ModelBuffer.assign_rows` (tables without
+        rows are left out)."""
+        return {t.name: decode_blob(t.blob) for t in self.tables if t.blob.n_rows}
 
 
 def fetch_version(
@@ -127,20 +121,20 @@ class Touched:
     """
 
     whole: set[str] = field(default_factory=set)
-    rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    rows: dict[str, list[BlobRows]] = field(default_factory=dict)
     dense: bool = False
 
     def add_whole(self, name: str) -> None:
         self.whole.add(name)
         self.rows.pop(name, None)  # the whole table is copied; earlier row writes are moot
 
-    def add_rows(self, name: str, ids: torch.Tensor, values: torch.Tensor) -> None:
-        if ids.numel():
-            self.rows.setdefault(name, []).append((ids, values))
+    def add_rows(self, name: str, rows: BlobRows) -> None:
+        if rows.ids.size:
+            self.rows.setdefault(name, []).append(rows)
 
-    def row_ids(self, name: str) -> torch.Tensor:
-        parts = [ids for ids, _ in self.rows[name]]
-        return parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts))
+    def row_ids(self, name: str) -> np.ndarray:
+        parts = [rows.ids for rows in self.rows[name]]
+        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
 
 
 def model_state_names(model: DLRM) -> tuple[dict[str, str], list[str]]:
@@ -240,34 +234,21 @@ class ModelBuffer:
     def write(self, fetched: FetchedVersion, touched: Touched) -> None:
         """Decode `fetched` into this buffer (call `check` first), recording what changed."""
         for table in fetched.tables:
-            weight = self.tables[table.name]
-            if table.every_row:
-                # In place: a full table costs no second copy of itself.
-                decode_rows(table.quantized(), out=weight.numpy())
+            # A blob of every row decodes in place: a full table costs no second copy of itself.
+            rows = write_blob(table.blob, self.tables[table.name].numpy())
+            if rows is None:
                 touched.add_whole(table.name)
-            elif table.blob.n_rows:
-                ids = table.row_ids()
-                values = torch.from_numpy(decode_rows(table.quantized()))
-                weight.index_copy_(0, ids, values)
-                touched.add_rows(table.name, ids, values)
+            else:
+                touched.add_rows(table.name, rows)
         if fetched.dense is not None:
             for name, value in fetched.dense.items():
                 self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
             touched.dense = True
 
-    def decode_rows_of(self, fetched: FetchedVersion) -> list[RowUpdate]:
-        """The rows of a delta decoded to float32, ready for `assign_rows` (no buffer change)."""
-        updates: list[RowUpdate] = []
-        for table in fetched.tables:
-            if table.blob.n_rows:
-                values = torch.from_numpy(decode_rows(table.quantized()))
-                updates.append(RowUpdate(table.name, table.row_ids(), values))
-        return updates
-
-    def assign_rows(self, updates: list[RowUpdate], dense: Mapping[str, np.ndarray]) -> None:
+    def assign_rows(self, updates: Mapping[str, BlobRows], dense: Mapping[str, np.ndarray]) -> None:
         """Write decoded rows and dense tensors (the reader-writer scheme's critical section)."""
-        for update in updates:
-            self.tables[update.table].index_copy_(0, update.ids, update.values)
+        for name, rows in updates.items():
+            rows.scatter(self.tables[name].numpy())
         for name, value in dense.items():
             self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
 
@@ -280,7 +261,7 @@ class ModelBuffer:
             if name in touched.whole:
                 continue
             ids = touched.row_ids(name)
-            self.tables[name].index_copy_(0, ids, source.tables[name].index_select(0, ids))
+            self.tables[name].numpy()[ids] = source.tables[name].numpy()[ids]
         self._level_dense(source, touched)
 
     def replay(self, source: ModelBuffer, touched: Touched) -> None:
@@ -290,8 +271,8 @@ class ModelBuffer:
         for name in touched.whole:
             self.tables[name].copy_(source.tables[name])
         for name, writes in touched.rows.items():
-            for ids, values in writes:
-                self.tables[name].index_copy_(0, ids, values)
+            for rows in writes:
+                rows.scatter(self.tables[name].numpy())
         self._level_dense(source, touched)
 
     def _level_dense(self, source: ModelBuffer, touched: Touched) -> None:
@@ -314,15 +295,6 @@ class ModelBuffer:
             # hashlib reads the array's buffer directly (no copy) and releases the GIL.
             out[name] = hashlib.sha256(np.ascontiguousarray(tensor.numpy()).data).hexdigest()
         return out
-
-
-@dataclass(frozen=True)
-class RowUpdate:
-    """Decoded rows of one table: ids (int64) and float32 values."""
-
-    table: str
-    ids: torch.Tensor
-    values: torch.Tensor
 
 
 FetchFn = Callable[[VersionRef], FetchedVersion]

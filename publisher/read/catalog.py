@@ -1,4 +1,4 @@
-"""The read side of a model's store layout: HEAD, manifests and restore chains.
+"""The read side of a model's store layout: HEAD, manifests and the committed versions.
 
 Everything fetched is validated (schemas/) and checked to belong to the model asked for. A version
 is committed iff it is reachable from HEAD through `parent_manifest` links (docs/FORMAT.md
@@ -72,8 +72,10 @@ class Catalog:
     def latest(self) -> VersionRef | None:
         """The version HEAD points to."""
         head = self.head()
-        if head is None:
-            return None
+        return None if head is None else self.at_head(head)
+
+    def at_head(self, head: Head) -> VersionRef:
+        """The version a HEAD record (read earlier) points to."""
         manifest = self.manifest(head.manifest)
         if manifest.version != head.version:
             raise ManifestError(
@@ -114,22 +116,3 @@ class Catalog:
             if ref.version == version:
                 return ref
         raise NoVersionError(f"model {self.model!r} has no committed version {version}")
-
-    def chain(self, version: int | None = None) -> list[VersionRef]:
-        """What restoring `version` reads: its full baseline, then each delta, in order.
-
-        Deltas are followed through `applies_to`, so a one-shot chain is baseline + one delta.
-        """
-        target = self.find(version)
-        by_version = {r.version: r for r in self.versions(since=target.manifest.baseline - 1)}
-        chain = [target]
-        while chain[0].manifest.kind == "delta":
-            applies_to = chain[0].manifest.applies_to
-            assert applies_to is not None  # the manifest validator guarantees it for deltas
-            ref = by_version.get(applies_to)
-            if ref is None:
-                raise NoVersionError(
-                    f"version {chain[0].version} applies to {applies_to}, which is not committed"
-                )
-            chain.insert(0, ref)
-        return chain

@@ -11,10 +11,11 @@
   be the one HEAD names (so it is committed, not an orphan of a crashed writer) and returned.
 - Anything else newer than `current` means messages were missed (the bus lost them, the server
   started late, the topic was recreated): the follower reconciles from the store, reading HEAD
-  and walking `parent_manifest` links back to `current`. The plan starts at the newest full
-  version in (current, HEAD] if there is one, and otherwise holds every version in (current,
-  HEAD]; each delta in it is valid on top of the state before it (docs/FORMAT.md section 3:
-  `applies_to <= state < version`, which the caller can check on `ref.manifest.applies_to`).
+  and planning from `current` to it with `publisher.read.planner.plan_versions`: HEAD's restore
+  chain (its full baseline, then the deltas its `applies_to` links lead through) without the
+  part `current` already holds. So the plan starts at a full newer than `current` if there is
+  one, is only HEAD for a one-shot HEAD, and is the whole chain when `current` is not in HEAD's
+  lineage. Each delta in it is valid on top of the state before it (docs/FORMAT.md section 3).
 - With `current=None` (nothing applied yet) the plan is what restoring HEAD reads: its full
   baseline, then the deltas its `applies_to` links lead through.
 - When no announcement of this model arrives for `poll_head_after_s` seconds, HEAD is polled
@@ -38,6 +39,7 @@ from typing import Final
 
 from publisher.bus.base import AnnouncementSource
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.planner import plan_versions
 from schemas.announcement import MAX_ANNOUNCEMENT_BYTES, Announcement
 from schemas.errors import AnnouncementError, CheckNRunError, ManifestError
 from schemas.manifest import Head
@@ -146,7 +148,7 @@ class VersionFollower:
         if now >= self._next_head_poll:
             self.stats.head_polls += 1
             self._next_head_poll = now + self.poll_head_after_s
-            refs = self._guarded(partial(self._plan, current), "polling HEAD")
+            refs = self._guarded(partial(self._reconcile, current), "polling HEAD")
             if refs:
                 return refs
         wait = max(0.0, min(deadline, self._next_head_poll) - time.monotonic())
@@ -208,7 +210,7 @@ class VersionFollower:
         """The versions an announcement newer than `current` leads to."""
         if current is None or announcement.parent != current:
             self.stats.reconciles += 1
-            return self._plan(current)
+            return self._reconcile(current)
         head = self.catalog.head()
         if head is None or head.version < announcement.version:
             # Announced before HEAD shows it (a lagging replica of the store) or never
@@ -224,7 +226,7 @@ class VersionFollower:
             self._ignore(UNCOMMITTED, _describe(announcement, head))
         if head.version > announcement.version or head.manifest != announcement.manifest_key:
             self.stats.reconciles += 1
-            return self._plan(current, head)
+            return self._reconcile(current, head)
         manifest = self.catalog.manifest(announcement.manifest_key)
         if (
             manifest.version != announcement.version
@@ -238,11 +240,12 @@ class VersionFollower:
                 f"{announcement.version} (parent {announcement.parent}, {announcement.kind})",
             )
             return []
-        return [VersionRef(manifest, announcement.manifest_key)]
+        # The announced version's parent is `current`: the planner settles this without a read.
+        return plan_versions(self.catalog, current, VersionRef(manifest, announcement.manifest_key))
 
-    def _plan(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
-        """The catch-up plan from `current` to HEAD, read from the store (module docstring)."""
-        latest = self._latest(head)
+    def _reconcile(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
+        """The plan from `current` to HEAD (`head` if already read), read from the store."""
+        latest = self.catalog.latest() if head is None else self.catalog.at_head(head)
         if latest is None:
             return []
         if current is not None and latest.version <= current:
@@ -255,49 +258,7 @@ class VersionFollower:
                     current,
                 )
             return []
-        # Walk parent links back from HEAD until the first version after `current`, or the
-        # newest full version, whichever comes first: nothing older is needed.
-        walked = [latest]
-        ref = latest
-        while ref.manifest.kind != "full":
-            parent, parent_key = ref.manifest.parent, ref.manifest.parent_manifest
-            if parent is None or parent_key is None:
-                raise ManifestError(f"{ref.key}: a delta without a parent")
-            if current is not None and parent <= current:
-                break
-            manifest = self.catalog.manifest(parent_key)
-            if manifest.version != parent:
-                raise ManifestError(
-                    f"{ref.key} names parent {parent} but {parent_key} holds {manifest.version}"
-                )
-            ref = VersionRef(manifest, parent_key)
-            walked.append(ref)
-        walked.reverse()
-        if current is not None:
-            return walked
-        # Bootstrap: the full baseline, then only the deltas the applies_to links go through
-        # (a one-shot chain is baseline + its last delta).
-        by_version = {r.version: r for r in walked}
-        chain = [latest]
-        while chain[0].manifest.kind == "delta":
-            applies_to = chain[0].manifest.applies_to
-            base = by_version.get(applies_to) if applies_to is not None else None
-            if base is None:
-                raise ManifestError(
-                    f"{chain[0].key} applies to {applies_to}, which is not in its chain"
-                )
-            chain.insert(0, base)
-        return chain
-
-    def _latest(self, head: Head | None) -> VersionRef | None:
-        if head is None:
-            return self.catalog.latest()
-        manifest = self.catalog.manifest(head.manifest)
-        if manifest.version != head.version:
-            raise ManifestError(
-                f"HEAD says version {head.version} but {head.manifest} holds {manifest.version}"
-            )
-        return VersionRef(manifest, head.manifest)
+        return plan_versions(self.catalog, current, latest)
 
     # --- validation --------------------------------------------------------------------------
 

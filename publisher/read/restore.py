@@ -1,9 +1,11 @@
 """Rebuild a model's state at any committed version: baseline, then each delta of its chain.
 
-Tables are restored one at a time and each blob is decoded straight into the table's array, so
-memory stays near one copy of the model plus one blob. Every blob is checked against the sha256
-in its manifest before it is decoded. With the fp32 codec the result is bitwise equal to the
-trainer's state at that version; with a lossy codec each row is within its codec's error bound.
+The chain is planned by `publisher.read.planner` and each blob is written into its table by
+`publisher.read.blob_rows`: the paths a following server uses too. Tables are restored one at a
+time and each blob is decoded straight into the table's array, so memory stays near one copy of
+the model plus one blob. Every blob is checked against the sha256 in its manifest before it is
+decoded. With the fp32 codec the result is bitwise equal to the trainer's state at that version;
+with a lossy codec each row is within its codec's error bound.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from publisher.codecs import QuantizedRows, decode_rows
+from publisher.read.blob_rows import write_blob
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.planner import restore_plan
 from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob, decode_delta_blob
 from schemas.errors import BadDataError, FormatError
@@ -82,26 +85,6 @@ def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
     return blob
 
 
-def apply_blob(table: TableState, blob: DeltaBlob) -> None:
-    """Write a decoded blob's rows into a table (absolute values: plain assignment)."""
-    if blob.table_rows != table.weights.shape[0] or blob.dim != table.weights.shape[1]:
-        raise RestoreError(
-            f"blob for {blob.table!r} is {blob.table_rows}x{blob.dim}, the table is "
-            f"{table.weights.shape[0]}x{table.weights.shape[1]}"
-        )
-    q = QuantizedRows(
-        codec=blob.codec, dim=blob.dim, codes=blob.codes, scale=blob.scale, bias=blob.bias
-    )
-    if blob.n_rows == blob.table_rows:
-        decode_rows(q, out=table.weights)  # every row, in order: decode in place
-        if blob.aux_dim:
-            table.aux[:] = blob.aux
-    else:
-        table.weights[blob.row_ids] = decode_rows(q)
-        if blob.aux_dim:
-            table.aux[blob.row_ids] = blob.aux
-
-
 def _restore_table(
     store: ObjectStore, chain: list[VersionRef], target_entry: TableEntry
 ) -> tuple[TableState, int]:
@@ -138,7 +121,7 @@ def _restore_table(
                 f"(+{blob.aux_dim}), version {target.version} says {target_entry.rows}x"
                 f"{target_entry.dim} (+{target_entry.aux_dim})"
             )
-        apply_blob(table, blob)
+        write_blob(blob, table.weights, table.aux)  # its shape is the table's: checked above
         bytes_read += entry.blob.size
     assert table is not None  # a chain is never empty
     return table, bytes_read
@@ -188,4 +171,4 @@ def restore(
     store: ObjectStore, model: str, version: int | None = None, *, progress: bool = False
 ) -> RestoredState:
     """The state of `model` at `version` (the latest when None)."""
-    return restore_chain(store, Catalog(store, model).chain(version), progress=progress)
+    return restore_chain(store, restore_plan(Catalog(store, model), version), progress=progress)

@@ -183,15 +183,16 @@ def test_a_full_in_the_gap_starts_the_plan(store: FlakyStore, writer: VersionWri
     assert numbers(f.poll(2, 1.0)) == [6, 7, 8]  # from the newest full, not from 3
 
 
-def test_one_shot_gap_lists_every_version(store: FlakyStore, writer: VersionWriter) -> None:
+def test_one_shot_gap_needs_only_the_newest_delta(store: FlakyStore, writer: VersionWriter) -> None:
+    # Each one-shot delta holds every row since the baseline: 3 would be overwritten by 4.
     refs = commit(writer, "full", "delta", "delta", "delta", relative_to="baseline")
     source = ListSource()
     f = follower(store, source)
     f._next_head_poll = float("inf")
     source.push(wire(refs[-1]))
     got = f.poll(2, 1.0)
-    assert numbers(got) == [3, 4]
-    assert all(r.manifest.applies_to is not None and r.manifest.applies_to <= 2 for r in got)
+    assert numbers(got) == [4]
+    assert got[0].key == refs[-1].key and got[0].manifest.applies_to == 1
 
 
 def test_head_ahead_of_the_announcement_catches_up_at_once(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from publisher.read.catalog import Catalog
+from publisher.read.planner import restore_plan
 from publisher.store import FileStore
 from publisher.tunables import Tunables
 from publisher.write.version_writer import (
@@ -64,7 +65,7 @@ def test_versions_chain_and_listing(tmp_path: Path) -> None:
     assert m.parent_manifest == refs[2].key
     catalog = Catalog(store, "m")
     assert [r.version for r in catalog.versions()] == [1, 2, 3, 4]
-    assert [r.version for r in catalog.chain(3)] == [1, 2, 3]
+    assert [r.version for r in restore_plan(catalog, 3)] == [1, 2, 3]
     assert store.get(m.tables[0].blob.key) == b"table@3"
 
 
