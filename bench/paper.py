@@ -2,16 +2,18 @@
 
 Training does not depend on the checkpoint policy or codec, so each workload is trained once.
 At every interval boundary the rows looked up in the interval (the rows row-wise Adagrad
-changed) are fed to one instance of each policy, and the rows each plan names are encoded with
-the real encoder (`publisher.write.publishing.encode_table`: quantization, row index, zstd)
+changed, from the trainer's dirty-row tracker) are fed to one instance of each policy, and the
+rows each plan names, copied as the trainer copies them (`trainer.snapshot_capture`), are encoded
+with the real encoder (`publisher.write.publishing.encode_table`: quantization, row index, zstd)
 for every codec, giving exact bytes per checkpoint. Consecutive and intermittent deltas hold the
 same rows, so each delta is encoded once per codec. A full checkpoint of a codec is encoded once (at
 the first boundary) and its size reused: its size depends on the values only through zstd.
 
-Alongside, the default setting (intermittent, int4) is published for real through
-`CheckpointPublisher` into a file store, restored with `publisher.read.restore`, and timed against
-`torch.load` of a full fp32 checkpoint of the same state; and the served model (the trainer's
-state through the default codec) is scored on each upcoming interval next to the fp32 model.
+Alongside, the default setting (intermittent, int4) is captured as the trainer captures it,
+published for real through `CheckpointPublisher` into a file store, restored with
+`publisher.read.restore`, and timed against `torch.load` of a full fp32 checkpoint of the same
+state; and the served model (the trainer's state through the default codec) is scored on each
+upcoming interval next to the fp32 model.
 
 Every checkpoint also carries the dense parameters and optimizer state in fp32, counted for
 every policy and for the full fp32 reference alike.
@@ -23,6 +25,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +49,11 @@ from publisher.read.restore import restore
 from publisher.store import open_store
 from publisher.write.policies import POLICIES, Plan, make_policy
 from publisher.write.publishing import CheckpointPublisher, encode_table
-from publisher.write.snapshot import Snapshot, TableRows
+from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
 from schemas.manifest import Position
 from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.snapshot_capture import SnapshotCapture
 
 #: versions kept by the retention window (storage capacity over a window).
 RETAIN = 4
@@ -62,33 +66,25 @@ MANIFEST_BYTES = 2_048
 class _Sizer:
     """Encoded bytes of table rows per codec, with the caches the module docstring explains."""
 
-    def __init__(self, trainer: BenchTrainer, codecs: tuple[str, ...]) -> None:
-        self.trainer = trainer
+    def __init__(self, capture: SnapshotCapture, codecs: tuple[str, ...]) -> None:
+        self.capture = capture
         self.codecs = codecs
         self.full: dict[tuple[str, str], int] = {}
         self.delta: dict[tuple[str, str, int], int] = {}
 
-    def rows(self, table: str, ids: np.ndarray | None, codec: str) -> TableRows:
-        weight = self.trainer.weight(table).detach()
-        aux = self.trainer.aux(table).detach()
-        if ids is None:
-            ids = np.arange(weight.shape[0], dtype=np.int64)
-            values, aux_rows = weight.numpy().copy(), aux.numpy().copy()
-        else:
-            index = torch.from_numpy(ids)
-            values = weight.index_select(0, index).numpy()
-            aux_rows = aux.index_select(0, index).numpy()
-        return TableRows(table, weight.shape[0], codec, ids, values, aux_rows)
+    def encoded_bytes(self, table: str, ids: np.ndarray | None, codec: str) -> int:
+        rows = replace(self.capture.rows(table, ids), codec=codec)
+        return len(encode_table(rows).data)
 
     def size(self, table: str, ids: np.ndarray | None, codec: str) -> int:
         if ids is None:
             key = (codec, table)
             if key not in self.full:
-                self.full[key] = len(encode_table(self.rows(table, None, codec)).data)
+                self.full[key] = self.encoded_bytes(table, None, codec)
             return self.full[key]
         dkey = (codec, table, id(ids))
         if dkey not in self.delta:
-            self.delta[dkey] = len(encode_table(self.rows(table, ids, codec)).data)
+            self.delta[dkey] = self.encoded_bytes(table, ids, codec)
         return self.delta[dkey]
 
     def new_interval(self) -> None:
@@ -125,8 +121,9 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
     trainer = BenchTrainer(workload)
     tables = list(trainer.table_rows)
     policies = {p: make_policy(p, trainer.table_rows) for p in POLICIES}
-    sizer = _Sizer(trainer, codecs)
-    bitmaps = {t: np.zeros(r, dtype=bool) for t, r in trainer.table_rows.items()}
+    tracked = attach(trainer.model)
+    capture = _capture(trainer)
+    sizer = _Sizer(capture, codecs)
     per: dict[str, dict[str, dict[str, list[Any]]]] = {
         p: {c: {"bytes": [], "kinds": []} for c in codecs} for p in POLICIES
     }
@@ -139,9 +136,8 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
     publisher = CheckpointPublisher(store, "paper")
     published: list[dict[str, Any]] = []
     total_rows = sum(trainer.table_rows.values())
-    dense_bytes = trainer.dense_bytes()
     aux_dim = 1
-    fp32_full = total_rows * (workload.embedding_dim + aux_dim) * 4 + dense_bytes
+    dense_bytes = fp32_full = 0  # measured at the first boundary
     since = position = steps = 0
     started = time.perf_counter()
     train_s = 0.0
@@ -150,8 +146,6 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.train(batch)
         train_s += time.perf_counter() - t0
-        for name, sb in batch.sparse.items():
-            bitmaps["embeddings." + name][sb.values.numpy()] = True
         since += batch.size
         position = batch.end
         steps += 1
@@ -159,9 +153,12 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
             continue
         since = 0
         boundary += 1
-        dirty = {t: np.flatnonzero(b) for t, b in bitmaps.items()}
-        for b in bitmaps.values():
-            b[:] = False
+        if boundary == 1:
+            # Adam creates its moments at its first step: measured now, the dense state is what
+            # every snapshot carries (the published ones included).
+            dense_bytes = trainer.dense_bytes()
+            fp32_full = total_rows * (workload.embedding_dim + aux_dim) * 4 + dense_bytes
+        dirty = tracked.tracker.snapshot_and_reset()
         n_dirty = sum(len(v) for v in dirty.values())
         dirty_fraction.append(n_dirty / total_rows)
         dirty_by_table.append(
@@ -175,7 +172,7 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
                 size = sum(sizer.size(t, plan.rows[t], c) for t in tables)
                 per[p][c]["bytes"].append(size + dense_bytes + MANIFEST_BYTES)
                 per[p][c]["kinds"].append(plan.kind)
-        published.append(_publish(publisher, trainer, plans[DEFAULT_POLICY], steps, position))
+        published.append(_publish(publisher, capture, plans[DEFAULT_POLICY], steps, position))
         if position < workload.stop:
             _served_eval(trainer, position, workload, served_ref, served_q)
         log(
@@ -183,6 +180,8 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
             f"{n_dirty / total_rows:.2%}, {time.perf_counter() - started:.0f} s"
         )
     publisher.close()
+    tracked.detach()
+    capture.close()
     restore_doc = restore_vs_torch_load(store, "paper", scratch)
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -228,24 +227,23 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
+def _capture(trainer: BenchTrainer) -> SnapshotCapture:
+    """The trainer's own snapshot copies (trainer/snapshot_capture.py), default codec."""
+    tables = find_embedding_tables(trainer.model)
+    codecs = {name: DEFAULT_CODEC for name in tables}
+    return SnapshotCapture(
+        trainer.model, tables, trainer.optimizers, codecs, trainer.model.config.to_json()
+    )
+
+
 def _publish(
-    publisher: CheckpointPublisher, trainer: BenchTrainer, plan: Plan, steps: int, position: int
+    publisher: CheckpointPublisher, capture: SnapshotCapture, plan: Plan, steps: int, position: int
 ) -> dict[str, Any]:
     """Publish the default setting's plan for real (checks the replayed bytes end to end)."""
-    rows = tuple(_copy_rows(trainer, t, plan.rows[t], DEFAULT_CODEC) for t in trainer.table_rows)
-    dense = {
-        k: v.detach().numpy().copy()
-        for k, v in trainer.model.state_dict().items()
-        if not any(v.data_ptr() == trainer.weight(t).data_ptr() for t in trainer.table_rows)
-    }
-    snapshot = Snapshot(
-        kind=plan.kind,
-        relative_to=plan.relative_to,
+    snapshot = capture.copy(
+        plan,
         policy=DEFAULT_POLICY,
-        tables=rows,
         position=Position(step=steps, samples_seen=position, reader={"offset": position}),
-        dense=dense,
-        model_config=trainer.model.config.to_json(),
     )
     result = publisher.publish(snapshot)
     return {
@@ -255,25 +253,6 @@ def _publish(
         "encode_s": round(result.encode_s, 4),
         "commit_s": round(result.commit_s, 4),
     }
-
-
-def _copy_rows(trainer: BenchTrainer, table: str, ids: np.ndarray | None, codec: str) -> TableRows:
-    weight = trainer.weight(table).detach()
-    aux = trainer.aux(table).detach()
-    if ids is None:
-        ids = np.arange(weight.shape[0], dtype=np.int64)
-        return TableRows(
-            table, weight.shape[0], codec, ids, weight.numpy().copy(), aux.numpy().copy()
-        )
-    index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-    return TableRows(
-        table,
-        weight.shape[0],
-        codec,
-        index.numpy(),
-        weight.index_select(0, index).numpy(),
-        aux.index_select(0, index).numpy(),
-    )
 
 
 def _served_eval(

@@ -146,12 +146,6 @@ class BenchTrainer:
         assert isinstance(module, torch.nn.EmbeddingBag)
         return module.weight
 
-    def aux(self, table: str) -> torch.Tensor:
-        """Row-wise Adagrad's accumulator of a table as (rows, 1): the blob's aux column."""
-        state = self.optimizers[0].state[self.weight(table)]
-        accumulator: torch.Tensor = state["sum"]
-        return accumulator.reshape(-1, 1)
-
     def batches(self, start: int, stop: int) -> Iterator[Batch]:
         return self.workload.stream.batches(BATCH_SIZE, start=start, stop=stop)
 

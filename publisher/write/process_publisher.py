@@ -6,12 +6,12 @@ added 35% wall-clock time to training against 11% of training-thread CPU time; t
 training thread waiting for the GIL while the publisher runs Python-level encode and commit
 code. In a child process that work runs beside training on the other core.
 
-`ProcessPublisher` is what `BackgroundPublisher` calls `publish(snapshot)` on, so merging on
-backlog, retries and error hand-off stay exactly as they are; only the work moves. The child is
-`python -m publisher.write.process_publisher FD`, talking over a socket pair. A snapshot
-travels as a pickle (protocol 5) whose numpy arrays go out of band: each array's bytes are
-written to the pipe straight from the snapshot's memory and read by the child into one
-preallocated buffer, with the GIL released during the system calls.
+`ProcessPublisher` is a `SnapshotPublisher` (publishing.py): `BackgroundPublisher` calls its
+`publish(snapshot)`, so merging on backlog, retries and error hand-off stay exactly as they are;
+only the work moves. The child is `python -m publisher.write.process_publisher FD`, talking over
+a socket pair. A snapshot travels as a pickle (protocol 5) whose numpy arrays go out of band:
+each array's bytes are written to the pipe straight from the snapshot's memory and read by the
+child into one preallocated buffer, with the GIL released during the system calls.
 
 Wire protocol on a `multiprocessing.connection.Connection` (parent -> child, child -> parent)::
 
@@ -60,7 +60,7 @@ class ProcessPublisherConfig:
 
 
 class ProcessPublisher:
-    """A `CheckpointPublisher` living in a child process (same `publish` / `close`)."""
+    """A `SnapshotPublisher` whose `CheckpointPublisher` lives in a child process."""
 
     def __init__(self, config: ProcessPublisherConfig) -> None:
         self.config = config

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from publisher.codecs import encode_rows
 from publisher.read.catalog import VersionRef
@@ -44,6 +45,8 @@ class PublishResult:
     commit_s: float
     merged: int
     taken_at: float
+    #: the `Snapshot.sequence` of the newest snapshot this version holds.
+    sequence: int
 
     @property
     def manifest(self) -> Manifest:
@@ -85,6 +88,19 @@ def full_fp32_bytes(snapshot: Snapshot) -> int:
     tables = sum(t.table_rows * (t.dim + int(t.aux.shape[1])) * 4 for t in snapshot.tables)
     dense = sum(a.nbytes for a in snapshot.dense.values())
     return tables + dense + sum(a.nbytes for a in snapshot.optimizer.values())
+
+
+class SnapshotPublisher(Protocol):
+    """What `BackgroundPublisher` drives: `CheckpointPublisher` in this process, or
+    `process_publisher.ProcessPublisher` in a child one."""
+
+    def publish(self, snapshot: Snapshot) -> PublishResult:
+        """Encode, commit and announce one snapshot; return the committed version."""
+        ...
+
+    def close(self) -> None:
+        """Release the writer's lease and whatever else the publisher holds."""
+        ...
 
 
 class CheckpointPublisher:
@@ -145,6 +161,7 @@ class CheckpointPublisher:
             commit_s=committed - encoded,
             merged=snapshot.merged,
             taken_at=snapshot.taken_at,
+            sequence=snapshot.sequence,
         )
 
     def close(self) -> None:
@@ -168,7 +185,7 @@ class BackgroundPublisher:
 
     def __init__(
         self,
-        publisher: CheckpointPublisher,
+        publisher: SnapshotPublisher,
         *,
         on_published: Callable[[PublishResult], None] | None = None,
         retry_initial_s: float = 0.5,
@@ -324,6 +341,7 @@ __all__ = [
     "BackgroundPublisher",
     "CheckpointPublisher",
     "PublishResult",
+    "SnapshotPublisher",
     "StoreError",
     "encode_table",
     "full_fp32_bytes",

@@ -70,6 +70,9 @@ class Snapshot:
     metrics: dict[str, float] = field(default_factory=dict)
     #: wall-clock time of the snapshot (what freshness is measured from).
     taken_at: float = field(default_factory=time.time)
+    #: the producer's number for this snapshot (the trainer's record index, 1, 2, ...); a merged
+    #: snapshot carries the newest one's, so a result names the last snapshot it holds.
+    sequence: int = 0
     #: how many snapshots were merged into this one (1 = none).
     merged: int = 1
 

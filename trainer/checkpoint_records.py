@@ -1,0 +1,153 @@
+"""What each checkpoint cost the trainer and what it wrote, by sequence number.
+
+A record is made during the stall with its index (1, 2, ... per checkpointer), which is also
+its snapshot's `sequence`. Publishing results come back carrying the sequence of the newest
+snapshot a version holds (snapshots that waited behind a busy publisher are folded into a
+later one), so `CheckpointRecords.settle` fills the record with that index and marks every
+earlier unpublished one as merged into the same version.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from publisher.write.publishing import PublishResult
+from publisher.write.snapshot import Snapshot
+
+
+@dataclass
+class CheckpointRecord:
+    """What one snapshot cost the trainer and, once published, what it wrote."""
+
+    index: int
+    kind: str
+    step: int
+    samples_seen: int
+    #: how long the training thread was stopped (bitmaps, plan, copies, hand-off).
+    stall_ms: float
+    #: rows modified in the interval / table rows, per table.
+    dirty_fraction: dict[str, float]
+    #: rows modified in the interval / rows of all tables.
+    dirty_fraction_total: float
+    rows_copied: int
+    snapshot_bytes: int
+    taken_at: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: where the stall went: dirty bitmaps + policy, copies, hand-off to the publisher.
+    stall_breakdown_ms: dict[str, float] = field(default_factory=dict)
+    #: set when published; None until then or when merged into a later snapshot.
+    version: int | None = None
+    published_kind: str | None = None
+    bytes: int | None = None
+    full_fp32_bytes: int | None = None
+    #: the version that carried this snapshot's rows after it merged into a later one.
+    merged_into: int | None = None
+    publish_s: float | None = None
+
+    @classmethod
+    def of(
+        cls,
+        snapshot: Snapshot,
+        dirty: Mapping[str, np.ndarray],
+        table_rows: Mapping[str, int],
+    ) -> CheckpointRecord:
+        """The record of a snapshot just taken (its stall is filled in after the hand-off)."""
+        return cls(
+            index=snapshot.sequence,
+            kind=snapshot.kind,
+            step=snapshot.position.step,
+            samples_seen=snapshot.position.samples_seen,
+            stall_ms=0.0,
+            dirty_fraction={
+                name: len(dirty[name]) / max(rows, 1) for name, rows in table_rows.items()
+            },
+            dirty_fraction_total=sum(len(ids) for ids in dirty.values())
+            / max(sum(table_rows.values()), 1),
+            rows_copied=sum(t.n_rows for t in snapshot.tables),
+            snapshot_bytes=snapshot.nbytes,
+            taken_at=snapshot.taken_at,
+            metrics=snapshot.metrics,
+        )
+
+    @property
+    def published(self) -> bool:
+        return self.version is not None or self.merged_into is not None
+
+    @property
+    def ratio(self) -> float | None:
+        """Full fp32 checkpoint bytes / bytes written (None until published)."""
+        if self.bytes is None or self.full_fp32_bytes is None:
+            return None
+        return self.full_fp32_bytes / max(self.bytes, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the `train --json` per-checkpoint record)."""
+        return {
+            "index": self.index,
+            "version": self.version,
+            "kind": self.published_kind or self.kind,
+            "merged_into": self.merged_into,
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "stall_ms": round(self.stall_ms, 3),
+            "stall_breakdown_ms": {k: round(v, 3) for k, v in self.stall_breakdown_ms.items()},
+            "dirty_fraction": {k: round(v, 6) for k, v in self.dirty_fraction.items()},
+            "dirty_fraction_total": round(self.dirty_fraction_total, 6),
+            "rows_copied": self.rows_copied,
+            "bytes": self.bytes,
+            "full_fp32_bytes": self.full_fp32_bytes,
+            "ratio": None if self.ratio is None else round(self.ratio, 3),
+            "publish_s": None if self.publish_s is None else round(self.publish_s, 4),
+            "metrics": {k: round(v, 6) for k, v in self.metrics.items()},
+        }
+
+
+class CheckpointRecords:
+    """One checkpointer's records, in order: `records[i]` has index i + 1.
+
+    `add` runs on the training thread, `settle` on any thread (the publisher's callback or a
+    reader of the records); a lock keeps them apart.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CheckpointRecord] = []
+        self._lock = threading.Lock()
+        self._settled = 0
+
+    @property
+    def next_index(self) -> int:
+        """The index (and snapshot sequence) the next record gets."""
+        return len(self.records) + 1
+
+    def add(self, record: CheckpointRecord) -> None:
+        """Append the record of the snapshot just taken."""
+        with self._lock:
+            self.records.append(record)
+
+    def get(self, index: int) -> CheckpointRecord | None:
+        """The record with this index (a result's `sequence`), None when there is none."""
+        return self.records[index - 1] if 1 <= index <= len(self.records) else None
+
+    def settle(self, results: Sequence[PublishResult]) -> None:
+        """Fill records from the publisher's results so far (all of them, in order; idempotent)."""
+        with self._lock:
+            new = list(results[self._settled :])
+            for result in new:
+                record = self.get(result.sequence)
+                if record is None:
+                    continue
+                record.version = result.ref.version
+                record.published_kind = result.manifest.kind
+                record.bytes = result.bytes_written
+                record.full_fp32_bytes = result.full_fp32_bytes
+                record.publish_s = result.encode_s + result.commit_s
+                # Every earlier unpublished snapshot was merged into this one.
+                for earlier in self.records[: record.index - 1]:
+                    if not earlier.published:
+                        earlier.merged_into = record.version
+            self._settled += len(new)

@@ -1,0 +1,80 @@
+"""Put a restored checkpoint back into a live model and its optimizers.
+
+`publisher.read.restore` rebuilds a version as numpy arrays (baseline plus chain); this module
+checks that it fits the model it is loaded into (same architecture, same tables, same shapes,
+same number of optimizers) and loads the weights, the dense state and every optimizer's state,
+per-row columns included (`publisher.state_dicts.optimizer_state_dicts`). The counters and the
+reader position are the caller's: `state.position`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from publisher.read.restore import RestoredState
+from publisher.state_dicts import optimizer_state_dicts
+from publisher.write.tracker import EmbeddingModule
+from trainer.errors import CheckpointError
+
+
+def load_restored(
+    state: RestoredState,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    tables: Mapping[str, EmbeddingModule],
+    weight_keys: Mapping[str, str],
+    model_config: Mapping[str, Any],
+) -> None:
+    """Load `state` into `model` and `optimizers`; CheckpointError when it does not fit.
+
+    `tables` are the model's embedding modules by name, `weight_keys` their weights' state_dict
+    keys, `model_config` the model's own config (an empty one skips that check).
+    """
+    stored_config = state.manifest.model_config_
+    if model_config and stored_config and stored_config != model_config:
+        raise CheckpointError(
+            f"version {state.version} was trained with model_config {stored_config}, "
+            f"this model has {dict(model_config)}"
+        )
+    missing = sorted(set(tables) - set(state.tables))
+    if missing:
+        raise CheckpointError(f"version {state.version} lacks tables {missing}")
+    with torch.no_grad():
+        weights: dict[str, torch.Tensor] = {}
+        for name, table in tables.items():
+            restored = state.tables[name]
+            if restored.weights.shape != tuple(table.weight.shape):
+                raise CheckpointError(
+                    f"table {name!r} is {tuple(table.weight.shape)} here but "
+                    f"{restored.weights.shape} in version {state.version}"
+                )
+            weights[weight_keys[name]] = torch.from_numpy(restored.weights)
+        dense = {k: torch.from_numpy(v) for k, v in state.dense.items()}
+        try:
+            model.load_state_dict({**dense, **weights}, strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"version {state.version} does not fit this model: {exc}"
+            ) from exc
+    _load_optimizers(state, optimizers)
+
+
+def _load_optimizers(state: RestoredState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    held = len(state.optimizer_meta.get("optimizers", []))
+    if held != len(optimizers):
+        raise CheckpointError(
+            f"version {state.version} holds state of {held} optimizer(s), "
+            f"this trainer has {len(optimizers)}"
+        )
+    aux = {name: table.aux for name, table in state.tables.items()}
+    dicts = optimizer_state_dicts(state.optimizer, state.optimizer_meta, aux)
+    for optimizer, sd in zip(optimizers, dicts, strict=True):
+        try:
+            optimizer.load_state_dict(sd)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"optimizer state does not fit: {exc}") from exc
