@@ -57,7 +57,7 @@ from publisher.write.tracker import (
 )
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
-from schemas.manifest import Position
+from schemas.manifest import Position, ratio_to_full_fp32
 from trainer.row_buffers import RowBufferPool
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class CheckpointRecord:
         """Full fp32 checkpoint bytes / bytes written (None until published)."""
         if self.bytes is None or self.full_fp32_bytes is None:
             return None
-        return self.full_fp32_bytes / max(self.bytes, 1)
+        return ratio_to_full_fp32(self.full_fp32_bytes, self.bytes)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the `train --json` per-checkpoint record)."""
