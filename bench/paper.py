@@ -16,7 +16,7 @@ state; and the served model (the trainer's state through the default codec) is s
 upcoming interval next to the fp32 model.
 
 Every checkpoint also carries the dense parameters and optimizer state in fp32, counted for
-every policy and for the full fp32 reference alike.
+every policy and for the full fp32 reference alike (docs/FORMAT.md section 3.1).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from publisher.write.policies import POLICIES, Plan, make_policy
 from publisher.write.publishing import CheckpointPublisher, encode_table
 from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
-from schemas.manifest import Position
+from schemas.manifest import Position, full_fp32_bytes
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.snapshot_capture import SnapshotCapture
 
@@ -59,6 +59,8 @@ from trainer.snapshot_capture import SnapshotCapture
 RETAIN = 4
 #: codecs replayed in quick mode (the machinery, not the numbers).
 QUICK_CODECS = ("fp32", "int4", "int4-adaptive", "int2")
+#: optimizer columns per table row: row-wise Adagrad's accumulator.
+AUX_DIM = 1
 #: manifest JSON per version (measured: ~1-3 KB); small next to the blobs but counted.
 MANIFEST_BYTES = 2_048
 
@@ -129,15 +131,14 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
     }
     dirty_fraction: list[float] = []
     dirty_by_table: list[dict[str, float]] = []
-    full_fp32: list[int] = []
     served_ref, served_q = ProgressiveMetrics(), ProgressiveMetrics()
     scratch = Path(tempfile.mkdtemp(prefix="checknrun-paper-"))
     store = open_store(f"file://{scratch / 'store'}")
     publisher = CheckpointPublisher(store, "paper")
     published: list[dict[str, Any]] = []
     total_rows = sum(trainer.table_rows.values())
-    aux_dim = 1
-    dense_bytes = fp32_full = 0  # measured at the first boundary
+    # Known from the first boundary on, once the dense optimizer holds its state.
+    dense_bytes = fp32_full = 0
     since = position = steps = 0
     started = time.perf_counter()
     train_s = 0.0
@@ -153,18 +154,18 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
             continue
         since = 0
         boundary += 1
-        if boundary == 1:
-            # Adam creates its moments at its first step: measured now, the dense state is what
-            # every snapshot carries (the published ones included).
-            dense_bytes = trainer.dense_bytes()
-            fp32_full = total_rows * (workload.embedding_dim + aux_dim) * 4 + dense_bytes
         dirty = tracked.tracker.snapshot_and_reset()
         n_dirty = sum(len(v) for v in dirty.values())
         dirty_fraction.append(n_dirty / total_rows)
         dirty_by_table.append(
             {t: round(len(v) / trainer.table_rows[t], 6) for t, v in dirty.items()}
         )
-        full_fp32.append(fp32_full)
+        if boundary == 1:
+            dense_bytes = trainer.dense_bytes()
+            fp32_full = full_fp32_bytes(
+                ((rows, workload.embedding_dim, AUX_DIM) for rows in trainer.table_rows.values()),
+                dense_bytes,
+            )
         sizer.new_interval()
         plans: dict[str, Plan] = {p: pol.plan(dirty) for p, pol in policies.items()}
         for p, plan in plans.items():
@@ -250,6 +251,8 @@ def _publish(
         "version": result.ref.version,
         "kind": plan.kind,
         "bytes_written": result.bytes_written,
+        # the manifest's own figure: the replay's `full_fp32_bytes` must equal it
+        "full_fp32_bytes": result.full_fp32_bytes,
         "encode_s": round(result.encode_s, 4),
         "commit_s": round(result.commit_s, 4),
     }
@@ -307,6 +310,7 @@ def restore_vs_torch_load(
     full = {f"{n}.weight": torch.from_numpy(t.weights) for n, t in state.tables.items()}
     full.update({f"{n}.aux": torch.from_numpy(t.aux) for n, t in state.tables.items()})
     full.update({k: torch.from_numpy(v) for k, v in state.dense.items()})
+    full.update({f"optimizer.{k}": torch.from_numpy(v) for k, v in state.optimizer.items()})
     path = scratch / "full_fp32.pt"
     torch.save(full, path)
     loads = []

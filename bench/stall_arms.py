@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from schemas.manifest import ratio_to_full_fp32
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.cli import DEFAULT_INTERVAL_SAMPLES, add_train_args, build_model, open_stream
 from trainer.online import (
@@ -167,7 +168,7 @@ def summarise(offs: list[dict[str, Any]], ons: list[dict[str, Any]]) -> dict[str
         "dirty_fraction_max": round(max(dirty), 6) if dirty else None,
         "bytes_written": written,
         "full_fp32_bytes": full,
-        "ratio_overall": round(full / written, 2) if written else None,
+        "ratio_overall": round(ratio_to_full_fp32(full, written), 2) if written else None,
         "ratio_delta_median": (
             round(statistics.median(r["ratio"] for r in deltas), 2) if deltas else None
         ),

@@ -153,12 +153,18 @@ class BenchTrainer:
         train_step(self.model, self.optimizers, batch, self.metrics)
 
     def dense_bytes(self) -> int:
-        """fp32 bytes of the dense parameters and all non-row optimizer state."""
-        table_ids = {id(self.weight(t)) for t in self.table_rows}
-        params = sum(p.numel() * 4 for p in self.model.parameters() if id(p) not in table_ids)
+        """Tensor bytes of the dense state, as a manifest counts it (docs/FORMAT.md 3.1).
+
+        The dense blob's parameters and buffers (everything but the tables) and the dense
+        optimizer's tensors (Adam's moments and step counters: none before its first step).
+        """
+        tables = {self.weight(t).data_ptr() for t in self.table_rows}
+        dense = sum(
+            v.nbytes for v in self.model.state_dict().values() if v.data_ptr() not in tables
+        )
         dense_opt = self.optimizers[1].state_dict()["state"]
-        moments = sum(v.numel() * 4 for s in dense_opt.values() for v in s.values() if v.dim() > 0)
-        return int(params + moments)
+        moments = sum(v.nbytes for s in dense_opt.values() for v in s.values())
+        return int(dense + moments)
 
     def save_state(self) -> dict[str, Any]:
         """A deep copy of model, optimizers and metrics (what an exact fp32 restore gives)."""

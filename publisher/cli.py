@@ -23,6 +23,7 @@ from typing import Any
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
+from schemas.manifest import ratio_to_full_fp32
 
 DEFAULT_STORE = "file://./checknrun-store"
 
@@ -80,13 +81,8 @@ def add_store_args(parser: argparse.ArgumentParser, *, model_required: bool = Tr
     parser.add_argument("--model", required=model_required, help="model name")
 
 
-def _full_fp32_bytes(ref: VersionRef) -> int:
-    return sum(t.rows * (t.dim + t.aux_dim) * 4 for t in ref.manifest.tables)
-
-
 def _version_row(ref: VersionRef) -> dict[str, Any]:
     m = ref.manifest
-    total = m.total_bytes
     return {
         "version": m.version,
         "kind": m.kind,
@@ -94,8 +90,10 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
         "baseline": m.baseline,
         "applies_to": m.applies_to,
         "policy": m.policy,
-        "bytes": total,
-        "ratio_vs_full_fp32": round(_full_fp32_bytes(ref) / max(total, 1), 2),
+        # Blobs and manifest, against docs/FORMAT.md 3.1's full fp32 checkpoint (as `train`).
+        "bytes": m.written_bytes,
+        "full_fp32_bytes": m.full_fp32_bytes,
+        "ratio_vs_full_fp32": round(m.ratio_to_full_fp32, 3),
         "created_at": m.created_at.isoformat(),
         "step": m.position.step,
         "samples_seen": m.position.samples_seen,
@@ -135,8 +133,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "rows_in_checkpoint": t.rows_in_checkpoint,
             "fraction": round(t.rows_in_checkpoint / t.rows, 6),
             "bytes": t.blob.size,
-            "full_fp32_bytes": t.rows * (t.dim + t.aux_dim) * 4,
-            "ratio_vs_full_fp32": round(t.rows * (t.dim + t.aux_dim) * 4 / max(t.blob.size, 1), 2),
+            "full_fp32_bytes": t.full_fp32_bytes,
+            "ratio_vs_full_fp32": round(ratio_to_full_fp32(t.full_fp32_bytes, t.blob.size), 3),
             "key": t.blob.key,
         }
         for t in m.tables
@@ -149,6 +147,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "model_config": m.model_config_,
         "dense_bytes": m.dense.size if m.dense else 0,
         "optimizer_bytes": m.optimizer.size if m.optimizer else 0,
+        "manifest_bytes": len(m.to_json()),
     }
     if args.json:
         print(json.dumps(doc))

@@ -9,6 +9,11 @@ forbid extra fields. Rules (MUST):
   table's `rows_in_checkpoint == rows`; a delta has `baseline <= applies_to < version`.
 - Table names are unique; every blob key starts with `model + "/"`, has no `..`, backslash or
   leading slash; sha256 is 64 lowercase hex digits.
+- `dense_tensor_bytes` / `optimizer_tensor_bytes`, when set, are at most their blob's size.
+
+"x smaller than fp32", wherever a tool prints it, is `Manifest.ratio_to_full_fp32`: the bytes a
+full fp32 checkpoint of the same state holds (`Manifest.full_fp32_bytes`) over the bytes the
+version wrote (`Manifest.written_bytes`), docs/FORMAT.md section 3.1.
 
 HEAD is the commit point: `{"schema_version": 1, "model", "version", "manifest"}`.
 """
@@ -16,6 +21,7 @@ HEAD is the commit point: `{"schema_version": 1, "model", "version", "manifest"}
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
@@ -30,6 +36,24 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _M = TypeVar("_M", bound="BaseModel")
+#: bytes of one value in the full fp32 checkpoint every ratio is measured against.
+FP32_BYTES = 4
+
+
+def full_fp32_bytes(tables: Iterable[tuple[int, int, int]], dense_state_bytes: int = 0) -> int:
+    """What a full fp32 checkpoint of a state holds (docs/FORMAT.md section 3.1).
+
+    `tables` gives each table's (rows, dim, aux_dim): every row and its per-row optimizer
+    columns count at 4 bytes a value, whatever a version holds of them. `dense_state_bytes` is
+    the tensor bytes of the dense parameters and the dense optimizer state.
+    """
+    rows_bytes = sum(rows * (dim + aux_dim) * FP32_BYTES for rows, dim, aux_dim in tables)
+    return rows_bytes + dense_state_bytes
+
+
+def ratio_to_full_fp32(full_fp32: int, written: int) -> float:
+    """How many times fewer bytes than the full fp32 checkpoint were written."""
+    return full_fp32 / max(written, 1)
 
 
 def check_model_name(name: str) -> str:
@@ -82,6 +106,11 @@ class TableEntry(_Frozen):
             raise ValueError(f"rows_in_checkpoint {self.rows_in_checkpoint} > rows {self.rows}")
         return self
 
+    @property
+    def full_fp32_bytes(self) -> int:
+        """This table's share of a full fp32 checkpoint: every row and its optimizer columns."""
+        return full_fp32_bytes([(self.rows, self.dim, self.aux_dim)])
+
 
 class Position(_Frozen):
     """Where training resumes: optimizer step, samples consumed and the data reader's state."""
@@ -108,6 +137,10 @@ class Manifest(_Frozen):
     tables: tuple[TableEntry, ...]
     dense: BlobRef | None = None
     optimizer: BlobRef | None = None
+    #: tensor bytes of the dense / optimizer blob (its size less the safetensors header); null
+    #: in manifests written before these fields existed.
+    dense_tensor_bytes: int | None = Field(default=None, ge=0)
+    optimizer_tensor_bytes: int | None = Field(default=None, ge=0)
     model_config_: dict[str, Any] = Field(alias="model_config", default_factory=dict)
     metrics: dict[str, float] = Field(default_factory=dict)
 
@@ -149,6 +182,15 @@ class Manifest(_Frozen):
                     f"delta needs baseline <= applies_to < version, got baseline={self.baseline} "
                     f"applies_to={self.applies_to} version={self.version}"
                 )
+        for blob, tensors, what in (
+            (self.dense, self.dense_tensor_bytes, "dense"),
+            (self.optimizer, self.optimizer_tensor_bytes, "optimizer"),
+        ):
+            if tensors is not None and tensors > (0 if blob is None else blob.size):
+                raise ValueError(
+                    f"{what}_tensor_bytes {tensors} exceeds the {what} blob's size "
+                    f"{None if blob is None else blob.size}"
+                )
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
@@ -174,6 +216,23 @@ class Manifest(_Frozen):
     def total_bytes(self) -> int:
         """Sum of the sizes of this version's blobs."""
         return sum(b.size for b in self.blobs)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes this version put in the store: its blobs and its manifest."""
+        return self.total_bytes + len(self.to_json())
+
+    @property
+    def full_fp32_bytes(self) -> int:
+        """What a full fp32 checkpoint of this version's state holds (docs/FORMAT.md 3.1)."""
+        dense = _tensor_bytes(self.dense, self.dense_tensor_bytes)
+        dense += _tensor_bytes(self.optimizer, self.optimizer_tensor_bytes)
+        return full_fp32_bytes(((t.rows, t.dim, t.aux_dim) for t in self.tables), dense)
+
+    @property
+    def ratio_to_full_fp32(self) -> float:
+        """How many times fewer bytes than a full fp32 checkpoint this version wrote."""
+        return ratio_to_full_fp32(self.full_fp32_bytes, self.written_bytes)
 
     def table(self, name: str) -> TableEntry:
         """The entry of table `name` (KeyError if absent)."""
@@ -232,6 +291,14 @@ class Lease(_Frozen):
     @classmethod
     def from_json(cls, data: bytes) -> Lease:
         return _parse(cls, data, 64 * 1024, "lease")
+
+
+def _tensor_bytes(blob: BlobRef | None, tensors: int | None) -> int:
+    # An older manifest does not say: its whole blob counts, header included (a few hundred
+    # bytes of JSON next to the tensors).
+    if blob is None:
+        return 0
+    return blob.size if tensors is None else tensors
 
 
 def _parse(cls: type[_M], data: bytes, cap: int, what: str) -> _M:

@@ -32,15 +32,18 @@ def encode_tensors(tensors: dict[str, np.ndarray], meta: dict[str, Any] | None =
     return bytes(st_save(arrays, metadata=metadata))
 
 
+def tensor_bytes(data: bytes) -> int:
+    """Bytes of the tensors a tensor blob holds: its length less the length prefix and header.
+
+    This is the blob's share of a full fp32 checkpoint (docs/FORMAT.md section 3.1); the header
+    is container overhead.
+    """
+    return len(data) - 8 - _header_len(data)
+
+
 def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Tensors and metadata from safetensors bytes; TensorBlobError on anything malformed."""
-    if len(data) > MAX_TENSOR_BLOB_BYTES:
-        raise TensorBlobError(f"tensor blob is {len(data)} bytes; cap {MAX_TENSOR_BLOB_BYTES}")
-    if len(data) < 8:
-        raise TensorBlobError(f"tensor blob is {len(data)} bytes; at least 8 expected")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8 or header_len > 100 * 1024 * 1024:
-        raise TensorBlobError(f"tensor blob header length {header_len} exceeds the blob")
+    header_len = _header_len(data)
     try:
         header = json.loads(data[8 : 8 + header_len])
         tensors = st_load(data)
@@ -54,3 +57,15 @@ def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     if not isinstance(meta, dict):
         raise TensorBlobError("tensor blob metadata must be a JSON object")
     return tensors, meta
+
+
+def _header_len(data: bytes) -> int:
+    """The declared JSON header length, checked against the caps and the blob's length."""
+    if len(data) > MAX_TENSOR_BLOB_BYTES:
+        raise TensorBlobError(f"tensor blob is {len(data)} bytes; cap {MAX_TENSOR_BLOB_BYTES}")
+    if len(data) < 8:
+        raise TensorBlobError(f"tensor blob is {len(data)} bytes; at least 8 expected")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8 or header_len > 100 * 1024 * 1024:
+        raise TensorBlobError(f"tensor blob header length {header_len} exceeds the blob")
+    return header_len

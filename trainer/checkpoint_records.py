@@ -18,6 +18,7 @@ import numpy as np
 
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
+from schemas.manifest import ratio_to_full_fp32
 
 
 @dataclass
@@ -83,7 +84,7 @@ class CheckpointRecord:
         """Full fp32 checkpoint bytes / bytes written (None until published)."""
         if self.bytes is None or self.full_fp32_bytes is None:
             return None
-        return self.full_fp32_bytes / max(self.bytes, 1)
+        return ratio_to_full_fp32(self.full_fp32_bytes, self.bytes)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the `train --json` per-checkpoint record)."""

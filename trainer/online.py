@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
+from schemas.manifest import ratio_to_full_fp32
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.rowwise_adagrad import RowWiseAdagrad
@@ -137,7 +138,7 @@ class TrainingReport:
             "stall_ms_max": round(max(stalls), 3) if stalls else None,
             "bytes_written": written,
             "full_fp32_bytes": full,
-            "ratio": round(full / written, 3) if written else None,
+            "ratio": round(ratio_to_full_fp32(full, written), 3) if written else None,
             "last_version": published[-1].version if published else None,
         }
 

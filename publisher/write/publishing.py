@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 from publisher.codecs import encode_rows
@@ -27,8 +28,8 @@ from publisher.write.version_writer import TableBlob, VersionDraft, VersionWrite
 from schemas.announcement import Announcement
 from schemas.delta_blob import DeltaBlob, encode_delta_blob
 from schemas.errors import UnavailableError
-from schemas.manifest import Manifest
-from schemas.tensor_blob import encode_tensors
+from schemas.manifest import Manifest, ratio_to_full_fp32
+from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,6 @@ class PublishResult:
     """One committed version and what it cost."""
 
     ref: VersionRef
-    bytes_written: int
-    #: bytes a full fp32 checkpoint of the same model would take (rows x dim x 4 + optimizer).
-    full_fp32_bytes: int
     encode_s: float
     commit_s: float
     merged: int
@@ -52,10 +50,21 @@ class PublishResult:
     def manifest(self) -> Manifest:
         return self.ref.manifest
 
+    # Cached: a trainer sums these over every version it published at each progress update.
+    @cached_property
+    def bytes_written(self) -> int:
+        """The version's blobs and manifest."""
+        return self.manifest.written_bytes
+
+    @cached_property
+    def full_fp32_bytes(self) -> int:
+        """What a full fp32 checkpoint of the same state holds (docs/FORMAT.md 3.1)."""
+        return self.manifest.full_fp32_bytes
+
     @property
     def ratio(self) -> float:
         """How many times smaller than a full fp32 checkpoint."""
-        return self.full_fp32_bytes / max(self.bytes_written, 1)
+        return ratio_to_full_fp32(self.full_fp32_bytes, self.bytes_written)
 
 
 def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> TableBlob:
@@ -81,13 +90,6 @@ def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> Tabl
         aux_dim=int(rows.aux.shape[1]),
         data=encode_delta_blob(blob, zstd_level=tunables.zstd_level),
     )
-
-
-def full_fp32_bytes(snapshot: Snapshot) -> int:
-    """Size of the same state as an uncompressed fp32 full checkpoint."""
-    tables = sum(t.table_rows * (t.dim + int(t.aux.shape[1])) * 4 for t in snapshot.tables)
-    dense = sum(a.nbytes for a in snapshot.dense.values())
-    return tables + dense + sum(a.nbytes for a in snapshot.optimizer.values())
 
 
 class SnapshotPublisher(Protocol):
@@ -140,6 +142,8 @@ class CheckpointPublisher:
             tables=tables,
             dense=dense,
             optimizer=optimizer,
+            dense_tensor_bytes=None if dense is None else tensor_bytes(dense),
+            optimizer_tensor_bytes=None if optimizer is None else tensor_bytes(optimizer),
             model_config=snapshot.model_config,
             metrics=snapshot.metrics,
         )
@@ -155,8 +159,6 @@ class CheckpointPublisher:
                 )
         return PublishResult(
             ref=ref,
-            bytes_written=ref.manifest.total_bytes + len(ref.manifest.to_json()),
-            full_fp32_bytes=full_fp32_bytes(snapshot),
             encode_s=encoded - started,
             commit_s=committed - encoded,
             merged=snapshot.merged,
@@ -344,5 +346,4 @@ __all__ = [
     "SnapshotPublisher",
     "StoreError",
     "encode_table",
-    "full_fp32_bytes",
 ]

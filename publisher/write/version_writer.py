@@ -82,6 +82,9 @@ class VersionDraft:
     tables: Sequence[TableBlob]
     dense: bytes | None = None
     optimizer: bytes | None = None
+    #: the tensors' share of `dense` / `optimizer` (docs/FORMAT.md 3.1); None: not known.
+    dense_tensor_bytes: int | None = None
+    optimizer_tensor_bytes: int | None = None
     model_config: Mapping[str, Any] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
 
@@ -268,6 +271,8 @@ class VersionWriter:
             tables=tables,
             dense=next(extra) if draft.dense is not None else None,
             optimizer=next(extra) if draft.optimizer is not None else None,
+            dense_tensor_bytes=draft.dense_tensor_bytes,
+            optimizer_tensor_bytes=draft.optimizer_tensor_bytes,
             model_config=dict(draft.model_config),
             metrics={k: float(v) for k, v in draft.metrics.items()},
         )

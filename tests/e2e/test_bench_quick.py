@@ -57,6 +57,7 @@ def test_paper_bytes(quick_doc: dict) -> None:
         assert len(published) == n
         for pub, rep in zip(published, replayed, strict=True):
             assert pub["bytes_written"] == pytest.approx(rep, rel=0.2)
+            assert pub["full_fp32_bytes"] == wl["full_fp32_bytes"]  # one definition
         assert wl["restore"]["restore_s_median"] > 0
         assert wl["restore"]["torch_load_s_median"] > 0
         served = wl["served_default_codec"]

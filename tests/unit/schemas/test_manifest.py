@@ -9,7 +9,7 @@ import pytest
 
 from schemas.announcement import Announcement
 from schemas.errors import AnnouncementError, ManifestError
-from schemas.manifest import Head, Manifest
+from schemas.manifest import Head, Manifest, full_fp32_bytes, ratio_to_full_fp32
 
 SHA = "ab" * 32
 
@@ -88,6 +88,42 @@ def test_valid_manifest_round_trips() -> None:
 def test_manifest_rejections(overrides: dict[str, Any]) -> None:
     with pytest.raises(ManifestError):
         parse(manifest_doc(**overrides))
+
+
+def test_full_fp32_bytes_counts_tables_and_dense_state() -> None:
+    """docs/FORMAT.md 3.1: every row x (dim + aux_dim) x 4, plus the dense blobs' tensors."""
+    m = parse(manifest_doc(dense_tensor_bytes=3))
+    assert m.table("user").full_fp32_bytes == 100 * (8 + 1) * 4
+    assert m.full_fp32_bytes == 100 * (8 + 1) * 4 + 3  # a delta against the full state
+    assert m.written_bytes == 15 + len(m.to_json())
+    assert m.ratio_to_full_fp32 == m.full_fp32_bytes / m.written_bytes
+    assert Manifest.from_json(m.to_json()) == m
+
+
+def test_manifest_without_tensor_bytes_counts_whole_dense_blob() -> None:
+    # Written before the fields existed: still parses; the dense blob counts header and all.
+    m = parse(manifest_doc())
+    assert m.dense_tensor_bytes is None and m.optimizer_tensor_bytes is None
+    assert m.full_fp32_bytes == 100 * (8 + 1) * 4 + 5
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dense_tensor_bytes": 6},  # more than the 5-byte dense blob
+        {"dense_tensor_bytes": -1},
+        {"optimizer_tensor_bytes": 1},  # no optimizer blob
+    ],
+)
+def test_tensor_bytes_rejections(overrides: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError, match="tensor_bytes"):
+        parse(manifest_doc(**overrides))
+
+
+def test_ratio_and_full_fp32_helpers() -> None:
+    assert full_fp32_bytes([(10, 4, 1), (3, 4, 0)], dense_state_bytes=7) == 200 + 48 + 7
+    assert ratio_to_full_fp32(100, 50) == 2.0
+    assert ratio_to_full_fp32(100, 0) == 100.0  # nothing written: no division by zero
 
 
 def table_with(**overrides: Any) -> dict[str, Any]:
