@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from bench.child_server import free_port, serve_command
+from tests.support import parse_env_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -54,17 +55,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.faults)
-
-
-def parse_env_file(text: str) -> dict[str, str]:
-    """The `export NAME=value` lines of services.sh's env file as a dict."""
-    values: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line and not line.startswith("#"):
-            name, _, value = line.removeprefix("export ").partition("=")
-            values[name.strip()] = value.strip().strip("'\"")
-    return values
 
 
 @dataclass

@@ -19,6 +19,7 @@ import numpy as np
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import open_store
+from tests.support import wait_for
 
 from .conftest import (
     PrivateServices,
@@ -37,13 +38,14 @@ def _head(store_url: str, model: str) -> int:
     return 0 if head is None else head.version
 
 
-def _wait_head(store_url: str, model: str, version: int, timeout: float = 90) -> int:
-    """Wait until HEAD is at least `version`; returns HEAD's version then."""
-    deadline = time.monotonic() + timeout
-    while (head := _head(store_url, model)) < version:
-        assert time.monotonic() < deadline, f"HEAD never reached {version} (at {head})"
-        time.sleep(0.2)
-    return head
+def _wait_head(store_url: str, model: str, version: int, timeout: float = 90) -> None:
+    """Wait until HEAD is at least `version`."""
+    wait_for(
+        lambda: _head(store_url, model) >= version,
+        timeout,
+        lambda: f"HEAD to reach {version} (at {_head(store_url, model)})",
+        poll_s=0.2,
+    )
 
 
 def test_kafka_down_during_training(
