@@ -77,7 +77,7 @@ def test_kafka_down_during_training(
     stopped_s = time.monotonic() - down_at
     head_at_down = _head(store_url, model)
     # Served versions keep advancing through HEAD polls while the broker is gone.
-    caught_up_s = server.wait_version(head_at_down + 2, timeout=60)
+    caught_up_s = server.wait_version(head_at_down + 2, timeout_s=60)
     assert server.client.post("/v1/predict", json={"examples": examples}).status_code == 200
     assert trainer.poll() is None, "the trainer must keep training without the broker"
     up_s = private_services.up("kafka")
@@ -91,7 +91,7 @@ def test_kafka_down_during_training(
     assert trainer_done.report()["stopped"], "the trainer ended before SIGTERM"
     final = _head(store_url, model)
     assert final > head_at_down + 2
-    server.wait_version(final, timeout=60)
+    server.wait_version(final, timeout_s=60)
     text = server.metrics()
     assert metric_value(text, "follower_events_total", 'reason="head_polls"') >= 1
     assert server.info()["rejected_versions"] == 0
