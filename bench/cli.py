@@ -47,19 +47,17 @@ PARTS = {
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")
 
 
-def run_options(*, inherited: bool = False) -> argparse.ArgumentParser:
-    """`--quick` and `--json OUT`, as a parent parser of a part's parser.
+def add_run_options(parser: argparse.ArgumentParser, *, inherited: bool = False) -> None:
+    """`--quick` and `--json OUT`, which `bench` and every part take.
 
     A part's subcommands take them too, `inherited`: unset unless given there, so that values
     given before the subcommand stand.
     """
-    parser = argparse.ArgumentParser(add_help=False)
     unset: dict[str, Any] = {"default": argparse.SUPPRESS} if inherited else {}
     parser.add_argument(
         "--quick", action="store_true", help="small sizes: checks the machinery", **unset
     )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT", **unset)
-    return parser
 
 
 def run_part(part: str, quick: bool, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -80,9 +78,8 @@ def part_parser(prog: str, part: str) -> argparse.ArgumentParser:
             "--dir", default="docs/benchmarks", help="where the part JSONs are, and the output"
         )
         return parser
-    parser = argparse.ArgumentParser(
-        prog=f"{prog} {part}", description=PARTS[part], parents=[run_options()]
-    )
+    parser = argparse.ArgumentParser(prog=f"{prog} {part}", description=PARTS[part])
+    add_run_options(parser)
     add_arguments = getattr(importlib.import_module(f"bench.{part}"), "add_arguments", None)
     if add_arguments is not None:
         add_arguments(parser)
@@ -124,8 +121,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     parts = "\n".join(f"  {name:<10} {what}" for name, what in PARTS.items())
     p.epilog = f"parts:\n{parts}\n  report     RESULTS.md and the plots from the part JSONs"
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--quick", action="store_true", help="small sizes: checks the machinery")
-    p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    add_run_options(p)
     p.add_argument(
         "part",
         nargs="?",

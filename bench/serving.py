@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from bench.child_server import ChildServer, free_port
-from bench.cli import run_options
+from bench.cli import add_run_options
 from bench.machine import describe_machine
 from bench.synthetic_run import SyntheticRun, random_examples
 from publisher.bus import open_announcer
@@ -641,7 +641,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, parents=[run_options(inherited=True)])
+        p = sub.add_parser(name, help=help)
+        add_run_options(p, inherited=True)
+        return p
 
     def sized(p: argparse.ArgumentParser, name: str, flag: str, kind: type, help: str) -> None:
         """An option of command `name` whose default `--quick` shrinks (SIZES)."""
