@@ -1,8 +1,10 @@
-"""`checknrun bench`: the measurements behind the README's figures, each part runnable alone.
+"""The measurement floor on top of the product packages: benchmarks, the demo, test fixtures.
 
-Parts (each a module with `run(quick: bool) -> dict`): `paper` (bytes per interval and storage
-of every policy x codec, replayed from one training run per workload), `accuracy` (served model
-and restores from quantized checkpoints, and the bit-width rule derived from them), `stall`
-(checkpoint stall next to torch.save and DCP async_save, restore next to torch.load), `codec`
-(bench.codec_measure) and `freshness` (bench.serving through Kafka + MinIO when set up).
+`checknrun bench PART` (bench/cli.py) runs one part, a module each: `paper`, `accuracy`,
+`stall` (its off/on arms in `stall_arms`), `codec`, `freshness`, `restore`, `transport` and
+`serving`; `report` turns their JSON documents into docs/benchmarks/RESULTS.md and plots. Shared
+by the parts: `workloads` (the two training workloads), `machine` (the machine description every
+result records), `bit_rule`. `demo` is `checknrun demo`; `child_server` starts `checknrun serve`
+children for the demo, the benchmarks and the tests; `synthetic_run` publishes synthetic versions
+for the serving benchmarks and the tests.
 """

@@ -1,12 +1,20 @@
-"""`checknrun bench`: every measurement behind the README's figures, or one part of it.
+"""`checknrun bench`: every measurement behind the README's figures, each part runnable alone.
 
-    checknrun bench --quick [--json OUT]          # every part, small sizes (CI: the machinery)
-    checknrun bench PART [--quick] [--json OUT]   # PART: paper, accuracy, stall, codec, freshness
-    checknrun bench report [--dir docs/benchmarks]  # RESULTS.md + PNGs from the part JSONs
+    checknrun bench [--quick] [--json OUT]                       # the README's five parts
+    checknrun bench PART [PART OPTIONS] [--quick] [--json OUT]   # one part
+    checknrun bench PART --help                                  # the part's options
+    checknrun bench report [--dir docs/benchmarks]   # RESULTS.md + PNGs from the part JSONs
 
-Progress goes to stderr. The freshness part uses real Kafka + MinIO when
-CHECKNRUN_KAFKA_BOOTSTRAP and CHECKNRUN_S3_ENDPOINT are set, else a file store and a file bus.
-Registered through the `checknrun.commands` entry point `bench = "bench.cli:register"`;
+A part is the module bench.PART: `run(quick, **options) -> dict` returns its JSON document and,
+when the part takes options, `add_arguments(parser)` declares them under the names of run's
+keyword arguments (an option left unset is None where its default depends on `--quick`).
+`--quick` runs small sizes: the machinery, not the figures. Parts are imported only when run:
+they pull in torch, matplotlib, the server and the S3 client, which other commands do without.
+
+Progress goes to stderr, tables to stdout, the document to `--json OUT`. The freshness and
+transport parts use real Kafka + MinIO when CHECKNRUN_KAFKA_BOOTSTRAP and CHECKNRUN_S3_ENDPOINT
+are set (source ~/.cache/checknrun/services/env); freshness falls back to a file store and a
+file bus. Registered through the `checknrun.commands` entry point `bench = "bench.cli:register"`;
 `python -m bench.cli ...` runs it without the entry point.
 """
 
@@ -21,63 +29,115 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine, log, write_json
+from publisher.cli import CommandError
+from publisher.store import StoreError
 
-PARTS = ("paper", "accuracy", "stall", "codec", "freshness")
+#: every part and what it measures.
+PARTS = {
+    "paper": "bytes per interval and storage of every policy x codec (the paper's figures)",
+    "accuracy": "AUC of the served model and of restores from quantized checkpoints; bit rule",
+    "stall": "training stall and overhead per checkpoint, next to torch.save and DCP async_save",
+    "codec": "encode/decode throughput and error of every codec",
+    "freshness": "train step -> served latency, apply time, predict latency (serving parts)",
+    "restore": "restore of a baseline + chain, one worker and one per core, next to torch.load",
+    "transport": "S3 upload throughput and announcement latency (needs Kafka + MinIO)",
+    "serving": "the serving side in detail: apply, pause, http, freshness",
+}
+#: what `checknrun bench` without a part runs: the parts the README's figures come from.
+DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")
 
 
-def run_part(part: str, quick: bool) -> dict[str, Any]:
-    """Run one part (imported lazily: parts pull in torch, matplotlib, the server...)."""
+def add_run_options(parser: argparse.ArgumentParser, *, inherited: bool = False) -> None:
+    """`--quick` and `--json OUT`, which `bench` and every part take.
+
+    A part's subcommands take them too, `inherited`: unset unless given there, so that values
+    given before the subcommand stand.
+    """
+    unset: dict[str, Any] = {"default": argparse.SUPPRESS} if inherited else {}
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes: checks the machinery", **unset
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT", **unset)
+
+
+def run_part(part: str, quick: bool, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one part with its `options` (default: all of them defaults)."""
     module = importlib.import_module(f"bench.{part}")
     started = time.perf_counter()
-    doc: dict[str, Any] = module.run(quick)
+    doc: dict[str, Any] = module.run(quick, **(options or {}))
     doc["seconds"] = round(time.perf_counter() - started, 1)
     log(f"{part}: done in {doc['seconds']} s")
     return doc
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Run the named part (or all of them) and write the JSON document."""
-    if args.part == "report":
-        from bench.report import write
+def part_parser(prog: str, part: str) -> argparse.ArgumentParser:
+    """The parser of `checknrun bench PART`'s own options."""
+    if part == "report":
+        parser = argparse.ArgumentParser(prog=f"{prog} report", description="RESULTS.md + plots")
+        parser.add_argument(
+            "--dir", default="docs/benchmarks", help="where the part JSONs are, and the output"
+        )
+        return parser
+    parser = argparse.ArgumentParser(prog=f"{prog} {part}", description=PARTS[part])
+    add_run_options(parser)
+    add_arguments = getattr(importlib.import_module(f"bench.{part}"), "add_arguments", None)
+    if add_arguments is not None:
+        add_arguments(parser)
+    return parser
 
-        log(f"wrote {write(Path(args.dir))}")
-        return 0
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run the named part (or the default ones) and write the JSON document."""
     if args.part is None:
-        parts = {p: run_part(p, args.quick) for p in PARTS}
         doc: dict[str, Any] = {
             "bench": "all",
             "quick": args.quick,
             "machine": describe_machine(),
-            "parts": parts,
+            "parts": {p: run_part(p, args.quick) for p in DEFAULT_PARTS},
         }
+        out = args.json
+    elif args.part == "report":
+        if args.quick or args.json:
+            raise CommandError("report takes only --dir")
+        from bench.report import write
+
+        directory = part_parser(args.bench_prog, "report").parse_args(args.options).dir
+        log(f"wrote {write(Path(directory))}")
+        return 0
     else:
-        doc = run_part(args.part, args.quick)
-    write_json(doc, args.json)
-    if args.json:
-        log(f"wrote {args.json}")
+        parser = part_parser(args.bench_prog, args.part)
+        parser.set_defaults(quick=args.quick, json=args.json)  # given before PART
+        options = vars(parser.parse_args(args.options))
+        quick, out = options.pop("quick"), options.pop("json")
+        doc = run_part(args.part, quick, options)
+    write_json(doc, out)
+    if out:
+        log(f"wrote {out}")
     return 0
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """The `bench` options."""
+    """The `bench` options: the part, and what follows it goes to the part's own parser."""
+    parts = "\n".join(f"  {name:<10} {what}" for name, what in PARTS.items())
+    p.epilog = f"parts:\n{parts}\n  report     RESULTS.md and the plots from the part JSONs"
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_run_options(p)
     p.add_argument(
         "part",
         nargs="?",
         choices=[*PARTS, "report"],
-        help="one part (default: all of them); `report` rebuilds RESULTS.md and the plots",
+        metavar="PART",
+        help=f"one part (default: {', '.join(DEFAULT_PARTS)})",
     )
-    p.add_argument("--quick", action="store_true", help="small sizes: checks the machinery")
-    p.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
-    p.add_argument(
-        "--dir", default="docs/benchmarks", help="report: where the part JSONs are (and output)"
-    )
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the part's options (see PART --help)")
+    p.set_defaults(bench_prog=p.prog)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `bench` command (the `checknrun.commands` entry point)."""
     p = subparsers.add_parser(
         "bench",
-        help="benchmarks: bytes, accuracy, stall, codecs, freshness",
+        help="benchmarks: bytes, accuracy, stall, codecs, freshness, restore, transport, serving",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     add_bench_args(p)
@@ -85,11 +145,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m bench.cli [PART] [--quick] [--json OUT]`."""
+    """`python -m bench.cli [PART [PART OPTIONS]] [--quick] [--json OUT]`."""
     parser = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__)
     add_bench_args(parser)
     args = parser.parse_args(argv)
-    return cmd_bench(args)
+    try:
+        return cmd_bench(args)
+    except (CommandError, StoreError) as exc:  # as `checknrun` reports them
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -20,14 +20,10 @@ stream.
 from __future__ import annotations
 
 import argparse
-import http.client
 import itertools
-import json
 import math
 import queue
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -35,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
-from bench.child_server import free_port, serve_command
+from bench.child_server import ChildServer, ChildServerError
 from publisher.cli import CommandError, run_command
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
@@ -134,7 +131,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     # The server imports torch and waits for the first version: start it first, in parallel.
-    server, port = _start_server(workdir, store_url, bus_url)
+    with ChildServer(
+        store_url,
+        MODEL,
+        workdir / "server.log",
+        bus=bus_url,
+        host="127.0.0.1",
+        poll_head_after="2",
+        bus_start="earliest",
+    ) as server:
+        _train_and_watch(args, server, store_url, bus_url, workdir)
+    return 0
+
+
+def _train_and_watch(
+    args: argparse.Namespace, server: ChildServer, store_url: str, bus_url: str, workdir: Path
+) -> None:
+    """Train and publish in this process while the monitor scores each version on `server`."""
     torch.set_num_threads(1)  # one core trains, the other serves and encodes
     stream = load_movielens()
     model = build_dlrm(stream.features, stream.dense_names, seed=0, extra={"source": "demo"})
@@ -142,47 +155,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     metrics = _RecordingMetrics()
     windows: queue.Queue[_Window | None] = queue.Queue()
     monitor = threading.Thread(
-        target=_monitor, args=(windows, stream, port), name="demo-monitor", daemon=True
+        target=_monitor, args=(windows, stream, server.client), name="demo-monitor", daemon=True
     )
     monitor.start()
     started = time.monotonic()
-    try:
-        with IncrementalCheckpointer(
+    with IncrementalCheckpointer(
+        model,
+        optimizers,
+        store=store_url,
+        model_name=MODEL,
+        policy=args.policy,
+        codec=args.codec,
+        interval_samples=args.interval_samples,
+        bus=bus_url,
+    ) as ckpt:
+        _wait_ready(server)
+        hook = _WindowHook(ckpt, metrics, windows, args.eval_samples, args.rate)
+        report = train_online(
             model,
             optimizers,
-            store=store_url,
-            model_name=MODEL,
-            policy=args.policy,
-            codec=args.codec,
-            interval_samples=args.interval_samples,
-            bus=bus_url,
-        ) as ckpt:
-            _wait_ready(server, port, workdir)
-            hook = _WindowHook(ckpt, metrics, windows, args.eval_samples, args.rate)
-            report = train_online(
-                model,
-                optimizers,
-                stream,
-                batch_size=BATCH_SIZE,
-                stop=min(args.max_samples, stream.num_samples or args.max_samples),
-                checkpointer=ckpt,
-                metrics=metrics,
-                on_batch=hook,
-            )
-            ckpt.flush()
-            last = ckpt.last_version
-        windows.put(None)
-        monitor.join()
-        _wait_for_version(port, last, timeout_s=60)
-        _summary(report.summary(), report.metrics, report.seconds, port, workdir, started)
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                server.kill()
-    return 0
+            stream,
+            batch_size=BATCH_SIZE,
+            stop=min(args.max_samples, stream.num_samples or args.max_samples),
+            checkpointer=ckpt,
+            metrics=metrics,
+            on_batch=hook,
+        )
+        ckpt.flush()
+        last = ckpt.last_version
+    windows.put(None)
+    monitor.join()
+    _wait_for_version(server, last, timeout_s=60)
+    _summary(report.summary(), report.metrics, report.seconds, server.client, workdir, started)
 
 
 class _WindowHook:
@@ -221,15 +225,17 @@ class _WindowHook:
             self.metrics.capture = self.window.trainer_logits
 
 
-def _monitor(windows: queue.Queue[_Window | None], stream: InteractionStream, port: int) -> None:
+def _monitor(
+    windows: queue.Queue[_Window | None], stream: InteractionStream, client: httpx.Client
+) -> None:
     """Score each window on the server and print one line per version."""
     while (window := windows.get()) is not None:
         record = window.record
         deadline = time.monotonic() + 10
         while record.version is None and time.monotonic() < deadline:
             time.sleep(0.05)  # committed in the background, usually within milliseconds
-        info = _get(port, "/v1/model") or {}
-        served, versions = _served_scores(window, stream, port)
+        info = _get(client, "/v1/model") or {}
+        served, versions = _served_scores(window, stream, client)
         labels = torch.cat([b.labels for b in window.batches])
         trainer = ProgressiveMetrics()
         trainer.update(torch.cat(window.trainer_logits), labels)
@@ -241,12 +247,13 @@ def _monitor(windows: queue.Queue[_Window | None], stream: InteractionStream, po
 
 
 def _served_scores(
-    window: _Window, stream: InteractionStream, port: int
+    window: _Window, stream: InteractionStream, client: httpx.Client
 ) -> tuple[torch.Tensor | None, set[int]]:
     scores: list[float] = []
     versions: set[int] = set()
     for batch in window.batches:
-        answer = _request(port, "POST", "/v1/predict", {"examples": batch_examples(batch, stream)})
+        examples = batch_examples(batch, stream)
+        answer = _request(client, "POST", "/v1/predict", {"examples": examples})
         if answer is None:
             return None, versions
         scores.extend(answer["scores"])
@@ -254,67 +261,41 @@ def _served_scores(
     return torch.tensor(scores, dtype=torch.float64), versions
 
 
-def _start_server(
-    workdir: Path, store_url: str, bus_url: str
-) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - the child owns it
-    cmd = serve_command(
-        store_url,
-        MODEL,
-        port,
-        bus=bus_url,
-        host="127.0.0.1",
-        poll_head_after="2",
-        bus_start="earliest",
-    )
-    return subprocess.Popen(cmd, stdout=log, stderr=log), port
-
-
-def _wait_ready(server: subprocess.Popen[bytes], port: int, workdir: Path) -> None:
+def _wait_ready(server: ChildServer) -> None:
     """Block until the server answers (it becomes ready once the first version exists)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise CommandError(
-                f"the server exited with status {server.returncode}; see {workdir}/server.log"
-            )
-        if _get(port, "/healthz") is not None:
-            print(f"demo: server up on http://127.0.0.1:{port}", file=sys.stderr)
-            return
-        time.sleep(0.2)
-    raise CommandError(f"the server did not start in 120 s; see {workdir}/server.log")
-
-
-def _wait_for_version(port: int, version: int | None, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while version is not None and time.monotonic() < deadline:
-        info = _get(port, "/v1/model")
-        if info is not None and int(info["version"]) >= version:
-            return
-        time.sleep(0.2)
-
-
-def _request(port: int, method: str, path: str, body: Any = None) -> dict[str, Any] | None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        payload = None if body is None else json.dumps(body).encode()
-        headers = {"content-type": "application/json"} if payload is not None else {}
-        conn.request(method, path, body=payload, headers=headers)
-        response = conn.getresponse()
-        data = response.read()
-        if response.status != 200:
+        server.wait_ready(120, path="/healthz")
+    except ChildServerError as exc:
+        raise CommandError(str(exc)) from exc
+    print(f"demo: server up on {server.url}", file=sys.stderr)
+
+
+def _wait_for_version(server: ChildServer, version: int | None, timeout_s: float) -> None:
+    """Give the server time to serve the last version; the summary says what it serves."""
+    if version is None:
+        return
+    try:
+        server.wait_version(version, timeout_s)
+    except (ChildServerError, httpx.HTTPError, ValueError) as exc:
+        print(f"demo: the server has not served v{version}: {exc}", file=sys.stderr)
+
+
+def _request(
+    client: httpx.Client, method: str, path: str, body: Any = None
+) -> dict[str, Any] | None:
+    """The JSON answer of a 200, None for anything else (the demo shows what it can)."""
+    try:
+        response = client.request(method, path, json=body)
+        if response.status_code != 200:
             return None
-        parsed: dict[str, Any] = json.loads(data)
+        parsed: dict[str, Any] = response.json()
         return parsed
-    except (OSError, http.client.HTTPException, ValueError):
+    except (httpx.HTTPError, ValueError):
         return None
-    finally:
-        conn.close()
 
 
-def _get(port: int, path: str) -> dict[str, Any] | None:
-    return _request(port, "GET", path)
+def _get(client: httpx.Client, path: str) -> dict[str, Any] | None:
+    return _request(client, "GET", path)
 
 
 def batch_examples(batch: Batch, stream: InteractionStream) -> list[dict[str, Any]]:
@@ -371,11 +352,11 @@ def _summary(
     summary: dict[str, Any],
     metrics: dict[str, float],
     train_s: float,
-    port: int,
+    client: httpx.Client,
     workdir: Path,
     started: float,
 ) -> None:
-    info = _get(port, "/v1/model") or {}
+    info = _get(client, "/v1/model") or {}
     print()
     print(
         f"trained {int(metrics.get('samples_cumulative', 0)):,} samples in {train_s:.0f} s, "

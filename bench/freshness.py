@@ -1,9 +1,11 @@
 """Part `freshness`: train step -> served latency, apply time vs delta size, predict p99.
 
-Runs bench.serving's `freshness`, `apply` and `http` commands as child processes (trainer/
-does not import server/). Freshness goes through real
-Kafka + MinIO when CHECKNRUN_KAFKA_BOOTSTRAP and CHECKNRUN_S3_ENDPOINT are set (source
-~/.cache/checknrun/services/env), else through a file store and a file bus (said in the result).
+Runs the `serving` part's `freshness`, `apply` and `http` commands, each in a child process:
+the apply figures include the growth of the measuring process's own memory, which a process
+that has just run the other parts (and holds their freed heap) would misstate. Freshness goes
+through real Kafka + MinIO when CHECKNRUN_KAFKA_BOOTSTRAP and CHECKNRUN_S3_ENDPOINT are set
+(source ~/.cache/checknrun/services/env), else through a file store and a file bus (said in the
+result).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
+from bench.child_server import REPO
 from bench.machine import describe_machine, log
 
 #: the target: snapshot -> served p99.
@@ -31,45 +36,38 @@ def services() -> tuple[str | None, str | None]:
     return f"s3://checknrun-bench/freshness-{tag}", f"kafka://{bootstrap}/checknrun-bench-{tag}"
 
 
-def _load_bench(argv: list[str]) -> dict[str, Any]:
-    """`python -m bench.serving --json ARGV`: its summary goes to stderr as it comes, its JSON
-    document (the last line of its stdout) is returned."""
-    cmd = [sys.executable, "-m", "bench.serving", "--json", *argv]
-    lines: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if not line.startswith("{"):
+def _serving(argv: list[str]) -> dict[str, Any]:
+    """The document of `checknrun bench serving ARGV`, run in a child process whose summary
+    goes to our stderr as it comes."""
+    log(f"freshness: checknrun bench serving {' '.join(argv)}")
+    with tempfile.TemporaryDirectory(prefix="checknrun-freshness-") as tmp:
+        out = Path(tmp) / "serving.json"
+        cmd = [sys.executable, "-m", "bench.cli", "serving", *argv, "--json", str(out)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
                 sys.stderr.write(line)
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(cmd)} exited with status {proc.returncode}")
-    doc: dict[str, Any] = json.loads(lines[-1])
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with status {proc.returncode}")
+        doc: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     return doc
 
 
 def run(quick: bool) -> dict[str, Any]:
     """The three measurements (small and short in quick mode)."""
     store, bus = services()
-    fresh_argv = ["--max-seconds", "300" if quick else "900", "freshness"]
+    size = ["--quick"] if quick else []
+    fresh_argv = ["--max-seconds", "300" if quick else "900", "freshness", *size]
     if store and bus:
         fresh_argv += ["--store", store, "--bus", bus]
-    if quick:
-        fresh_argv += ["--versions", "4", "--interval", "0.3", "--rows", "5000", "--servers", "1"]
-    else:
+    if not quick:
         fresh_argv += ["--versions", "60", "--interval", "1.0", "--servers", "2"]
-    log(f"freshness: load_bench {' '.join(fresh_argv)}")
-    freshness = _load_bench(fresh_argv)
-    apply_argv = ["--max-seconds", "600", "apply"]
-    if quick:
-        apply_argv += ["--rows", "5000", "--sizes", "500,2000", "--repeats", "1"]
-    log(f"freshness: load_bench {' '.join(apply_argv)}")
-    apply = _load_bench(apply_argv)
-    http_argv = ["--max-seconds", "600", "http"]
-    if quick:
-        http_argv += ["--rows", "5000", "--duration", "1", "--max-requests", "200"]
-    log(f"freshness: load_bench {' '.join(http_argv)}")
-    http = _load_bench(http_argv)
+    freshness = _serving(fresh_argv)
+    apply_argv = ["--max-seconds", "600", "apply", *size]
+    apply = _serving(apply_argv)
+    http_argv = ["--max-seconds", "600", "http", *size]
+    http = _serving(http_argv)
     p99_ms = freshness["train_step_to_served"].get("p99_ms")
     p99 = None if p99_ms is None else p99_ms / 1e3
     return {

@@ -1,7 +1,7 @@
-"""Restore of baseline + chain, one thread vs one per core, next to `torch.load` of that state.
+"""Part `restore`: baseline + chain, one thread vs one per core, next to `torch.load` of that state.
 
-    python -m bench.restore [--tables 26 --rows 160000 --dim 64 --deltas 6
-                                       --dirty 0.04 --codec int4 --repeats 3 --json OUT]
+    checknrun bench restore [--tables 26 --rows 160000 --dim 64 --deltas 6
+                             --dirty 0.04 --codec int4 --repeats 3] [--quick] [--json OUT]
 
 Builds a chain in a temporary file store (a full baseline, then `--deltas` consecutive deltas
 touching `--dirty` of each table's rows), then times, side by side in one run: `restore()` with
@@ -12,18 +12,18 @@ saved as one full fp32 file. All reads come from the page cache. Medians of `--r
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench.machine import describe_machine
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
 from publisher.read.restore import restore_chain
@@ -32,25 +32,45 @@ from publisher.write.publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.manifest import Position
 
+#: the sizes `--quick` shrinks: option -> (default, quick). Given options win.
+SIZES: dict[str, tuple[int, int]] = {
+    "tables": (26, 4),
+    "rows": (160_000, 10_000),
+    "deltas": (6, 2),
+    "repeats": (3, 1),
+}
 
-def build_chain(root: Path, args: argparse.Namespace) -> FileStore:
-    """Publish a baseline and `args.deltas` deltas of random rows into a file store at `root`."""
+
+@dataclass(frozen=True)
+class ChainShape:
+    """The chain restored: `tables` tables of `rows` x `dim`, a baseline and `deltas` deltas."""
+
+    tables: int
+    rows: int
+    dim: int
+    deltas: int
+    dirty: float
+    codec: str
+
+
+def build_chain(root: Path, shape: ChainShape) -> FileStore:
+    """Publish a baseline and `shape.deltas` deltas of random rows into a file store at `root`."""
     rng = np.random.default_rng(0)
     store = FileStore(root)
-    names = [f"embeddings.t{i:02d}" for i in range(args.tables)]
-    weights = {n: rng.normal(size=(args.rows, args.dim)).astype(np.float32) for n in names}
+    names = [f"embeddings.t{i:02d}" for i in range(shape.tables)]
+    weights = {n: rng.normal(size=(shape.rows, shape.dim)).astype(np.float32) for n in names}
     publisher = CheckpointPublisher(store, "bench")
     try:
-        for version in range(args.deltas + 1):
+        for version in range(shape.deltas + 1):
             tables = []
             for name in names:
                 if version == 0:
-                    ids = np.arange(args.rows, dtype=np.int64)
+                    ids = np.arange(shape.rows, dtype=np.int64)
                 else:
-                    ids = np.unique(rng.integers(0, args.rows, int(args.rows * args.dirty)))
+                    ids = np.unique(rng.integers(0, shape.rows, int(shape.rows * shape.dirty)))
                     weights[name][ids] += 0.01
                 tables.append(
-                    TableRows(name, args.rows, args.codec, ids, weights[name][ids],
+                    TableRows(name, shape.rows, shape.codec, ids, weights[name][ids],
                               np.ones((len(ids), 1), dtype=np.float32))
                 )  # fmt: skip
             publisher.publish(
@@ -68,9 +88,50 @@ def build_chain(root: Path, args: argparse.Namespace) -> FileStore:
     return store
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The chain's shape and the repeats."""
+    for name, (full, quick) in SIZES.items():
+        help = "deltas after the baseline" if name == "deltas" else name
+        parser.add_argument(f"--{name}", type=int, help=f"{help} (default {full}; --quick {quick})")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument(
+        "--dirty", type=float, default=0.04, help="fraction of each table's rows a delta touches"
+    )
+    parser.add_argument("--codec", default="int4")
+
+
+def run(
+    quick: bool,
+    *,
+    tables: int | None = None,
+    rows: int | None = None,
+    dim: int = 64,
+    deltas: int | None = None,
+    dirty: float = 0.04,
+    codec: str = "int4",
+    repeats: int | None = None,
+) -> dict[str, Any]:
+    """Build the chain, time the three arms, print the medians; the part's document."""
+
+    def size(name: str, given: int | None) -> int:
+        return given if given is not None else SIZES[name][quick]
+
+    shape = ChainShape(
+        size("tables", tables), size("rows", rows), dim, size("deltas", deltas), dirty, codec
+    )
+    doc = _measure(shape, size("repeats", repeats))
+    print(
+        f"restore of {shape.tables} x {shape.rows:,} x {shape.dim} {codec}, "
+        f"{doc['chain_versions']} versions, median s: {doc['median_s']} "
+        f"(one worker / load {doc['one_worker_over_load']}x, "
+        f"default / load {doc['default_over_load']}x)"
+    )
+    return {"part": "restore", "quick": quick, **doc, "machine": describe_machine()}
+
+
+def _measure(shape: ChainShape, repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        store = build_chain(Path(tmp) / "store", args)
+        store = build_chain(Path(tmp) / "store", shape)
         chain = restore_plan(Catalog(store, "bench"))
         timings: dict[str, list[float]] = {"one_worker": [], "default_workers": [], "load": []}
         state = restore_chain(store, chain)
@@ -78,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         full.update({f"{n}.aux": torch.from_numpy(t.aux) for n, t in state.tables.items()})
         path = Path(tmp) / "full_fp32.pt"
         torch.save(full, path)
-        for _ in range(args.repeats):  # interleaved, so load drifts hit every arm alike
+        for _ in range(repeats):  # interleaved, so load drifts hit every arm alike
             timings["one_worker"].append(restore_chain(store, chain, workers=1).seconds)
             timings["default_workers"].append(restore_chain(store, chain).seconds)
             started = time.perf_counter()
@@ -86,42 +147,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             timings["load"].append(time.perf_counter() - started)
         med = {k: statistics.median(v) for k, v in timings.items()}
         return {
-            "tables": args.tables,
-            "rows": args.rows,
-            "dim": args.dim,
-            "codec": args.codec,
+            "tables": shape.tables,
+            "rows": shape.rows,
+            "dim": shape.dim,
+            "codec": shape.codec,
             "chain_versions": len(chain),
             "fp32_bytes": path.stat().st_size,
             "bytes_read": state.bytes_read,
             "median_s": {k: round(v, 4) for k, v in med.items()},
             "one_worker_over_load": round(med["one_worker"] / med["load"], 2),
             "default_over_load": round(med["default_workers"] / med["load"], 2),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "load_average": [round(x, 2) for x in os.getloadavg()],
-                "torch": torch.__version__,
-                "numpy": np.__version__,
-            },
         }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.restore")
-    parser.add_argument("--tables", type=int, default=26)
-    parser.add_argument("--rows", type=int, default=160_000)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--deltas", type=int, default=6)
-    parser.add_argument("--dirty", type=float, default=0.04)
-    parser.add_argument("--codec", default="int4")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", metavar="OUT")
-    args = parser.parse_args(argv)
-    doc = run(args)
-    print(json.dumps(doc, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,15 @@
-"""Measurements of the serving side: apply time, predict pauses, loopback load, freshness.
+"""Part `serving`: the serving side in detail: apply time, predict pauses, loopback load, freshness.
 
-    python -m bench.serving apply      # apply time vs delta size, memory, per scheme
-    python -m bench.serving pause      # worst predict pause while deltas apply (in-process)
-    python -m bench.serving http       # predict latency over HTTP, idle vs applying
-    python -m bench.serving freshness  # train step -> served, p50/p99 (file or Kafka+MinIO)
+    checknrun bench serving apply      # apply time vs delta size, memory, per scheme
+    checknrun bench serving pause      # worst predict pause while deltas apply (in-process)
+    checknrun bench serving http       # predict latency over HTTP, idle vs applying
+    checknrun bench serving freshness  # train step -> served, p50/p99 (file or Kafka+MinIO)
 
 Every run is bounded in count and time (`--duration`, `--versions`, `--max-seconds`) and prints
-a human summary plus, with `--json`, one JSON document on stdout. A synthetic trainer
+a human summary (`--json OUT` writes the document). A synthetic trainer
 (bench/synthetic_run.py) publishes real versions through the real publisher; servers run as
-`python -m server.cli serve` subprocesses on loopback ports. S3 and Kafka URLs take their
-settings from the environment (CHECKNRUN_S3_*), as the server does.
+`checknrun serve` child processes on loopback ports (bench/child_server.py). S3 and Kafka URLs
+take their settings from the environment (CHECKNRUN_S3_*), as the server does.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +33,9 @@ import httpx
 import numpy as np
 import torch
 
-from bench.child_server import free_port, serve_command
+from bench.child_server import ChildServer, free_port
+from bench.cli import add_run_options
+from bench.machine import describe_machine
 from bench.synthetic_run import SyntheticRun, random_examples
 from publisher.bus import open_announcer
 from publisher.dlrm import DLRMConfig, SparseFeature
@@ -44,8 +44,9 @@ from publisher.store import ObjectStore, open_store
 from server.feature_batch import build_batch
 from server.live_model import LiveModel
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "bench"
+#: a server imports torch and builds a model of up to 1M rows before it is ready.
+SERVER_START_S = 300.0
 
 
 # --- small utilities ------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def time_limit(seconds: float) -> Iterator[None]:
     """Abort the whole run (SIGALRM) if it exceeds `seconds`: the bench is always bounded."""
 
     def expired(signum: int, frame: object) -> None:
-        raise TimeoutError(f"load bench exceeded --max-seconds={seconds}")
+        raise TimeoutError(f"serving bench exceeded --max-seconds={seconds}")
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -111,67 +112,24 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-@dataclass
-class ServerProcess:
-    """A `python -m server.cli serve` child on a loopback port."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    log_path: Path
-
-    @classmethod
-    def start(
-        cls,
-        store: str,
-        bus: str | None,
-        *,
-        scheme: str,
-        log_dir: Path,
-        extra: list[str] | None = None,
-    ) -> ServerProcess:
-        port = free_port()
-        log_path = log_dir / f"server-{port}.log"
-        cmd = serve_command(
-            store,
-            MODEL,
-            port,
-            bus=bus or None,
-            consistency=scheme,
-            log_level="warning",
-            max_batch="4096",
-            max_body_bytes=str(16 * 2**20),
-            poll_head_after="5",
-        )
-        cmd += extra or []
-        log = open(log_path, "w")  # noqa: SIM115 - the child owns it for its lifetime
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
-        return cls(proc, f"http://127.0.0.1:{port}", log_path)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server at {self.url} not ready after {timeout} s")
-
-    def info(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(f"{self.url}/v1/model", timeout=5).json()
-        return data
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_server(
+    store: str, bus: str | None, *, scheme: str, log_dir: Path, torch_threads: int | None = None
+) -> ChildServer:
+    """A `checknrun serve` child with the bench's limits (large batches and bodies)."""
+    port = free_port()
+    return ChildServer(
+        store,
+        MODEL,
+        log_dir / f"server-{port}.log",
+        port=port,
+        bus=bus or None,
+        consistency=scheme,
+        log_level="warning",
+        max_batch="4096",
+        max_body_bytes=str(16 * 2**20),
+        poll_head_after="5",
+        torch_threads=None if torch_threads is None else str(torch_threads),
+    )
 
 
 def prepare_run(store: ObjectStore, args: argparse.Namespace, announce: Any = None) -> SyntheticRun:
@@ -444,21 +402,21 @@ def generate_load(
 def cmd_http(args: argparse.Namespace) -> dict[str, Any]:
     """Predict latency over loopback HTTP: idle, then while deltas are published and applied."""
     workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
-    server: ServerProcess | None = None
+    server: ChildServer | None = None
     try:
         store_url = f"file://{workdir / 'store'}"
         bus_url = f"file://{workdir / 'bus.log'}"
         store = open_store(store_url)
         announcer = open_announcer(bus_url, MODEL)
         run = prepare_run(store, args, announce=announcer.announce)
-        server = ServerProcess.start(
+        server = start_server(
             store_url,
             bus_url,
             scheme=args.scheme,
             log_dir=workdir,
-            extra=["--torch-threads", str(args.torch_threads)],
+            torch_threads=args.torch_threads,
         )
-        server.wait_ready()
+        server.wait_ready(SERVER_START_S)
         body = json.dumps({"examples": random_examples(run.config, args.batch, seed=2)}).encode()
         generate_load(
             server.url, body, concurrency=args.concurrency, duration=1.0, max_requests=10**9
@@ -543,7 +501,7 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
     """Publish versions at an interval; time from the snapshot (end of the train step) to the
     moment each server serves that version or a newer one (its `applied_at`)."""
     workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
-    servers: list[ServerProcess] = []
+    servers: list[ChildServer] = []
     run: SyntheticRun | None = None
     try:
         store_url = args.store or f"file://{workdir / 'store'}"
@@ -553,17 +511,15 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
         run = prepare_run(store, args, announce=announcer.announce)
         announcer.flush(10)
         for _ in range(args.servers):
-            servers.append(
-                ServerProcess.start(store_url, bus_url, scheme=args.scheme, log_dir=workdir)
-            )
+            servers.append(start_server(store_url, bus_url, scheme=args.scheme, log_dir=workdir))
         for s in servers:
-            s.wait_ready()
+            s.wait_ready(SERVER_START_S)
         taken: dict[int, float] = {}
         created: dict[int, float] = {}
         served_at: list[dict[int, float]] = [{} for _ in servers]
         stop = threading.Event()
 
-        def watch(i: int, server: ServerProcess) -> None:
+        def watch(i: int, server: ChildServer) -> None:
             last = 0
             with httpx.Client(base_url=server.url, timeout=5) as c:
                 while not stop.is_set():
@@ -645,80 +601,105 @@ def _ts(iso: str) -> float:
 
 # --- command line ---------------------------------------------------------------------------------
 
+#: per command, the sizes `--quick` shrinks: option -> (default, quick). Given options win.
+SIZES: dict[str, dict[str, tuple[Any, Any]]] = {
+    "apply": {
+        "rows": (1_000_000, 5_000),
+        "sizes": ("1000,10000,100000,300000", "500,2000"),
+        "repeats": (3, 1),
+    },
+    "pause": {
+        "rows": (1_000_000, 5_000),
+        "delta_rows": (100_000, 500),
+        "versions": (10, 3),
+        "duration": (5.0, 1.0),
+    },
+    "http": {"rows": (1_000_000, 5_000), "duration": (15.0, 1.0), "max_requests": (100_000, 200)},
+    "freshness": {
+        "rows": (100_000, 5_000),
+        "servers": (2, 1),
+        "versions": (40, 4),
+        "interval": (1.0, 0.3),
+    },
+}
+COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "apply": cmd_apply,
+    "pause": cmd_pause,
+    "http": cmd_http,
+    "freshness": cmd_freshness,
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.serving",
-        description="Serving measurements (bounded in count and time); prints figures.",
-    )
-    parser.add_argument("--json", action="store_true", help="also print one JSON document")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`[--max-seconds S] {apply,pause,http,freshness} [options]`."""
     parser.add_argument(
         "--max-seconds",
         type=float,
         default=900.0,
         help="abort the whole run after this long (default %(default)s)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def common(p: argparse.ArgumentParser, rows: int, dim: int = 64) -> None:
-        p.add_argument("--rows", type=int, default=rows, help="rows of the big table")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        add_run_options(p, inherited=True)
+        return p
+
+    def sized(p: argparse.ArgumentParser, name: str, flag: str, kind: type, help: str) -> None:
+        """An option of command `name` whose default `--quick` shrinks (SIZES)."""
+        full, quick = SIZES[name][flag.removeprefix("--").replace("-", "_")]
+        p.add_argument(flag, type=kind, help=f"{help} (default {full}; --quick {quick})")
+
+    def common(p: argparse.ArgumentParser, name: str, dim: int = 64) -> None:
+        sized(p, name, "--rows", int, "rows of the big table")
         p.add_argument("--dim", type=int, default=dim)
         p.add_argument("--codec", default="int8")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--scheme", choices=["double-buffer", "rwlock"], default="double-buffer")
         p.add_argument("--torch-threads", type=int, default=1)
 
-    p = sub.add_parser("apply", help="apply time vs delta size, and memory")
-    common(p, 1_000_000)
-    p.add_argument(
-        "--sizes", default="1000,10000,100000,300000", help="delta sizes in rows, comma separated"
-    )
-    p.add_argument("--repeats", type=int, default=3)
-    p.set_defaults(func=cmd_apply)
+    p = command("apply", "apply time vs delta size, and memory")
+    common(p, "apply")
+    sized(p, "apply", "--sizes", str, "delta sizes in rows, comma separated")
+    sized(p, "apply", "--repeats", int, "applies per size")
 
-    p = sub.add_parser("pause", help="worst predict pause while deltas apply (in-process)")
-    common(p, 1_000_000)
-    p.add_argument("--delta-rows", type=int, default=100_000)
-    p.add_argument("--versions", type=int, default=10, help="deltas applied")
+    p = command("pause", "worst predict pause while deltas apply (in-process)")
+    common(p, "pause")
+    sized(p, "pause", "--delta-rows", int, "rows per delta")
+    sized(p, "pause", "--versions", int, "deltas applied")
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--duration", type=float, default=5.0, help="seconds of the idle phase")
-    p.set_defaults(func=cmd_pause)
+    sized(p, "pause", "--duration", float, "seconds of the idle phase")
 
-    p = sub.add_parser("http", help="predict latency over loopback HTTP, idle vs applying")
-    common(p, 1_000_000)
+    p = command("http", "predict latency over loopback HTTP, idle vs applying")
+    common(p, "http")
     p.add_argument("--delta-rows", type=int, default=10_000)
     p.add_argument("--interval", type=float, default=0.5, help="seconds between deltas")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--duration", type=float, default=15.0, help="seconds per phase")
-    p.add_argument("--max-requests", type=int, default=100_000, help="per phase")
-    p.set_defaults(func=cmd_http)
+    sized(p, "http", "--duration", float, "seconds per phase")
+    sized(p, "http", "--max-requests", int, "requests per phase at most")
 
-    p = sub.add_parser("freshness", help="train step -> served latency (p50/p99)")
-    common(p, 100_000, dim=32)
+    p = command("freshness", "train step -> served latency (p50/p99)")
+    common(p, "freshness", dim=32)
     p.add_argument("--store", help="store URL (default: a temporary file:// store)")
     p.add_argument("--bus", help="bus URL (default: a temporary file:// log)")
-    p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--versions", type=int, default=40)
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between versions")
+    sized(p, "freshness", "--servers", int, "servers following")
+    sized(p, "freshness", "--versions", int, "versions published")
+    sized(p, "freshness", "--interval", float, "seconds between versions")
     p.add_argument("--steps-per-version", type=int, default=5)
     p.add_argument("--rows-per-step", type=int, default=512)
     p.add_argument("--poll-s", type=float, default=0.005, help="watcher poll interval")
-    p.set_defaults(func=cmd_freshness)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    command: Callable[[argparse.Namespace], dict[str, Any]] = args.func
-    with time_limit(args.max_seconds):
-        doc = command(args)
-    if args.json:
-        print(json.dumps(doc))
-    return 0
+def run(quick: bool, *, command: str, max_seconds: float = 900.0, **options: Any) -> dict[str, Any]:
+    """One serving measurement, aborted after `max_seconds`; prints its summary.
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    `options` are the command's (see add_arguments); sizes left None take SIZES' value.
+    """
+    for name, (full, small) in SIZES[command].items():
+        if options.get(name) is None:
+            options[name] = small if quick else full
+    with time_limit(max_seconds):
+        doc = COMMANDS[command](argparse.Namespace(**options))
+    return {**doc, "quick": quick, "machine": describe_machine()}

@@ -1,10 +1,14 @@
 """Part `stall`: per-checkpoint training stall and overhead, next to torch.save and DCP async_save.
 
+    checknrun bench stall [--data movielens|synthetic] [--table-cap N] [--interval-samples N]
+                          [--max-samples N] [--repeats R] [--policy P] [--codec C] [--quick]
+
 Three arms train the same model on the same batches, alternating, in one process:
 
-- `off` and `on` are bench.stall_arms's arms: `off` writes the full state with `torch.save`
+- `off` and `on` are bench/stall_arms.py's arms: `off` writes the full state with `torch.save`
   at every boundary (that time is measured and left out of its training time); `on` runs
-  `IncrementalCheckpointer` with the default policy and codec, publishing to a file store.
+  `IncrementalCheckpointer` with the policy and codec (by default the trainer's), publishing to
+  a file store.
 - `on-process`: the same checkpointer with `publish_in="process"` (encode and commit in a
   child process, off the training process's GIL).
 - `dcp`: `torch.distributed.checkpoint.async_save` of the same state (single process) at every
@@ -31,11 +35,12 @@ import torch.distributed.checkpoint as dcp
 
 from bench.machine import describe_machine, log
 from bench.paper import restore_vs_torch_load
-from bench.stall_arms import run_off, run_on, summarise
-from bench.workloads import DEFAULT_CODEC, DEFAULT_POLICY, available
+from bench.stall_arms import ArmSettings, build_model, run_off, run_on, summarise
+from bench.workloads import DEFAULT_CODEC, DEFAULT_POLICY, WORKLOADS, available, make_workload
 from publisher.store import open_store
+from publisher.write.policies import POLICIES
+from schemas.codec_names import CODECS
 from trainer.checkpointer import IncrementalCheckpointer
-from trainer.cli import add_train_args, build_model, open_stream
 from trainer.online import (
     train_online,
 )
@@ -52,29 +57,19 @@ QUICK = (
 )
 
 
-def _args(data: str, cap: int | None, interval: int, samples: int) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_train_args(parser)
-    argv = [
-        "--data",
-        data,
-        "--policy",
-        DEFAULT_POLICY,
-        "--codec",
-        DEFAULT_CODEC,
-        "--interval-samples",
-        str(interval),
-        "--max-samples",
-        str(samples),
-    ]
-    if cap is not None:
-        argv += ["--table-cap", str(cap)]
-    args = parser.parse_args(argv)
-    args.store = None  # bench_stall's arms publish to a file store in their scratch directory
-    return args
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One workload, its sizes, the policy and codec; unset sizes are the README run's (FULL or
+    QUICK)."""
+    parser.add_argument("--data", choices=WORKLOADS, help="only this workload (default: both)")
+    parser.add_argument("--table-cap", type=int, help="synthetic: rows per table at most")
+    parser.add_argument("--interval-samples", type=int, help="a checkpoint every N samples")
+    parser.add_argument("--max-samples", type=int, help="samples each arm trains on")
+    parser.add_argument("--repeats", type=int, help="rounds of the alternating arms")
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
+    parser.add_argument("--codec", choices=CODECS, default=DEFAULT_CODEC)
 
 
-def run_dcp(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+def run_dcp(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train with DCP async_save of the full state at each boundary."""
     model, optimizers = build_model(args, stream)
     stalls: list[float] = []
@@ -113,10 +108,8 @@ def run_dcp(args: argparse.Namespace, stream: InteractionStream, scratch: Path) 
     }
 
 
-def run_on_process(
-    args: argparse.Namespace, stream: InteractionStream, scratch: Path
-) -> dict[str, Any]:
-    """bench_stall's `on` arm with `publish_in="process"`: encode and commit in a child process.
+def run_on_process(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+    """stall_arms's `on` arm with `publish_in="process"`: encode and commit in a child process.
 
     Separate from `run_on` because that arm has no such knob; the thread publisher shares the
     GIL with the training loop, the process publisher does not
@@ -148,12 +141,25 @@ def run_on_process(
 
 
 def run_workload(
-    data: str, cap: int | None, interval: int, samples: int, repeats: int
+    data: str,
+    cap: int | None,
+    interval: int,
+    samples: int,
+    repeats: int,
+    policy: str = DEFAULT_POLICY,
+    codec: str = DEFAULT_CODEC,
 ) -> dict[str, Any]:
     """Alternate off / on / on-process / dcp `repeats` times on one workload; medians and ratios."""
     warnings.filterwarnings("ignore")
-    args = _args(data, cap, interval, samples)
-    stream = open_stream(args)
+    workload = make_workload(data, quick=False, table_cap=cap)  # quick or not: sizes are given
+    stream = workload.stream
+    args = ArmSettings(
+        embedding_dim=workload.embedding_dim,
+        interval_samples=interval,
+        max_samples=samples,
+        policy=policy,
+        codec=codec,
+    )
     scratch = Path(tempfile.mkdtemp(prefix="checknrun-stall-"))
     offs: list[dict[str, Any]] = []
     ons: list[dict[str, Any]] = []
@@ -192,8 +198,8 @@ def run_workload(
         "interval_samples": interval,
         "samples": samples,
         "repeats": repeats,
-        "policy": DEFAULT_POLICY,
-        "codec": DEFAULT_CODEC,
+        "policy": policy,
+        "codec": codec,
         "summary": summary,
         "dcp": {
             "train_s": round(dcp_s, 3),
@@ -214,14 +220,37 @@ def run_workload(
     }
 
 
-def run(quick: bool) -> dict[str, Any]:
-    """Both workloads (MovieLens when installed); returns the part's document."""
+def run(
+    quick: bool,
+    *,
+    data: str | None = None,
+    table_cap: int | None = None,
+    interval_samples: int | None = None,
+    max_samples: int | None = None,
+    repeats: int | None = None,
+    policy: str = DEFAULT_POLICY,
+    codec: str = DEFAULT_CODEC,
+) -> dict[str, Any]:
+    """Both workloads (MovieLens when installed) or `data`; returns the part's document.
+
+    Sizes left None are the README run's (FULL, or QUICK with `quick`).
+    """
     torch.set_num_threads(1)  # the trainer's default (--threads 1)
     doc: dict[str, Any] = {"part": "stall", "quick": quick, "machine": describe_machine()}
     doc["workloads"] = {}
-    for data, cap, interval, samples, repeats in QUICK if quick else FULL:
-        if not available(data):
-            log(f"stall: {data} data not installed, skipped")
+    for name, cap, interval, samples, rounds in QUICK if quick else FULL:
+        if data is not None and name != data:
             continue
-        doc["workloads"][data] = run_workload(data, cap, interval, samples, repeats)
+        if not available(name):
+            log(f"stall: {name} data not installed, skipped")
+            continue
+        doc["workloads"][name] = run_workload(
+            name,
+            table_cap or cap,
+            interval_samples or interval,
+            max_samples or samples,
+            repeats or rounds,
+            policy,
+            codec,
+        )
     return doc

@@ -1,16 +1,13 @@
-"""Measure what checkpointing costs the trainer: stall per checkpoint and overall overhead.
+"""The `off` and `on` arms of the `stall` part: what checkpointing costs the trainer.
 
-    python -m bench.stall_arms --data movielens --policy intermittent --codec int4 \\
-        --interval-samples 50000 [--max-samples N] [--repeats 2] [--json]
-
-Runs the same training (same seed, same batches) in two arms, alternating `--repeats` times:
+Each arm runs the same training (same seed, same batches) as the part alternates them:
 
 - `off`: no incremental checkpointing. At every interval boundary the full state (model
   state_dict and optimizer state_dicts) is written with `torch.save` to a local file, the
   synchronous checkpoint a plain PyTorch trainer would stall on; that time is measured per
   checkpoint and left out of the arm's training time.
 - `on`: `IncrementalCheckpointer` with the given policy and codec, publishing to a file store in
-  a temporary directory (or `--store`).
+  the scratch directory.
 
 Overhead = (training time on / training time off) - 1, from the medians over the repeats. The
 machine is shared, so alternating arms and taking medians is what keeps noise from deciding.
@@ -18,38 +15,62 @@ machine is shared, so alternating arms and taking medians is what keeps noise fr
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import statistics
-import sys
-import tempfile
 import time
-import warnings
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from publisher.dlrm import DLRM
 from schemas.manifest import ratio_to_full_fp32
 from trainer.checkpointer import IncrementalCheckpointer
-from trainer.cli import DEFAULT_INTERVAL_SAMPLES, add_train_args, build_model, open_stream
 from trainer.online import (
+    DLRMSettings,
+    build_dlrm,
+    build_optimizers,
     train_online,
 )
 from trainer.streams.base import Batch, InteractionStream
 
 
-def _stop(args: argparse.Namespace, stream: InteractionStream) -> int:
+@dataclass(frozen=True)
+class ArmSettings:
+    """The training every arm repeats: the model and optimizers `checknrun train` builds by
+    default (for the data's embedding dim), and the checkpoint settings."""
+
+    embedding_dim: int
+    interval_samples: int
+    max_samples: int
+    policy: str
+    codec: str
+    batch_size: int = 512
+    seed: int = 0
+
+
+def build_model(
+    args: ArmSettings, stream: InteractionStream
+) -> tuple[DLRM, list[torch.optim.Optimizer]]:
+    """A fresh model and optimizers: the same initial weights for every arm and repeat."""
+    model = build_dlrm(
+        stream.features,
+        stream.dense_names,
+        DLRMSettings(embedding_dim=args.embedding_dim),
+        seed=args.seed,
+    )
+    return model, build_optimizers(model)
+
+
+def _stop(args: ArmSettings, stream: InteractionStream) -> int:
     stop = args.max_samples or stream.num_samples
     if stop is None:
         raise SystemExit("the synthetic stream never ends: give --max-samples")
     return min(stop, stream.num_samples or stop)
 
 
-def run_off(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+def run_off(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train without incremental checkpoints; torch.save the full state at each boundary."""
     model, optimizers = build_model(args, stream)
     interval = args.interval_samples
@@ -93,19 +114,18 @@ def run_off(args: argparse.Namespace, stream: InteractionStream, scratch: Path) 
     }
 
 
-def run_on(args: argparse.Namespace, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+def run_on(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train with the incremental checkpointer publishing to a file store."""
     model, optimizers = build_model(args, stream)
-    store = args.store or f"file://{scratch / 'store'}"
+    store = f"file://{scratch / 'store'}"
     ckpt = IncrementalCheckpointer(
         model,
         optimizers,
         store=store,
-        model_name=args.model or "bench",
+        model_name="bench",
         policy=args.policy,
         codec=args.codec,
         interval_samples=args.interval_samples,
-        publish_in=args.publish_in,
     )
     with ckpt:
         report = train_online(
@@ -179,61 +199,3 @@ def summarise(offs: list[dict[str, Any]], ons: list[dict[str, Any]]) -> dict[str
         "auc_off": offs[-1]["auc"],
         "auc_on": ons[-1]["auc"],
     }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run both arms and print the comparison (one JSON document with --json)."""
-    warnings.filterwarnings("ignore", message="Sparse invariant checks")
-    parser = argparse.ArgumentParser(prog="python -m bench.stall_arms", description=__doc__)
-    add_train_args(parser)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating off/on pairs")
-    parser.set_defaults(store=None)  # a temporary file store unless --store is given
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.interval_samples is None:
-        args.interval_samples = DEFAULT_INTERVAL_SAMPLES
-    stream = open_stream(args)
-    scratch = Path(tempfile.mkdtemp(prefix="checknrun-bench-"))
-    offs: list[dict[str, Any]] = []
-    ons: list[dict[str, Any]] = []
-    try:
-        for repeat in range(args.repeats):
-            offs.append(run_off(args, stream, scratch))
-            shutil.rmtree(scratch / "store", ignore_errors=True)
-            ons.append(run_on(args, stream, scratch))
-            if not args.json:
-                print(
-                    f"repeat {repeat + 1}: off {offs[-1]['train_s']:.2f} s "
-                    f"(cpu {offs[-1]['train_cpu_s']:.2f}), on {ons[-1]['train_s']:.2f} s "
-                    f"(cpu {ons[-1]['train_cpu_s']:.2f})",
-                    file=sys.stderr,
-                )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    summary = summarise(offs, ons)
-    doc = {
-        "data": args.data,
-        "policy": args.policy,
-        "codec": args.codec,
-        "interval_samples": args.interval_samples,
-        "publish_in": args.publish_in,
-        "batch_size": args.batch_size,
-        "summary": summary,
-        "checkpoints": ons[-1]["records"],
-    }
-    if args.json:
-        print(json.dumps(doc))
-        return 0
-    for rec in ons[-1]["records"]:
-        print(
-            f"v{rec['version'] or '-':<3} {rec['kind']:<5} stall {rec['stall_ms']:8.2f} ms  "
-            f"dirty {rec['dirty_fraction_total']:7.2%}  bytes {rec['bytes'] or 0:>12,}  "
-            f"ratio {rec['ratio'] or 0:6.2f}x"
-        )
-    for key, value in summary.items():
-        print(f"{key:>22}: {value}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
-"""Measures the transport against the running services: S3 upload throughput and announcement
-latency.
+"""Part `transport`: S3 upload throughput and announcement latency, against the running services.
 
     source ~/.cache/checknrun/services/env        # or: eval "$(scripts/services.sh env)"
-    python -m bench.transport --json bench.json [--quick]
+    checknrun bench transport [--quick] [--json OUT]
 
 What it measures (medians over repeats; every figure is wall-clock, client included):
 
@@ -19,11 +18,8 @@ topic is fresh and deleted too.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -35,9 +31,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench.machine import describe_machine
 from publisher.bus.base import AnnouncementSource, Announcer, parse_kafka_url
 from publisher.bus.file_log import FileLogAnnouncer, FileLogSource
-from publisher.store.base import StoreError
+from publisher.cli import CommandError
 from publisher.store.s3_store import S3Settings, S3Store
 from publisher.tunables import DEFAULT_TUNABLES
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
@@ -206,10 +203,11 @@ def _cleanup(store: S3Store) -> None:
 
 
 def run(quick: bool) -> dict[str, Any]:
+    """Uploads, then announcement latency over Kafka and the file log; prints the tables."""
     settings = S3Settings.from_env()
     bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP", "").strip()
     if not bootstrap:
-        raise SystemExit(
+        raise CommandError(
             "CHECKNRUN_KAFKA_BOOTSTRAP is not set: start the services and source their env file "
             '(eval "$(scripts/services.sh up)")'
         )
@@ -221,8 +219,10 @@ def run(quick: bool) -> dict[str, Any]:
         _cleanup(store)
         store.close()
     latencies = [bench_kafka(bootstrap, n), bench_file_log(n)]
-    return {
+    doc: dict[str, Any] = {
+        "part": "transport",
         "quick": quick,
+        "machine": describe_machine(),
         "s3_endpoint": f"{'https' if settings.secure else 'http'}://{settings.endpoint}",
         "kafka_bootstrap": bootstrap,
         "uploads": [
@@ -240,9 +240,12 @@ def run(quick: bool) -> dict[str, Any]:
             for lat in latencies
         ],
     }
+    print(render(doc))
+    return doc
 
 
 def render(report: dict[str, Any]) -> str:
+    """The figures as two text tables."""
     lines = [
         f"S3 {report['s3_endpoint']}   Kafka {report['kafka_bootstrap']}",
         "",
@@ -259,23 +262,3 @@ def render(report: dict[str, Any]) -> str:
             f"{lat['max_ms']:8.2f}   (announce() call p99 {lat['announce_call_p99_ms']:.3f} ms)"
         )
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--json", type=Path, help="write the figures to this file")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and messages")
-    args = parser.parse_args(argv)
-    try:
-        report = run(args.quick)
-    except StoreError as exc:
-        print(f"transport_bench: {exc}", file=sys.stderr)
-        return 1
-    print(render(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -20,6 +20,7 @@ import torch
 
 from publisher.codecs import decode_rows, encode_rows
 from publisher.dlrm import DLRM, TABLE_PREFIX
+from trainer.cli import default_embedding_dim
 from trainer.online import (
     DLRMSettings,
     OptimizerSettings,
@@ -87,7 +88,12 @@ def make_workload(
         if quick and not intervals:
             stop = min(total, 3 * interval)
         return Workload(
-            name, stream, 16, interval, stop, "MovieLens-1M in timestamp order (rating >= 4)"
+            name,
+            stream,
+            default_embedding_dim(name),
+            interval,
+            stop,
+            "MovieLens-1M in timestamp order (rating >= 4)",
         )
     if name == "synthetic":
         from trainer.streams.synthetic import (
@@ -103,7 +109,7 @@ def make_workload(
         return Workload(
             name,
             stream,
-            64,
+            default_embedding_dim(name),
             interval,
             interval * n,
             f"synthetic Criteo-like stream, 26 tables capped at {cap:,} rows, Zipf ids, drift",

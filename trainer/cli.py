@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    """Every `train` option (also used by bench.stall_arms)."""
+    """Every `train` option."""
     p.add_argument(
         "--data",
         default="movielens",
@@ -238,7 +238,7 @@ def build_model(
     args: argparse.Namespace, stream: InteractionStream, *, extra: dict[str, Any] | None = None
 ) -> tuple[DLRM, list[torch.optim.Optimizer]]:
     """The DLRM and its [sparse, dense] optimizers that the `train` options describe."""
-    dim = args.embedding_dim or (64 if args.data == "synthetic" else 16)
+    dim = args.embedding_dim or default_embedding_dim(args.data)
     model = build_dlrm(
         stream.features,
         stream.dense_names,
@@ -256,6 +256,11 @@ def build_model(
         ),
     )
     return model, optimizers
+
+
+def default_embedding_dim(data: str) -> int:
+    """The `--embedding-dim` default: 64 for the synthetic stream, else 16."""
+    return 64 if data == "synthetic" else 16
 
 
 def default_model_name(data: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import PARTS, main
+from bench.cli import DEFAULT_PARTS, main
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def quick_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_part_with_machine(quick_doc: dict) -> None:
     assert quick_doc["quick"] is True
-    assert set(quick_doc["parts"]) == set(PARTS)
+    assert set(quick_doc["parts"]) == set(DEFAULT_PARTS)
     for part in quick_doc["parts"].values():
         machine = part["machine"]
         assert machine["nproc"] >= 1

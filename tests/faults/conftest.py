@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from bench.child_server import free_port, serve_command
+from bench.child_server import ChildServer
+from tests.support import parse_env_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -54,17 +54,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.integration)
             item.add_marker(pytest.mark.faults)
-
-
-def parse_env_file(text: str) -> dict[str, str]:
-    """The `export NAME=value` lines of services.sh's env file as a dict."""
-    values: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line and not line.startswith("#"):
-            name, _, value = line.removeprefix("export ").partition("=")
-            values[name.strip()] = value.strip().strip("'\"")
-    return values
 
 
 @dataclass
@@ -214,6 +203,7 @@ class Processes:
         self.tmp = tmp
         self.env = dict(env)
         self.started: list[subprocess.Popen[bytes]] = []
+        self.servers: list[ChildServer] = []
 
     def spawn(
         self, args: Sequence[str], name: str, env: Mapping[str, str] | None = None
@@ -259,17 +249,16 @@ class Processes:
         bus: str | None = None,
         port: int = 0,
         **flags: str,
-    ) -> ServerProc:
-        port = port or free_port()
-        proc = self.spawn(serve_command(store, model, port, bus=bus or None, **flags), name)
-        return ServerProc(
-            proc,
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30),
-            self.tmp / f"{name}.err",
-            port,
-        )
+    ) -> ChildServer:
+        """A `checknrun serve` child (its output in `name`.log), SIGKILLed at teardown."""
+        log = self.tmp / f"{name}.log"
+        server = ChildServer(store, model, log, port=port, env=self.env, bus=bus or None, **flags)
+        self.servers.append(server)
+        return server
 
     def close(self) -> None:
+        for server in self.servers:
+            server.kill()
         for proc in self.started:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
@@ -283,43 +272,6 @@ def procs(tmp_path: Path, proc_env: dict[str, str]) -> Iterator[Processes]:
         yield processes
     finally:
         processes.close()
-
-
-@dataclass
-class ServerProc:
-    proc: subprocess.Popen[bytes]
-    client: httpx.Client
-    log: Path
-    port: int
-
-    def info(self) -> dict[str, Any]:
-        data: dict[str, Any] = self.client.get("/v1/model").json()
-        return data
-
-    def metrics(self) -> str:
-        return self.client.get("/metrics").text
-
-    def wait_ready(self, timeout: float = 120) -> float:
-        """Seconds until /readyz answers 200."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if self.client.get("/readyz").status_code == 200:
-                    return time.monotonic() - started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready:\n{self.log.read_text()}")
-
-    def wait_version(self, version: int, timeout: float = 60) -> float:
-        """Seconds until the served version is at least `version`."""
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if (self.info().get("version") or 0) >= version:
-                return time.monotonic() - started
-            time.sleep(0.1)
-        raise AssertionError(f"stuck at {self.info()}:\n{self.log.read_text()}")
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:

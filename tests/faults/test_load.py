@@ -62,7 +62,7 @@ def test_predict_load_while_deltas_apply(
     )
     # The trainer starts (imports, restore, first delta) at its own pace on a loaded machine:
     # the load begins once it publishes, so the deltas apply during it, not before it.
-    server.wait_version(v0 + 1, timeout=120)
+    server.wait_version(v0 + 1, timeout_s=120)
     latencies: list[float] = []
     versions: list[list[int]] = [[] for _ in range(CLIENTS)]
     seen: set[int] = set()

@@ -19,6 +19,7 @@ import numpy as np
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import open_store
+from tests.support import wait_for
 
 from .conftest import (
     PrivateServices,
@@ -37,13 +38,14 @@ def _head(store_url: str, model: str) -> int:
     return 0 if head is None else head.version
 
 
-def _wait_head(store_url: str, model: str, version: int, timeout: float = 90) -> int:
-    """Wait until HEAD is at least `version`; returns HEAD's version then."""
-    deadline = time.monotonic() + timeout
-    while (head := _head(store_url, model)) < version:
-        assert time.monotonic() < deadline, f"HEAD never reached {version} (at {head})"
-        time.sleep(0.2)
-    return head
+def _wait_head(store_url: str, model: str, version: int, timeout: float = 90) -> None:
+    """Wait until HEAD is at least `version`."""
+    wait_for(
+        lambda: _head(store_url, model) >= version,
+        timeout,
+        lambda: f"HEAD to reach {version} (at {_head(store_url, model)})",
+        poll_s=0.2,
+    )
 
 
 def test_kafka_down_during_training(
@@ -75,7 +77,7 @@ def test_kafka_down_during_training(
     stopped_s = time.monotonic() - down_at
     head_at_down = _head(store_url, model)
     # Served versions keep advancing through HEAD polls while the broker is gone.
-    caught_up_s = server.wait_version(head_at_down + 2, timeout=60)
+    caught_up_s = server.wait_version(head_at_down + 2, timeout_s=60)
     assert server.client.post("/v1/predict", json={"examples": examples}).status_code == 200
     assert trainer.poll() is None, "the trainer must keep training without the broker"
     up_s = private_services.up("kafka")
@@ -89,7 +91,7 @@ def test_kafka_down_during_training(
     assert trainer_done.report()["stopped"], "the trainer ended before SIGTERM"
     final = _head(store_url, model)
     assert final > head_at_down + 2
-    server.wait_version(final, timeout=60)
+    server.wait_version(final, timeout_s=60)
     text = server.metrics()
     assert metric_value(text, "follower_events_total", 'reason="head_polls"') >= 1
     assert server.info()["rejected_versions"] == 0

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 
 from kafka import KafkaProducer
 
+from bench.child_server import ChildServer
 from publisher.faults import ENV_VAR
 from publisher.read.catalog import Catalog
 from publisher.store import open_store
@@ -23,7 +24,6 @@ from schemas.manifest import Head
 from .conftest import (
     PrivateServices,
     Processes,
-    ServerProc,
     examples_for,
     kafka_url,
     metric_value,
@@ -54,7 +54,7 @@ def _events(metrics: str, reason: str) -> float:
 
 
 def _send_until_received(
-    server: ServerProc, producer: KafkaProducer, topic: str, probe: bytes, timeout: float = 60
+    server: ChildServer, producer: KafkaProducer, topic: str, probe: bytes, timeout: float = 60
 ) -> int:
     """Send `probe` until the server has read one from the topic; returns how many were sent.
 
@@ -230,7 +230,7 @@ def test_server_sigkill_and_restart(
     assert last.returncode == 0, last.stderr[-3000:]
     final = _head(store_url)
     assert final > latest
-    follow_s = restarted.wait_version(final, timeout=30)
+    follow_s = restarted.wait_version(final, timeout_s=30)
     print(
         f"RELIABILITY server SIGKILL: restart -> ready at v{latest} (latest) in {ready_s:.1f} s; "
         f"following again (v{final} {follow_s:.1f} s after the trainer exited)"

@@ -20,6 +20,7 @@ from publisher.faults import ENV_VAR
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import open_store
+from tests.support import wait_for
 
 from .conftest import PrivateServices, Processes, kafka_url, s3_url, train_args
 
@@ -66,16 +67,22 @@ class HeadReader(threading.Thread):
                 last = head.version
                 self.seen.append((time.monotonic(), head.version))
 
-    def wait_for(self, version: int, timeout: float = READER_TIMEOUT_S) -> None:
+    def wait_restored(self, version: int, timeout: float = READER_TIMEOUT_S) -> None:
         """Block until this reader has restored `version` (each poll restores a whole chain)."""
-        deadline = time.monotonic() + timeout
-        while not self.seen or self.seen[-1][1] < version:
+
+        def restored() -> bool:
             assert self.is_alive(), "the reader thread died"
-            assert time.monotonic() < deadline, (
-                f"reader never restored v{version}: saw {[v for _, v in self.seen]}, "
+            return bool(self.seen) and self.seen[-1][1] >= version
+
+        wait_for(
+            restored,
+            timeout,
+            lambda: (
+                f"the reader to restore v{version}: saw {[v for _, v in self.seen]}, "
                 f"errors {self.errors}"
-            )
-            time.sleep(0.1)
+            ),
+            poll_s=0.1,
+        )
 
 
 def _orphans(store_url: str, model: str) -> set[str]:
@@ -138,7 +145,7 @@ def test_sigkill_at_commit_stage_then_resume(
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         with open_store(store_url) as store:
             last = Catalog(store, model).find().version
-        reader.wait_for(last)  # the reader restores every HEAD it sees, the last one included
+        reader.wait_restored(last)  # the reader restores every HEAD it sees, the last one included
     finally:
         reader.stop.set()
         reader.join(timeout=60)

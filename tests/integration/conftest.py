@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from minio import Minio
 
+from tests.support import parse_env_file
+
 HERE = Path(__file__).resolve().parent
 SERVICES_SCRIPT = HERE.parents[1] / "scripts" / "services.sh"
 # Generous because a new machine builds MinIO from source before anything starts.
@@ -67,20 +69,6 @@ class Services:
             s3_secure=secure in {"1", "true"},
             s3_region=env.get("CHECKNRUN_S3_REGION") or "us-east-1",
         )
-
-
-def parse_env_file(text: str) -> dict[str, str]:
-    """Parses the ``export NAME=value`` lines of scripts/services.sh's env file."""
-    values: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, value = line.removeprefix("export ").partition("=")
-        if not sep:
-            raise ValueError(f"env file line {raw!r}: expected 'export NAME=value'")
-        values[name.strip()] = value.strip().strip("'\"")
-    return values
 
 
 def start_local_services() -> Services:

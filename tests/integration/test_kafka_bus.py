@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -16,8 +16,7 @@ from publisher.bus import open_announcer, open_source
 from publisher.bus.base import KafkaAddress
 from publisher.bus.kafka_bus import KafkaAnnouncementSource, KafkaAnnouncer
 from schemas.announcement import Announcement
-
-T = TypeVar("T")
+from tests.support import wait_for
 
 
 def announcement(model: str, version: int) -> Announcement:
@@ -30,16 +29,6 @@ def announcement(model: str, version: int) -> Announcement:
         created_at=datetime(2026, 1, 1, tzinfo=UTC),
         total_bytes=version,
     )
-
-
-def wait_for(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 # A source (re)connecting inside `poll` gets at most the poll's timeout to bootstrap, so polls

@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
-from bench.child_server import free_port, serve_command
+from bench.child_server import ChildServer
 from bench.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 from publisher.bus import open_announcer
 from publisher.dlrm import DLRM, DLRMConfig
@@ -32,7 +28,6 @@ from publisher.store.s3_store import S3Store
 
 MODEL = "fleet"
 TOKEN = "fleet-admin-token-0123456789"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def service_env(services: Any) -> dict[str, str]:
@@ -46,83 +41,36 @@ def service_env(services: Any) -> dict[str, str]:
     }
 
 
-@dataclass
-class ServerProc:
-    proc: subprocess.Popen[str]
-    client: httpx.Client
-    log: Path
-
-    def info(self) -> dict[str, Any]:
-        data: dict[str, Any] = self.client.get("/v1/model").json()
-        return data
-
-    def digest(self) -> dict[str, Any]:
-        r = self.client.get("/v1/model/digest", headers={"Authorization": f"Bearer {TOKEN}"})
-        r.raise_for_status()
-        data: dict[str, Any] = r.json()
-        return data
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if self.client.get("/readyz").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not ready:\n{self.log.read_text()}")
-
-    def wait_version(self, version: int, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.info().get("version") == version:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"stuck at {self.info()}:\n{self.log.read_text()}")
+def digest(server: ChildServer) -> dict[str, Any]:
+    """The server's tensor digests (an admin route)."""
+    r = server.client.get("/v1/model/digest", headers={"Authorization": f"Bearer {TOKEN}"})
+    r.raise_for_status()
+    data: dict[str, Any] = r.json()
+    return data
 
 
 class Fleet:
     def __init__(self, services: Any, store_url: str, bus_url: str, tmp: Path) -> None:
         self.env = {**os.environ, **service_env(services), "CHECKNRUN_SERVER_ADMIN_TOKEN": TOKEN}
         self.store_url, self.bus_url, self.tmp = store_url, bus_url, tmp
-        self.servers: list[ServerProc] = []
+        self.servers: list[ChildServer] = []
 
-    def start(self, scheme: str) -> ServerProc:
-        port = free_port()
-        log = self.tmp / f"server-{port}.log"
-        proc = subprocess.Popen(
-            serve_command(
-                self.store_url,
-                MODEL,
-                port,
-                bus=self.bus_url,
-                consistency=scheme,
-                poll_head_after="2",
-            ),
-            cwd=REPO,
+    def start(self, scheme: str) -> ChildServer:
+        server = ChildServer(
+            self.store_url,
+            MODEL,
+            self.tmp / f"server-{len(self.servers)}.log",
             env=self.env,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        server = ServerProc(
-            proc, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30), log
+            bus=self.bus_url,
+            consistency=scheme,
+            poll_head_after="2",
         )
         self.servers.append(server)
         return server
 
     def stop(self) -> None:
         for s in self.servers:
-            s.client.close()
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-        for s in self.servers:
-            try:
-                s.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
+            s.stop()
 
 
 @pytest.fixture
@@ -185,7 +133,7 @@ def test_fleet_follows_a_training_run(services: Any, fleet: Fleet) -> None:
         for server in (a, b, late):
             server.wait_version(head)
 
-        digests = [s.digest() for s in (a, b, late)]
+        digests = [digest(s) for s in (a, b, late)]
         assert {d["version"] for d in digests} == {head}
         assert digests[0]["tensors"] == digests[1]["tensors"] == digests[2]["tensors"]
         state = restore(store, MODEL, head)

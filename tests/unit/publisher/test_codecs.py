@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from bench.codec_measure import embedding_like_rows
+from bench.codec import embedding_like_rows
 from publisher import codecs
 from publisher.codecs import (
     CodecError,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from publisher.store import FileStore
 from schemas.announcement import Announcement
 from server.app import create_app
 from server.settings import ServerSettings
+from tests.support import wait_for
 
 with warnings.catch_warnings():  # starlette's notice about its httpx-based client
     warnings.simplefilter("ignore")
@@ -35,15 +35,6 @@ with warnings.catch_warnings():  # starlette's notice about its httpx-based clie
 
 TOKEN = "t0k3n-for-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def messages_received(s: Served) -> int:

@@ -6,16 +6,12 @@ import argparse
 import math
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from bench.child_server import free_port as _free_port
-from bench.child_server import serve_command
+from bench.child_server import ChildServer
 from bench.synthetic_run import SyntheticRun, random_examples, small_config
 from publisher.store import FileStore
 from server.cli import register, settings_from_args
@@ -110,42 +106,24 @@ def test_serve_runs_uvicorn_and_stops_on_sigterm(tmp_path: Path) -> None:
     run = SyntheticRun(store, "m", small_config())
     run.publish("full")
     run.close()
-    port = _free_port()
     env = {**os.environ, "CHECKNRUN_SERVER_ADMIN_TOKEN": STRONG}
-    proc = subprocess.Popen(
-        serve_command(f"file://{tmp_path / 'store'}", "m", port, log_level="info"),
-        env=env,
-        cwd=Path(__file__).resolve().parents[3],
-        stderr=subprocess.PIPE,
-        text=True,
+    server = ChildServer(
+        f"file://{tmp_path / 'store'}", "m", tmp_path / "server.log", env=env, log_level="info"
     )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise AssertionError("server did not become ready")
-        r = httpx.post(f"{url}/v1/predict", json={"examples": random_examples(small_config(), 2)})
+    with server:
+        server.wait_ready(60)
+        r = server.client.post("/v1/predict", json={"examples": random_examples(small_config(), 2)})
         assert r.status_code == 200 and r.json()["version"] == 1
-        assert (
-            httpx.get(
-                f"{url}/v1/model/digest", headers={"Authorization": f"Bearer {STRONG}"}
-            ).status_code
-            == 200
+        digest = server.client.get(
+            "/v1/model/digest", headers={"Authorization": f"Bearer {STRONG}"}
         )
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-    # uvicorn shuts down gracefully, then re-raises the signal it caught (exit status -15).
-    assert proc.returncode in (0, -signal.SIGTERM), stderr
-    assert "Application shutdown complete" in stderr and "Traceback" not in stderr, stderr
-    assert STRONG not in stderr
+        assert digest.status_code == 200
+    # Leaving the block sent SIGTERM: uvicorn shuts down gracefully, then re-raises the signal
+    # it caught (exit status -15).
+    output = server.log.read_text()
+    assert server.proc.returncode in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output and "Traceback" not in output, output
+    assert STRONG not in output
 
 
 # --- metrics format ------------------------------------------------------------------------------

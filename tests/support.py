@@ -1,0 +1,50 @@
+"""What the test suites share: polling for a condition, and reading scripts/services.sh's env file.
+
+(Child `checknrun serve` processes come from bench/child_server.py, which the demo and the
+benchmarks use too.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(
+    probe: Callable[[], T | None],
+    timeout_s: float = 30.0,
+    what: str | Callable[[], str] = "condition",
+    *,
+    poll_s: float = 0.05,
+) -> T:
+    """Call `probe` every `poll_s` until it returns something truthy, and return that.
+
+    After `timeout_s` raises AssertionError naming `what`: a string, or a function called then
+    to describe the state the wait gave up in. An AssertionError `probe` raises goes through.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            waited_for = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {waited_for}")
+        time.sleep(poll_s)
+
+
+def parse_env_file(text: str) -> dict[str, str]:
+    """The `export NAME=value` lines of scripts/services.sh's env file as a dict."""
+    values: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.removeprefix("export ").partition("=")
+        if not sep:
+            raise ValueError(f"env file line {raw!r}: expected 'export NAME=value'")
+        values[name.strip()] = value.strip().strip("'\"")
+    return values
