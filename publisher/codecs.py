@@ -74,7 +74,7 @@ __all__ = [
 ADAPTIVE_NUM_BINS: Final = 100
 #: ...for this many steps, so it cuts at most 16% of the range, as Guan et al.'s defaults
 #: (200 bins, 32 steps) do; half as many, twice as large steps give the same error on
-#: embedding-like rows (tests/test_codecs.py checks it) at twice the speed.
+#: embedding-like rows (tests/unit/publisher/test_codecs.py checks it) at twice the speed.
 ADAPTIVE_STEPS: Final = 16
 #: float32 elements per chunk for the uniform codecs and decoding (2 MiB; 4-16k rows of dim 64
 #: measured alike, smaller chunks pay more per-chunk bookkeeping).

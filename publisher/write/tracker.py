@@ -351,7 +351,7 @@ def soundness_problems(
     """Every reason the tracked rows of `tables` (default: all of `model`'s) may miss a change.
 
     The optimizer rules, measured on torch by training and comparing rows and per-row optimizer
-    state bitwise (tests/test_tracker.py re-measures them):
+    state bitwise (tests/unit/publisher/test_tracker.py re-measures them):
 
     - SGD with momentum=0 and weight_decay=0: sound, dense or sparse gradients (a zero gradient
       row moves by exactly 0; no per-row state).

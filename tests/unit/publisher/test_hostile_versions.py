@@ -1,7 +1,7 @@
 """Committed versions with hostile blobs or manifests, as a following server meets them.
 
-tests/test_delta_blob.py proves each decoder rejection on hand-made bytes and
-tests/test_server_live_model.py a same-size sha256 mismatch. Here a real publish is tampered
+tests/unit/schemas/test_delta_blob.py proves each decoder rejection on hand-made bytes and
+tests/unit/server/test_live_model.py a same-size sha256 mismatch. Here a real publish is tampered
 with *consistently* (the manifest's size and sha256 updated to match the bad bytes, as a buggy
 or malicious writer would), so the bytes get past the integrity check and reach the decoder and
 the layout checks: every case must end in a counted rejection, the server keeps serving its
