@@ -225,7 +225,12 @@ class IncrementalCheckpointer:
     def maybe_checkpoint(
         self, reader: Reader | None = None, metrics: Metrics | None = None
     ) -> CheckpointRecord | None:
-        """Checkpoint if the interval has passed; `metrics` may be a callable (called only then)."""
+        """Checkpoint if the interval has passed; `metrics` may be a callable (called only then).
+
+        Re-raises a publishing failure (a lost lease, a refused snapshot) at once, so training
+        stops at the batch after it rather than at the next interval.
+        """
+        self.background.raise_if_failed()
         if not self.due():
             return None
         return self.checkpoint_now(reader, metrics)

@@ -33,7 +33,14 @@ import torch
 from tqdm import tqdm
 
 from publisher.bus import BusError
-from publisher.cli import CommandError, add_store_args, positive_int, run_command
+from publisher.cli import (
+    CommandError,
+    CommandParser,
+    add_store_args,
+    parse_command_line,
+    positive_int,
+    run_command,
+)
 from publisher.dlrm import DLRM
 from publisher.read.catalog import NoVersionError
 from publisher.write.policies import POLICIES, codec_for_expected_restores
@@ -477,10 +484,10 @@ def _print_summary(doc: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m trainer.cli train ...`: the command without the entry point installed."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.cli")
+    parser: argparse.ArgumentParser = CommandParser(prog="python -m trainer.cli")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register(sub)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,

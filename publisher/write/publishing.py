@@ -216,7 +216,7 @@ class BackgroundPublisher:
     def submit(self, snapshot: Snapshot) -> None:
         """Queue a snapshot; returns at once (no merge, no storage on the caller's thread)."""
         with self._cond:
-            self._raise_error()
+            self.raise_if_failed()
             self._queue.append(snapshot)
             self._queued_bytes += snapshot.nbytes
             self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes)
@@ -237,7 +237,7 @@ class BackgroundPublisher:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("publishing did not finish in time")
                 self._cond.wait(remaining)
-            self._raise_error()
+            self.raise_if_failed()
 
     def close(self, flush: bool = True) -> None:
         """Optionally flush, then stop the threads and release the writer's lease."""
@@ -252,9 +252,13 @@ class BackgroundPublisher:
             self._thread.join(timeout=30)
             self.publisher.close()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("background publishing failed") from self._error
+    def raise_if_failed(self) -> None:
+        """Re-raise the failure that stopped the worker, if any (cheap: call it every batch)."""
+        error = self._error  # one read: the worker sets it once and never clears it
+        if error is not None:
+            # The error itself, as `Future.result()` does: its class says what it means (a
+            # lost lease is a ConflictError, a bug stays a bug) and its traceback shows where.
+            raise error
 
     def _fold(self, snapshots: list[Snapshot]) -> Snapshot:
         """One snapshot carrying all of `snapshots` (oldest first); called without the lock."""

@@ -13,9 +13,11 @@ import pyarrow as pa
 import pytest
 from pyarrow import csv
 
-from publisher.read.catalog import Catalog
+from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import FileStore
-from publisher.write.version_writer import VersionWriter
+from publisher.write.version_writer import VersionDraft, VersionWriter
+from schemas.manifest import Lease
+from schemas.store_keys import lease_key
 from trainer.cli import main
 
 SYNTHETIC = [
@@ -142,8 +144,8 @@ def test_csv_data_and_bad_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert doc["model"] == "clicks" and doc["samples"] == n
 
     status, out, err = run(capsys, *common, "--label-col", "label")
-    assert status == 1 and out == ""
-    assert "'label'" in err and "missing" in err
+    assert status == 1 and json.loads(out)["error"]["type"] == "DataError"
+    assert "'label'" in err and "missing" in err and err.count("\n") == 1
 
     status, _, err = run(capsys, "--data", str(tmp_path / "x.xlsx"), "--store", str(tmp_path))
     assert status == 1 and "unknown file type" in err
@@ -186,8 +188,47 @@ def test_held_lease_is_reported_as_such(tmp_path: Path, capsys: pytest.CaptureFi
     # Another live writer publishes the model: exit 1 with the lease's own message.
     with VersionWriter(FileStore(tmp_path), "synthetic"):
         status, out, err = run(capsys, *SYNTHETIC, "--store", str(tmp_path), "--json")
-    assert status == 1 and out == ""
+    assert status == 1
+    assert json.loads(out) == {
+        "error": {
+            "type": "LeaseHeldError",
+            "message": err.split(": ", 1)[1].strip(),
+            "exit_status": 1,
+        }
+    }
     assert "'synthetic' is being published by" in err and "store error" not in err
+
+
+def test_a_lease_lost_mid_run_ends_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This trainer pauses past its lease; another trainer takes the model over (as a writer does
+    # with an expired lease) right after version 1. The next commit finds the lease gone.
+    commit = VersionWriter.commit
+
+    def commit_then_lose_the_lease(writer: VersionWriter, draft: VersionDraft) -> VersionRef:
+        ref = commit(writer, draft)
+        if ref.version == 1:
+            other = Lease(model=writer.model, owner="other-host:1", token="t", expires_at=1e12)
+            writer.store.put(lease_key(writer.model), other.to_json())
+        return ref
+
+    monkeypatch.setattr(VersionWriter, "commit", commit_then_lose_the_lease)
+    store = f"file://{tmp_path}"
+    status, out, err = run(
+        capsys, *SYNTHETIC, "--store", store, "--max-samples", "20480", "--json", "--no-progress"
+    )
+    assert status == 1
+    assert err == "checknrun train: model 'synthetic': lease lost to another writer\n"
+    assert json.loads(out) == {
+        "error": {
+            "type": "LeaseHeldError",
+            "message": "model 'synthetic': lease lost to another writer",
+            "exit_status": 1,
+        }
+    }
+    head = Catalog(FileStore(tmp_path), "synthetic").latest()
+    assert head is not None and head.version == 1  # nothing committed after the lease was lost
 
 
 @pytest.mark.parametrize(
