@@ -44,6 +44,7 @@ from publisher.cli import (
 from publisher.dlrm import DLRM
 from publisher.read.catalog import NoVersionError
 from publisher.write.policies import POLICIES, codec_for_expected_restores
+from publisher.write.snapshot import NonFiniteSnapshotError
 from schemas.codec_names import CODECS
 from schemas.errors import BadDataError
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
@@ -129,6 +130,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         choices=("thread", "process"),
         default="thread",
         help="where quantize/encode/commit run (default %(default)s; see docs)",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a checkpoint holding NaN or inf is never published: stop training with an error "
+        "(default), or skip it, train on and publish once the values are finite again",
     )
     p.add_argument(
         "--threads",
@@ -332,6 +340,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             bus=args.bus,
             on_published=published,
             publish_in=args.publish_in,
+            on_non_finite=args.on_nonfinite,
         )
     except BusError as exc:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc
@@ -355,21 +364,27 @@ def cmd_train(args: argparse.Namespace) -> int:
             dynamic_ncols=True,
         )
         stop_event = threading.Event()
-        with bar, _stop_on_signals(stop_event):
-            report = train_online(
-                model,
-                optimizers,
-                stream,
-                batch_size=args.batch_size,
-                start=start,
-                stop=stop,
-                checkpointer=ckpt,
-                metrics=ProgressiveMetrics(),
-                on_batch=_Progress(bar, ckpt),
-                stop_event=stop_event,
-            )
-        ckpt.flush()
-    doc = _report_json(args, model_name, resumed, report)
+        try:
+            with bar, _stop_on_signals(stop_event):
+                report = train_online(
+                    model,
+                    optimizers,
+                    stream,
+                    batch_size=args.batch_size,
+                    start=start,
+                    stop=stop,
+                    checkpointer=ckpt,
+                    metrics=ProgressiveMetrics(),
+                    on_batch=_Progress(bar, ckpt),
+                    stop_event=stop_event,
+                )
+            ckpt.flush()
+        except NonFiniteSnapshotError as exc:
+            raise NonFiniteSnapshotError(
+                f"{exc}; training stopped (--on-nonfinite skip trains on and publishes once the "
+                "values are finite again)"
+            ) from exc
+    doc = _report_json(args, model_name, resumed, report, ckpt.non_finite_skipped)
     if args.json:
         print(json.dumps(doc))
     else:
@@ -444,7 +459,11 @@ def _human_bytes(n: int) -> str:
 
 
 def _report_json(
-    args: argparse.Namespace, model_name: str, resumed: int | None, report: TrainingReport
+    args: argparse.Namespace,
+    model_name: str,
+    resumed: int | None,
+    report: TrainingReport,
+    non_finite_skipped: int,
 ) -> dict[str, Any]:
     return {
         "model": model_name,
@@ -461,7 +480,7 @@ def _report_json(
         "samples_per_s": round(report.samples_per_s, 1),
         "stopped": report.stopped,
         "metrics": {k: round(v, 6) for k, v in report.metrics.items()},
-        "summary": report.summary(),
+        "summary": {**report.summary(), "non_finite_skipped": non_finite_skipped},
         "checkpoints": [r.to_json() for r in report.records],
     }
 
@@ -480,6 +499,8 @@ def _print_summary(doc: dict[str, Any]) -> None:
         f"stall median {s['stall_ms_median']} ms, max {s['stall_ms_max']} ms; "
         f"{_human_bytes(s['bytes_written'])} written, {s['ratio']}x smaller than full fp32"
     )
+    if s["non_finite_skipped"]:
+        print(f"{s['non_finite_skipped']} checkpoint(s) not published: they held NaN or inf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
