@@ -7,9 +7,11 @@
 stream; `--table-cap` sizes its tables) or the path of a CSV/TSV/Parquet log (with `--user-col`,
 `--item-col`, ... naming its columns). Progress goes to stderr; with `--json` one JSON document
 goes to stdout at the end and nothing else does. `--resume` continues from the latest (or the
-given) committed version at its reader position. `--bus URL` announces each committed version
-(`file:///PATH` log or `kafka://HOST:PORT/TOPIC`); without it nothing is announced and
-subscribers poll HEAD.
+given) committed version at its reader position; a model that already has versions is refused
+without it or `--new-lineage` (start a new history from scratch on top of the old one), so a
+rerun or another data file under the same `--model` never silently starts over. `--bus URL`
+announces each committed version (`file:///PATH` log or `kafka://HOST:PORT/TOPIC`); without it
+nothing is announced and subscribers poll HEAD.
 
 Registered through the `checknrun.commands` entry point `train = "trainer.cli:register"`;
 `python -m trainer.cli train ...` runs it without the entry point.
@@ -42,7 +44,7 @@ from publisher.cli import (
     run_command,
 )
 from publisher.dlrm import DLRM
-from publisher.read.catalog import NoVersionError
+from publisher.read.catalog import Catalog, NoVersionError
 from publisher.write.policies import POLICIES, codec_for_expected_restores
 from publisher.write.snapshot import NonFiniteSnapshotError
 from schemas.codec_names import CODECS
@@ -112,13 +114,21 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="stop at this stream offset (counted from the stream's start, also on --resume)",
     )
-    p.add_argument(
+    history = p.add_mutually_exclusive_group()
+    history.add_argument(
         "--resume",
         nargs="?",
         const="latest",
         default=None,
         metavar="VERSION",
         help="continue from the latest (or the given) committed version",
+    )
+    history.add_argument(
+        "--new-lineage",
+        action="store_true",
+        help="train from scratch and publish on top of the model's existing versions (a new "
+        "full baseline starts a new history; without it or --resume a model that has "
+        "versions is refused)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document at the end")
     p.add_argument("--bus", default=None, help="announce versions: file:///PATH or kafka://...")
@@ -397,6 +407,7 @@ def _resume(
 ) -> tuple[int, int | None]:
     """(start offset, resumed version) for --resume; (0, None) without it."""
     if args.resume is None:
+        _check_new_history(ckpt, stream, args.new_lineage)
         return 0, None
     version: int | None = None
     if args.resume != "latest":
@@ -413,6 +424,33 @@ def _resume(
         raise CommandError(f"--resume: {exc}") from exc
     resumed = ckpt.last_restored_version
     return start, resumed
+
+
+def _check_new_history(
+    ckpt: IncrementalCheckpointer, stream: InteractionStream, new_lineage: bool
+) -> None:
+    """Refuse to start a new history on a model that has one, unless `--new-lineage` says so.
+
+    Run after the checkpointer took the model's lease, so no other trainer commits meanwhile.
+    """
+    latest = Catalog(ckpt.store, ckpt.model_name).latest()
+    if latest is None or new_lineage:
+        return
+    name, version = ckpt.model_name, latest.version
+    reader = latest.manifest.position.reader
+    this = stream.reader_state(0)
+    if (reader.get("source"), reader.get("fingerprint")) == (this["source"], this["fingerprint"]):
+        raise CommandError(
+            f"model {name!r} already has versions (v{version}, trained to sample "
+            f"{reader.get('offset')}): --resume continues it, --new-lineage starts a new "
+            "history from scratch on top of it, --model NAME trains another model"
+        )
+    raise CommandError(
+        f"model {name!r} (v{version}) was trained on other data (source={reader.get('source')!r} "
+        f"fingerprint={reader.get('fingerprint')!r}; this run: source={this['source']!r} "
+        f"fingerprint={this['fingerprint']!r}): --model NAME trains a new model, --new-lineage "
+        "starts a new history on this one"
+    )
 
 
 class _Progress:

@@ -239,3 +239,35 @@ def test_bad_numbers_are_usage_errors(tmp_path: Path, flag: str, value: str) -> 
     with pytest.raises(SystemExit) as info:
         main(["train", *SYNTHETIC, "--store", str(tmp_path), flag, value])
     assert info.value.code == 2
+
+
+def test_an_existing_model_needs_resume_or_new_lineage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ["--store", f"file://{tmp_path}", "--max-samples", "2048", "--json"]
+    assert run(capsys, *SYNTHETIC, *store)[0] == 0
+    catalog = Catalog(FileStore(tmp_path), "synthetic")
+    head = catalog.latest()
+    assert head is not None
+
+    # The same command again: it would silently start a second history on top of the first.
+    status, out, err = run(capsys, *SYNTHETIC, *store)
+    assert status == 1 and json.loads(out)["error"]["type"] == "CommandError"
+    assert "already has versions" in err and "--resume" in err and "--new-lineage" in err
+    # Other data under the same --model (another Zipf exponent: another fingerprint).
+    status, _, err = run(capsys, *SYNTHETIC, *store, "--zipf", "1.2")
+    assert status == 1 and "trained on other data" in err and "--new-lineage" in err
+    latest = catalog.latest()
+    assert latest is not None and latest.version == head.version  # nothing committed
+
+    # Saying what is meant: a new history, starting with a full baseline on top of the old one.
+    status, out, _ = run(capsys, *SYNTHETIC, *store, "--zipf", "1.2", "--new-lineage")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["start_offset"] == 0 and doc["resumed_from"] is None
+    new = [r for r in doc["checkpoints"] if r["version"] is not None]
+    assert new[0]["version"] == head.version + 1 and new[0]["kind"] == "full"
+
+    with pytest.raises(SystemExit) as info:  # both at once is a contradiction
+        main(["train", *SYNTHETIC, *store, "--resume", "--new-lineage"])
+    assert info.value.code == 2
