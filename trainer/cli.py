@@ -20,6 +20,7 @@ Registered through the `checknrun.commands` entry point `train = "trainer.cli:re
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import signal
@@ -63,6 +64,8 @@ from trainer.online import (
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.streams.base import Batch, InteractionStream
 
+#: the built-in streams `--data` names (anything else is a file).
+DATA_SETS = ("movielens", "synthetic")
 DEFAULT_INTERVAL_SAMPLES = 50_000
 DEFAULT_TABLE_CAP = 730_000  # ~4.2M rows in 26 tables: ~1.08 GB of fp32 rows at dim 64
 
@@ -112,7 +115,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "--max-samples",
         type=positive_int,
         default=None,
-        help="stop at this stream offset (counted from the stream's start, also on --resume)",
+        help="stop at this stream offset (counted from the stream's start, also on --resume), "
+        "rounded up to whole batches so that a later --resume replays an uninterrupted run",
     )
     history = p.add_mutually_exclusive_group()
     history.add_argument(
@@ -223,7 +227,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def open_stream(args: argparse.Namespace) -> InteractionStream:
-    """The stream `--data` names (DataError on a bad file or mapping)."""
+    """The stream `--data` names (DataError on a bad file or mapping, CommandError on a name
+    that is neither a data set nor a file)."""
     if args.data == "movielens":
         from trainer.streams.movielens import load_movielens
 
@@ -243,7 +248,15 @@ def open_stream(args: argparse.Namespace) -> InteractionStream:
                 drift=args.drift,
             )
         )
-    from trainer.streams.tabular import ColumnMapping, load_table
+    from trainer.streams.tabular import CSV_SUFFIXES, PARQUET_SUFFIXES, ColumnMapping, load_table
+
+    if not Path(args.data).suffix and not Path(args.data).exists():  # a mistyped data set name
+        close = difflib.get_close_matches(args.data, DATA_SETS, n=1)
+        raise CommandError(
+            f"--data {args.data!r} is neither a data set ({', '.join(DATA_SETS)}) nor a file"
+            + (f": did you mean {close[0]!r}?" if close else "")
+            + f" (a file is a {', '.join(CSV_SUFFIXES + PARQUET_SUFFIXES)} log)"
+        )
 
     mapping = ColumnMapping(
         user=args.user_col,
@@ -285,7 +298,7 @@ def build_model(
 
 def default_model_name(data: str) -> str:
     """`movielens`, `synthetic`, or the data file's stem."""
-    if data in ("movielens", "synthetic"):
+    if data in DATA_SETS:
         return data
     stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in Path(data).stem)
     return stem.strip(".") or "model"
@@ -356,7 +369,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc
     with ckpt:
         start, resumed = _resume(ckpt, stream, args)
-        stop = args.max_samples
+        stop = _whole_batches(args.max_samples, start, args.batch_size)
         if stream.num_samples is not None:
             stop = min(stop or stream.num_samples, stream.num_samples)
         if stop is not None and start >= stop:
@@ -400,6 +413,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         _print_summary(doc)
     return 0
+
+
+def _whole_batches(max_samples: int | None, start: int, batch_size: int) -> int | None:
+    """--max-samples rounded up to a whole number of batches from `start` (said on stderr).
+
+    A run ends with a checkpoint, and a resumed run starts its batches there. Ending mid-batch
+    would make the resumed run's batches straddle the uninterrupted run's (5000 with batches of
+    256: it trains [5000, 5256), the uninterrupted run [4864, 5120) then [5120, 5376)), and
+    the two would differ. The end of the stream is a boundary for every run alike.
+    """
+    if max_samples is None or max_samples <= start or (max_samples - start) % batch_size == 0:
+        return max_samples
+    stop = start + -(-(max_samples - start) // batch_size) * batch_size
+    print(
+        f"--max-samples {max_samples:,} rounded up to {stop:,}: whole batches of {batch_size} "
+        f"from sample {start:,}, so a later --resume trains what an uninterrupted run would",
+        file=sys.stderr,
+    )
+    return stop
 
 
 def _resume(

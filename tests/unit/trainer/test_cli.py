@@ -9,11 +9,13 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from pyarrow import csv
 
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.restore import restore
 from publisher.store import FileStore
 from publisher.write.version_writer import VersionDraft, VersionWriter
 from schemas.manifest import Lease
@@ -53,12 +55,12 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_train_json_then_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = f"file://{tmp_path}"
-    status, out, _ = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "5000", "--json")
+    status, out, _ = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "5120", "--json")
     assert status == 0
     doc = json.loads(out)  # stdout holds exactly one JSON document
-    assert doc["model"] == "synthetic" and doc["samples"] == 5000 and doc["end_offset"] == 5000
+    assert doc["model"] == "synthetic" and doc["samples"] == 5120 and doc["end_offset"] == 5120
     records = doc["checkpoints"]
-    assert [r["samples_seen"] for r in records] == [2048, 4096, 5000]  # the last at the end
+    assert [r["samples_seen"] for r in records] == [2048, 4096, 5120]  # the last at the end
     # A snapshot taken while the previous one is still being published merges into the next.
     versions = [r["version"] for r in records if r["version"] is not None]
     assert versions == list(range(1, len(versions) + 1)) and records[-1]["version"] is not None
@@ -76,18 +78,18 @@ def test_train_json_then_resume(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert doc["summary"]["versions"] == last == len(versions)
 
     status, out, _ = run(
-        capsys, *SYNTHETIC, "--store", store, "--max-samples", "7000", "--resume", "--json"
+        capsys, *SYNTHETIC, "--store", store, "--max-samples", "7168", "--resume", "--json"
     )
     assert status == 0
     doc = json.loads(out)
-    assert doc["resumed_from"] == last and doc["start_offset"] == 5000 and doc["samples"] == 2000
+    assert doc["resumed_from"] == last and doc["start_offset"] == 5120 and doc["samples"] == 2048
     assert [r["version"] for r in doc["checkpoints"]] == [last + 1]
     head = Catalog(FileStore(tmp_path), "synthetic").latest()
-    assert head is not None and head.manifest.position.reader["offset"] == 7000
+    assert head is not None and head.manifest.position.reader["offset"] == 7168
     assert head.manifest.model_config_["embedding_dim"] == 8
 
     # Nothing left to train is an error, not a silent no-op.
-    status, _, err = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "7000", "--resume")
+    status, _, err = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "7168", "--resume")
     assert status == 1 and "nothing to train" in err
 
 
@@ -271,3 +273,39 @@ def test_an_existing_model_needs_resume_or_new_lineage(
     with pytest.raises(SystemExit) as info:  # both at once is a contradiction
         main(["train", *SYNTHETIC, *store, "--resume", "--new-lineage"])
     assert info.value.code == 2
+
+
+def test_a_max_samples_mid_batch_still_resumes_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exact = [*SYNTHETIC, "--codec", "fp32", "--json"]  # fp32: the restored state is the model's
+    # 1000 is mid-batch (batches of 256): the run ends at 1024, and says so.
+    status, out, err = run(
+        capsys, *exact, "--store", f"file://{tmp_path}/a", "--max-samples", "1000"
+    )
+    assert status == 0 and json.loads(out)["end_offset"] == 1024
+    assert "--max-samples 1,000 rounded up to 1,024" in err
+    status, out, _ = run(
+        capsys, *exact, "--store", f"file://{tmp_path}/a", "--max-samples", "2048", "--resume"
+    )
+    assert status == 0 and json.loads(out)["start_offset"] == 1024
+    status, out, err = run(
+        capsys, *exact, "--store", f"file://{tmp_path}/b", "--max-samples", "2048"
+    )
+    assert status == 0 and "rounded" not in err
+
+    resumed = restore(FileStore(tmp_path / "a"), "synthetic")
+    uninterrupted = restore(FileStore(tmp_path / "b"), "synthetic")
+    assert resumed.position.samples_seen == uninterrupted.position.samples_seen == 2048
+    for name, table in uninterrupted.tables.items():
+        np.testing.assert_array_equal(resumed.tables[name].weights, table.weights, err_msg=name)
+        np.testing.assert_array_equal(resumed.tables[name].aux, table.aux, err_msg=name)
+    for name, value in uninterrupted.dense.items():
+        np.testing.assert_array_equal(resumed.dense[name], value, err_msg=name)
+
+
+def test_a_mistyped_data_set_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "--data", "movielen", "--store", str(tmp_path), "--json")
+    assert status == 1 and json.loads(out)["error"]["type"] == "CommandError"
+    assert "'movielen' is neither a data set (movielens, synthetic) nor a file" in err
+    assert "did you mean 'movielens'?" in err and "no suffix" not in err
