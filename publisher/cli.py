@@ -28,6 +28,8 @@ from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 from schemas.manifest import ratio_to_full_fp32
 
 DEFAULT_STORE = "file://./checknrun-store"
+#: a table's per-row optimizer columns in a `restore` file: `<table>.__optimizer_rows__`.
+OPTIMIZER_ROWS = "__optimizer_rows__"
 
 #: exit statuses: 1 = bad input or state, 2 = usage, 3 = a service unreachable, 130 = Ctrl-C.
 EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -236,24 +238,29 @@ def cmd_restore(args: argparse.Namespace) -> int:
     import torch  # only this command writes a torch file
 
     from publisher.read.restore import restore
+    from publisher.state_dicts import weight_key
 
     if not Path(args.out).absolute().parent.is_dir():  # before the restore, not after it
         raise CommandError(f"--out {args.out}: no such directory")
     with open_store(args.store) as store:
         state = restore(store, args.model, args.version, progress=not args.json)
-    out: dict[str, Any] = {}
-    for name, table in state.tables.items():
-        out[f"{name}.weight"] = torch.from_numpy(table.weights)
-        if table.aux.shape[1]:
-            out[f"{name}.__optimizer_rows__"] = torch.from_numpy(table.aux)
-    for name, value in state.dense.items():
-        out[name] = torch.from_numpy(value)
-    payload = {
-        "state_dict": out,
-        "optimizer": {k: torch.from_numpy(v) for k, v in state.optimizer.items()},
-        "optimizer_meta": state.optimizer_meta,
-        "manifest": json.loads(state.manifest.to_json()),
-    }
+    model = {weight_key(name): torch.from_numpy(t.weights) for name, t in state.tables.items()}
+    model.update({name: torch.from_numpy(value) for name, value in state.dense.items()})
+    payload: dict[str, Any] = model
+    if not args.model_only:
+        # The layout README.md "Restore files" documents: the model's state_dict plus each
+        # table's per-row optimizer columns, then the rest of the optimizer state.
+        rows = {
+            f"{name}.{OPTIMIZER_ROWS}": torch.from_numpy(t.aux)
+            for name, t in state.tables.items()
+            if t.aux.shape[1]
+        }
+        payload = {
+            "state_dict": {**model, **rows},
+            "optimizer": {k: torch.from_numpy(v) for k, v in state.optimizer.items()},
+            "optimizer_meta": state.optimizer_meta,
+            "manifest": json.loads(state.manifest.to_json()),
+        }
     torch.save(payload, args.out)  # a local file we write ourselves: torch.save is fine here
     doc = {
         "model": args.model,
@@ -262,6 +269,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         "bytes_read": state.bytes_read,
         "seconds": round(state.seconds, 4),
         "tables": len(state.tables),
+        "model_only": args.model_only,
     }
     if args.json:
         print(json.dumps(doc))
@@ -317,6 +325,12 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_store_args(p)
     p.add_argument("--version", type=int, default=None, help="default: the latest")
     p.add_argument("--out", required=True, help="output file (torch.save format)")
+    p.add_argument(
+        "--model-only",
+        action="store_true",
+        help="write the model's state_dict alone (loads with load_state_dict(strict=True)); "
+        "default: with the optimizer state and the manifest (see README)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_restore)
 

@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from pyarrow import csv
 
+from publisher.cli import main as store_main
+from publisher.dlrm import build_model
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.restore import restore
 from publisher.store import FileStore
@@ -309,3 +312,36 @@ def test_a_mistyped_data_set_is_named(tmp_path: Path, capsys: pytest.CaptureFixt
     assert status == 1 and json.loads(out)["error"]["type"] == "CommandError"
     assert "'movielen' is neither a data set (movielens, synthetic) nor a file" in err
     assert "did you mean 'movielens'?" in err and "no suffix" not in err
+
+
+def test_restore_model_only_loads_strictly_into_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"file://{tmp_path}/store"
+    assert run(capsys, *SYNTHETIC, "--store", url, "--max-samples", "2048")[0] == 0
+    head = Catalog(FileStore(tmp_path / "store"), "synthetic").latest()
+    assert head is not None
+    model = build_model(head.manifest.model_config_)  # the architecture the manifest describes
+
+    full, only = tmp_path / "full.pt", tmp_path / "model.pt"
+    restore_args = ["restore", "--store", url, "--model", "synthetic", "--json", "--out"]
+    assert store_main([*restore_args, str(full)]) == 0
+    assert store_main([*restore_args, str(only), "--model-only"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["model_only"] is True
+
+    state_dict = torch.load(only, weights_only=True)  # our own local file
+    model.load_state_dict(state_dict, strict=True)
+    assert set(state_dict) == set(model.state_dict())
+
+    # The default file (README "Restore files"): the state_dict carries each table's per-row
+    # optimizer columns too, so a strict load needs them dropped (or --model-only).
+    payload = torch.load(full, weights_only=True)
+    assert set(payload) == {"state_dict", "optimizer", "optimizer_meta", "manifest"}
+    rows = {k for k in payload["state_dict"] if k.endswith(".__optimizer_rows__")}
+    assert rows == {f"embeddings.c{i}.__optimizer_rows__" for i in range(1, 27)}
+    with pytest.raises(RuntimeError, match="__optimizer_rows__"):
+        model.load_state_dict(payload["state_dict"], strict=True)
+    weights = {k: v for k, v in payload["state_dict"].items() if k not in rows}
+    assert weights.keys() == state_dict.keys()
+    for key, value in state_dict.items():
+        assert torch.equal(weights[key], value), key
