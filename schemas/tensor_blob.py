@@ -47,12 +47,13 @@ def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     try:
         header = json.loads(data[8 : 8 + header_len])
         tensors = st_load(data)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+    # RecursionError: json's decoder recurses once per nesting level of hostile bytes.
+    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise TensorBlobError(f"invalid tensor blob: {exc}") from exc
     raw_meta = (header.get("__metadata__") or {}).get("checknrun", "{}")
     try:
         meta = json.loads(raw_meta)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise TensorBlobError(f"invalid tensor blob metadata: {exc}") from exc
     if not isinstance(meta, dict):
         raise TensorBlobError("tensor blob metadata must be a JSON object")

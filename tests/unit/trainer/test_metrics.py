@@ -54,3 +54,12 @@ def test_ties_count_half_and_window_resets() -> None:
     metrics.update(torch.tensor([-3.0, 3.0]), torch.tensor([1.0, 0.0]))
     assert metrics.window()["auc"] == 0.0
     assert metrics.cumulative()["auc_cumulative"] == 0.5
+
+
+def test_nan_scores_of_a_diverged_model_count_as_no_information() -> None:
+    # The trainer goes on to its checkpoint, which refuses the NaN state (test_non_finite.py).
+    m = ProgressiveMetrics()
+    m.update(torch.tensor([math.nan, 2.0, -2.0, math.nan]), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    window = m.window()
+    assert window["samples"] == 4 and window["auc"] == 0.875  # the two NaNs tie at logit 0
+    assert math.isnan(window["logloss"])
