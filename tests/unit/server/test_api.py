@@ -495,6 +495,35 @@ def test_metrics_exposition(served: Served) -> None:
         assert line in text, line
 
 
+def _request_series(text: str) -> list[dict[str, str]]:
+    prefix = "checknrun_server_http_requests_total{"
+    series = []
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            labels = line[len(prefix) : line.index("}")]
+            series.append(dict(pair.split("=", 1) for pair in labels.split(",")))
+    return [{k: v.strip('"') for k, v in s.items()} for s in series]
+
+
+def test_made_up_methods_and_paths_add_no_metric_series(served: Served) -> None:
+    for i in range(300):
+        served.client.request(f"M{i}", "/v1/predict")
+        served.client.get(f"/made/up/{i}")
+    for i in range(3):
+        served.client.request(chr(ord("A") + i) * 8000, "/v1/model")
+    text = served.client.get("/metrics").text
+    series = _request_series(text)
+    methods = {s["method"] for s in series}
+    routes = {s["route"] for s in series}
+    assert methods <= {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "other"}
+    assert "other" in methods
+    paths = {*served.client.get("/openapi.json").json()["paths"], "/openapi.json", "unmatched"}
+    assert routes <= paths
+    assert len(series) < 20 and len(text) < 32 * 1024, (len(series), len(text))
+    other = [s for s in series if s["method"] == "other" and s["route"] == "/v1/predict"]
+    assert other == [{"route": "/v1/predict", "method": "other", "status": "405"}]
+
+
 def test_no_response_exposes_the_token_or_the_store(served: Served) -> None:
     texts = [
         served.client.get(p).text
