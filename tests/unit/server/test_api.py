@@ -430,6 +430,40 @@ def test_predict_rejects_non_finite_numbers(served: Served) -> None:
     assert r.status_code == 422
 
 
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/v1/predict", b'{"examples": [{"\\ud800": 1}]}'),  # a lone surrogate as a name
+        ("/v1/predict", b'{"examples": [{"d0": "\\udfff", "d1": 1, "f0": 1, "f1": 1}]}'),
+        ("/v1/predict", b'{"examples": [{"d0": 1}], "\\ud800": 1}'),
+        ("/v1/model/pin", b'{"version": 1, "\\ud800": "\\ud800"}'),
+    ],
+)
+def test_lone_surrogates_are_a_short_4xx(served: Served, path: str, raw: bytes) -> None:
+    headers = {"Content-Type": "application/json", **AUTH}
+    r = served.client.post(path, content=raw, headers=headers)
+    assert r.status_code == 422, r.text
+    assert len(r.content) < 4096 and isinstance(r.json()["detail"], list)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"examples": [{f"k{i}": "x" for i in range(3000)}]},  # wrong types and unknown names
+        {"examples": [[i] for i in range(5000)]},  # not objects (and above the batch cap)
+        {"examples": [_example()], **{f"k{i}": 1 for i in range(5000)}},  # unknown fields
+    ],
+)
+def test_a_body_full_of_mistakes_gets_a_capped_report(served: Served, body: object) -> None:
+    raw = json.dumps(body).encode()
+    assert len(raw) < 64 * 1024  # under the body cap: parsed and validated
+    r = served.client.post("/v1/predict", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code in (413, 422), r.text
+    assert len(r.content) < 16 * 1024, len(r.content)
+    detail = r.json()["detail"]
+    assert isinstance(detail, str) or len(detail) <= 51
+
+
 def test_batch_above_the_cap_is_413(served: Served) -> None:
     r = served.client.post("/v1/predict", json={"examples": [_example()] * 17})
     assert r.status_code == 413 and "16" in r.json()["detail"]
