@@ -33,6 +33,11 @@ class ApplyError(ServerError, BadDataError):
     """
 
 
+class NonFiniteError(ApplyError):
+    """A version whose decoded rows or dense tensors hold NaN or Inf: every prediction touching
+    them would score NaN, so it is rejected like any other bad version."""
+
+
 class ShuttingDownError(ServerError, UnavailableError):
     """The server is stopping: an apply in progress was abandoned before its next version."""
 

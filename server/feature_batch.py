@@ -1,4 +1,5 @@
-"""Turn a predict request's examples into the model's input tensors, checking every value.
+"""Turn a predict request's examples into the model's input tensors, checking every value, and
+check the scores the model gives them.
 
 Each example maps every feature of the model config to a value:
 
@@ -253,3 +254,27 @@ def build_batch(
 
     problems.raise_if_any()
     return FeatureBatch(dense=torch.from_numpy(dense), sparse=sparse)
+
+
+def check_scores(scores: torch.Tensor, version: int) -> None:
+    """FeatureValidationError naming every example whose score is not finite.
+
+    Served weights are finite (a version holding NaN or Inf is rejected), so a NaN score comes
+    from an example whose values overflow the model's float32 arithmetic (a dense value near
+    3e38 gives inf - inf). JSON has no NaN: answering `null` would pass for a score, so the
+    request is refused like any other it cannot score.
+    """
+    bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
+    if not bad:
+        return
+    problems = _Problems()
+    for i in bad[: problems.room()]:
+        problems.add(
+            i,
+            None,
+            f"version {version} gives no finite score for this example: its values overflow "
+            "the model's float32 arithmetic",
+            "score_not_finite",
+        )
+    problems.add_unreported(len(bad) - len(problems.items))
+    problems.raise_if_any()

@@ -464,6 +464,16 @@ def test_a_body_full_of_mistakes_gets_a_capped_report(served: Served, body: obje
     assert isinstance(detail, str) or len(detail) <= 51
 
 
+def test_an_example_without_a_finite_score_is_a_422_never_null(served: Served) -> None:
+    # Finite weights, finite inputs, yet 3e38 - 3e38 overflows float32 inside the model: NaN.
+    overflowing = _example(d0=3e38, d1=-3e38)
+    r = served.client.post("/v1/predict", json={"examples": [_example(), overflowing]})
+    assert r.status_code == 422, r.text
+    (problem,) = r.json()["detail"]
+    assert problem["loc"] == ["body", "examples", 1] and problem["type"] == "score_not_finite"
+    assert served.client.post("/v1/predict", json={"examples": [_example()]}).is_success
+
+
 def test_batch_above_the_cap_is_413(served: Served) -> None:
     r = served.client.post("/v1/predict", json={"examples": [_example()] * 17})
     assert r.status_code == 413 and "16" in r.json()["detail"]
