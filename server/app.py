@@ -81,6 +81,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             source,
             poll_head_after_s=settings.poll_head_after_s,
             retry_after_error_s=settings.retry_initial_s,
+            min_reconcile_interval_s=settings.min_reconcile_interval_s,
         )
         loop = FollowLoop(
             live,

@@ -268,6 +268,7 @@ class FollowLoop:
         counts.update(
             received=stats.received,
             reconciles=stats.reconciles,
+            coalesced=stats.coalesced,
             head_polls=stats.head_polls,
             store_errors=stats.store_errors,
         )

@@ -124,6 +124,12 @@ class ServerSettings(BaseSettings):
     poll_head_after_s: float = Field(
         default=30.0, gt=0, description="read HEAD after this long without announcements"
     )
+    min_reconcile_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="announcements with a gap reconcile from the store at most once per this "
+        "long; more within it wait for one reconcile at its end (0 = no limit)",
+    )
     retry_initial_s: float = Field(default=1.0, gt=0, description="first retry after a failure")
     retry_max_s: float = Field(default=60.0, gt=0, description="cap of the retry backoff")
     bus_start: Literal["latest", "earliest"] = Field(
