@@ -43,8 +43,8 @@ class PredictRequest(BaseModel):
     The schema documents each example, but validating them is left to
     `server.feature_batch.build_batch`, which checks them against the served model with work
     bounded by the body and a capped report: pydantic builds an error for every bad value, and
-    FastAPI a JSON entry echoing its input (210k of them, 24 MB and 5.6 s of CPU for one 1 MiB
-    body of bad values).
+    FastAPI a JSON entry echoing its input (210k of them, a 24 MB answer and 5.6 s of CPU for
+    one 770 KB body of bad values).
     """
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [_EXAMPLE]})
