@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=DEFAULT_TOKEN_ENV,
         metavar="VAR",
         help="environment variable holding the admin bearer token "
-        "(default %(default)s); unset = admin endpoints disabled",
+        "(default %(default)s); only the one named counts; unset = admin endpoints disabled",
     )
     p.add_argument("--environment", choices=["development", "production"])
     p.add_argument(
@@ -98,7 +98,9 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         bus_start=args.bus_start,
     )
     if args.admin_token_env != DEFAULT_TOKEN_ENV:
-        # The default variable is read by the settings themselves; another one is read here.
+        # The default variable is read by the settings themselves; another one is read here,
+        # and is then the only one that counts: unset, admin stays disabled even if the
+        # default variable is set (it used to enable admin with that one).
         overrides["admin_token"] = SecretStr(token_value) if token_value else None
     return load_settings(**overrides)
 

@@ -32,7 +32,7 @@ from publisher.codecs import CodecError
 from publisher.read.follower import VersionFollower
 from publisher.store import IntegrityError, StoreError
 from schemas.errors import BadDataError, FormatError
-from server.errors import ApplyError, PinnedError, ShuttingDownError
+from server.errors import ApplyError, NonFiniteError, PinnedError, ShuttingDownError
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics
 
@@ -50,6 +50,8 @@ def rejection_reason(exc: BadDataError) -> str:
         return "format"
     if isinstance(exc, CodecError):
         return "codec"
+    if isinstance(exc, NonFiniteError):
+        return "non_finite"
     if isinstance(exc, ApplyError):
         return "layout"
     return "restore"
@@ -266,6 +268,7 @@ class FollowLoop:
         counts.update(
             received=stats.received,
             reconciles=stats.reconciles,
+            coalesced=stats.coalesced,
             head_polls=stats.head_polls,
             store_errors=stats.store_errors,
         )

@@ -33,7 +33,7 @@ from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob
 from schemas.manifest import Manifest, TableEntry
 from schemas.tensor_blob import decode_tensors
-from server.errors import ApplyError
+from server.errors import ApplyError, NonFiniteError
 
 #: blobs of one version fetched at once (network-bound on S3; hashing releases the GIL).
 FETCH_CONCURRENCY = 4
@@ -66,8 +66,26 @@ class FetchedVersion:
 
     def decode_rows(self) -> dict[str, BlobRows]:
         """Every table's rows decoded to float32, for `ModelBuffer.assign_rows` (tables without
-        rows are left out)."""
-        return {t.name: decode_blob(t.blob) for t in self.tables if t.blob.n_rows}
+        rows are left out). NonFiniteError if any decoded value is NaN or Inf."""
+        decoded = {t.name: decode_blob(t.blob) for t in self.tables if t.blob.n_rows}
+        for name, rows in decoded.items():
+            check_finite(self.manifest, f"rows of table {name!r}", rows.values)
+        return decoded
+
+
+def check_finite(manifest: Manifest, what: str, values: np.ndarray) -> None:
+    """NonFiniteError unless every value of `values` is finite.
+
+    A float64 sum is finite exactly when every float32 term is (float32's largest value times
+    any array size that fits in memory stays far below float64's), and NaN or Inf propagate
+    through it; it costs one pass and no temporary array (37 ms for 1M x 64, where
+    `isfinite().all()` allocates a 64 MB mask).
+    """
+    if not np.isfinite(np.sum(values, dtype=np.float64)):
+        raise NonFiniteError(
+            f"version {manifest.version} ({manifest.kind}): {what} hold NaN or Inf; serving them "
+            "would answer NaN scores"
+        )
 
 
 def fetch_version(
@@ -228,18 +246,26 @@ class ModelBuffer:
                         f"does not match the model "
                         f"({None if target is None else tuple(target.shape)})"
                     )
+                check_finite(m, f"dense tensor {name!r}", value)
 
     # --- writes ---------------------------------------------------------------------------------
 
     def write(self, fetched: FetchedVersion, touched: Touched) -> None:
-        """Decode `fetched` into this buffer (call `check` first), recording what changed."""
+        """Decode `fetched` into this buffer (call `check` first), recording what changed.
+
+        NonFiniteError if a decoded row is NaN or Inf, after recording it in `touched` (the
+        caller repairs or drops this buffer, which no reader sees while it is written).
+        """
         for table in fetched.tables:
             # A blob of every row decodes in place: a full table costs no second copy of itself.
-            rows = write_blob(table.blob, self.tables[table.name].numpy())
+            weights = self.tables[table.name].numpy()
+            rows = write_blob(table.blob, weights)
             if rows is None:
                 touched.add_whole(table.name)
             else:
                 touched.add_rows(table.name, rows)
+            what = f"rows of table {table.name!r}"
+            check_finite(fetched.manifest, what, weights if rows is None else rows.values)
         if fetched.dense is not None:
             for name, value in fetched.dense.items():
                 self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
