@@ -1,8 +1,9 @@
 """Server processes against hostile announcements, a corrupt blob, SIGKILL; two trainers.
 
-The follower's validation of each bad announcement is unit-tested in tests/unit/publisher/test_follower.py;
-here the bytes travel through a real Kafka topic into a real `checknrun serve`, whose
-`follower_events_total{reason}` must count each while it keeps serving its version.
+The follower's validation of each bad announcement is unit-tested in
+tests/unit/publisher/test_follower.py; here the bytes travel through a real Kafka topic into a real
+`checknrun serve`, whose `follower_events_total{reason}` must count each while it keeps serving its
+version.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A real `checknrun train` on MinIO + Kafka, SIGKILLed at each step of a publish, then resumed.
 
-What tests/unit/publisher/test_version_writer.py proves on a file store with a tiny writer script, this proves
-end to end on s3:// with the real trainer: the store stays consistent at every stage, a reader
-polling HEAD and restoring meanwhile never meets a half version, `--resume` continues from the
-last committed version at exactly its reader offset, and gc removes the dead writer's orphans
+What tests/unit/publisher/test_version_writer.py proves on a file store with a tiny writer script,
+this proves end to end on s3:// with the real trainer: the store stays consistent at every stage, a
+reader polling HEAD and restoring meanwhile never meets a half version, `--resume` continues from
+the last committed version at exactly its reader offset, and gc removes the dead writer's orphans
 once they are older than the grace period (and not before).
 """
 

@@ -1,10 +1,10 @@
 """Fuzz target for the delta blob reader: hostile bytes raise a `FormatError`, nothing else.
 
-Under pytest (run it explicitly, `pytest tests/unit/schemas/fuzz_delta_blob.py`, or add ``fuzz_*.py`` to
-``python_files``) hypothesis mutates valid blobs (bit flips, truncation, insertion, deletion,
-header edits and section swaps with the header length and crc32 recomputed, so the mutation
-reaches the checks behind the crc) and throws random bytes, for a bounded number of examples.
-Run as a script with atheris installed for coverage-guided fuzzing::
+Under pytest (run it explicitly, `pytest tests/unit/schemas/fuzz_delta_blob.py`, or add
+``fuzz_*.py`` to ``python_files``) hypothesis mutates valid blobs (bit flips, truncation,
+insertion, deletion, header edits and section swaps with the header length and crc32 recomputed, so
+the mutation reaches the checks behind the crc) and throws random bytes, for a bounded number of
+examples. Run as a script with atheris installed for coverage-guided fuzzing::
 
     python tests/unit/schemas/fuzz_delta_blob.py -atheris_runs=1000000
 
