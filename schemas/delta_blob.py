@@ -37,7 +37,8 @@ Where FORMAT.md leaves a choice, this reader: takes 20 bytes (prefix + crc32) as
 length; raises `BadHeaderError` for header_len 0 and `BlobTooLargeError` past the header cap;
 checks the section-length rules (`SectionLengthError`) with the size arithmetic, before the exact
 length; accepts a varint `rows` raw_len in n_rows..5*n_rows and leaves exact consumption to the
-row check; rejects duplicate JSON keys, NaN/Infinity and lone surrogates as `BadHeaderError`; and
+row check; parses the header by the JSON rule of every document (schemas/strict_json.py:
+duplicate keys, NaN/Infinity and lone surrogates are a `BadHeaderError`); and
 wants a zstd section to be exactly one frame whose declared content size, if any, is raw_len.
 Padding bits of int codes are not checked (no error type exists for them).
 
@@ -53,12 +54,13 @@ import struct
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from schemas import strict_json
 from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes, scale_bias_bytes
 from schemas.errors import (
     BadHeaderError,
@@ -502,18 +504,7 @@ def _read_header(buf: memoryview, limits: BlobLimits, *, whole_blob: bool) -> Bl
 
 def _parse_header(raw: bytes) -> BlobHeader:
     """The header from its JSON bytes, with every field's type and range checked."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadHeaderError(f"header is not UTF-8: {exc}") from exc
-    try:
-        obj = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except BadHeaderError:
-        raise
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError and ints past the interpreter's digit limit;
-        # RecursionError a deeply nested array.
-        raise BadHeaderError(f"header is not JSON: {exc}") from exc
+    obj = strict_json.loads(raw, BadHeaderError, "header")
     fields = _exact_fields(obj, _HEADER_FIELDS, "header")
 
     table = _check_table_name(fields["table"], BadHeaderError)
@@ -601,20 +592,6 @@ def _exact_fields(obj: object, names: tuple[str, ...], where: str) -> Mapping[st
     if extra:
         raise BadHeaderError(f"{where} has unknown field(s) {extra}, expected only {list(names)}")
     return obj
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of duplicate keys; two readers could then disagree on a field.
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise BadHeaderError(f"duplicate key {key!r} in header, expected unique keys")
-        obj[key] = value
-    return obj
-
-
-def _no_constant(name: str) -> NoReturn:
-    raise BadHeaderError(f"{name} in header, expected plain JSON (no NaN or Infinity)")
 
 
 def _expected_raw_len(header: BlobHeader, name: SectionName) -> int:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
+from schemas.store_keys import is_safe_key
 
 
 class StoreError(CheckNRunError):
@@ -50,16 +51,8 @@ class ObjectInfo:
 
 
 def check_key(key: str) -> str:
-    """Refuse keys that could escape the store's root or prefix."""
-    parts = key.split("/")
-    if (
-        not key
-        or key.startswith("/")
-        or "\\" in key
-        or any(p in ("", ".", "..") for p in parts)
-        or any(ord(c) < 0x20 for c in key)
-        or len(key) > 1024
-    ):
+    """Refuse keys that could escape the store's root or prefix (`schemas.store_keys`' rule)."""
+    if not is_safe_key(key):
         raise BadKeyError(f"unsafe store key {key!r}")
     return key
 

@@ -369,3 +369,23 @@ def test_a_raising_source_does_not_stop_head_polls(
     assert numbers(f.poll(None, 1.0)) == [1]
     writer.commit(draft("delta", 2))
     assert numbers(f.poll(1, 1.0)) == [2]
+
+
+def test_announcements_with_duplicate_keys_or_nan_are_bad_json(
+    store: FlakyStore, writer: VersionWriter
+) -> None:
+    # The same strictness as blob headers and manifests (schemas/strict_json.py): two readers
+    # that keep different copies of a duplicated key must never see different versions.
+    _, v2 = commit(writer, "full", "delta")
+    source = ListSource()
+    f = follower(store, source)
+    f._next_head_poll = float("inf")
+    good = wire(v2)
+    source.push(
+        good.replace(b'"version":2', b'"version":7,"version":2'),
+        good.replace(b'"total_bytes":', b'"total_bytes":NaN,"total_bytes":'),
+    )
+    assert f.poll(1, 0.2) == []
+    assert f.stats.ignored == {BAD_JSON: 2}
+    source.push(good)
+    assert numbers(f.poll(1, 1.0)) == [2]
