@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from publisher.store import NotFoundError, ObjectStore
 from schemas.errors import BadDataError, ManifestError
-from schemas.manifest import Head, Manifest, check_model_name
+from schemas.manifest import (
+    MAX_HEAD_BYTES,
+    MAX_MANIFEST_BYTES,
+    Head,
+    Manifest,
+    check_model_name,
+)
 from schemas.store_keys import head_key
 
 
@@ -46,7 +52,7 @@ class Catalog:
     def head(self) -> Head | None:
         """The HEAD record, or None when nothing was committed yet."""
         try:
-            data = self.store.get(head_key(self.model))
+            data = self.store.get(head_key(self.model), MAX_HEAD_BYTES)
         except NotFoundError:
             return None
         head = Head.from_json(data)
@@ -59,7 +65,7 @@ class Catalog:
         cached = self._manifests.get(key)
         if cached is not None:
             return cached
-        manifest = Manifest.from_json(self.store.get(key))
+        manifest = Manifest.from_json(self.store.get(key, MAX_MANIFEST_BYTES))
         if manifest.model != self.model:
             raise ManifestError(f"{key} holds model {manifest.model!r}, expected {self.model!r}")
         self._manifests[key] = manifest

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
@@ -40,6 +40,10 @@ class BadKeyError(StoreError, BadDataError):
     """A key that is not a safe relative path."""
 
 
+class ObjectTooLargeError(StoreError, BadDataError):
+    """An object is longer than its reader accepts; no more than that cap plus one byte was read."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One listed object."""
@@ -55,6 +59,18 @@ def check_key(key: str) -> str:
     if not is_safe_key(key):
         raise BadKeyError(f"unsafe store key {key!r}")
     return key
+
+
+def read_capped(key: str, read: Callable[[int | None], bytes], max_bytes: int | None) -> bytes:
+    """What `read(n)` (a file's or an HTTP body's read) returns for `key`, all of it when
+    `max_bytes` is None, else at most `max_bytes` bytes: one byte more is read to tell a longer
+    object, which raises ObjectTooLargeError."""
+    if max_bytes is None:
+        return read(None)
+    data = read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ObjectTooLargeError(f"{key} is longer than {max_bytes} bytes, the most read")
+    return data
 
 
 class ObjectStore(ABC):
@@ -74,8 +90,12 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        """The whole object and its ETag; NotFoundError if absent."""
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
+        """The whole object and its ETag; NotFoundError if absent.
+
+        With `max_bytes`, at most `max_bytes + 1` bytes are read (`read_capped`) and a longer
+        object raises ObjectTooLargeError: a hostile object costs the cap, not its size.
+        """
 
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -93,9 +113,9 @@ class ObjectStore(ABC):
     def exists(self, key: str) -> bool:
         """True if the object exists."""
 
-    def get(self, key: str) -> bytes:
-        """The whole object; NotFoundError if absent."""
-        return self.get_with_etag(key)[0]
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole object; NotFoundError if absent, ObjectTooLargeError past `max_bytes`."""
+        return self.get_with_etag(key, max_bytes)[0]
 
     def get_verified(self, key: str, size: int, sha256: str) -> bytes:
         """The object, checked against the size and sha256 a manifest promises."""

@@ -29,6 +29,8 @@ from publisher.store import NotFoundError, ObjectStore, PreconditionFailedError,
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from schemas.errors import CheckNRunError, ConflictError
 from schemas.manifest import (
+    MAX_HEAD_BYTES,
+    MAX_LEASE_BYTES,
     BlobRef,
     Head,
     Lease,
@@ -143,7 +145,7 @@ class VersionWriter:
     def _acquire_lease(self) -> None:
         key = lease_key(self.model)
         try:
-            data, etag = self.store.get_with_etag(key)
+            data, etag = self.store.get_with_etag(key, MAX_LEASE_BYTES)
         except NotFoundError:
             etag = None
         else:
@@ -213,7 +215,7 @@ class VersionWriter:
     def commit(self, draft: VersionDraft) -> VersionRef:
         """Write a draft as the next version and move HEAD to it."""
         try:
-            head_data, head_etag = self.store.get_with_etag(head_key(self.model))
+            head_data, head_etag = self.store.get_with_etag(head_key(self.model), MAX_HEAD_BYTES)
         except NotFoundError:
             parent: VersionRef | None = None
             head_etag_or_none: str | None = None

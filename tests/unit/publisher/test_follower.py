@@ -57,10 +57,10 @@ class FlakyStore(FileStore):
 
     down = False
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         if self.down:
             raise StoreUnavailableError("injected outage")
-        return super().get_with_etag(key)
+        return super().get_with_etag(key, max_bytes)
 
 
 def draft(
