@@ -1,4 +1,4 @@
-"""Tunables of the publishing side, in one place, with their defaults.
+"""Tunables of the publishing and reading side, in one place, with their defaults.
 
 Tests override them by passing another `Tunables` (it is a frozen dataclass: use `replace`).
 """
@@ -20,6 +20,9 @@ class Tunables:
     zstd_level: int = 1
     #: rows encoded per chunk (keeps codec work in cache).
     encode_chunk_rows: int = 16384
+    #: manifests a catalog keeps in memory, least recently used evicted first (tens of KiB
+    #: each); a restore chain longer than this is read again by the next plan that needs it.
+    manifest_cache_size: int = 256
 
 
 DEFAULT_TUNABLES = Tunables()

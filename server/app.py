@@ -74,7 +74,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         torch.set_num_threads(settings.torch_threads)
         store = open_store(settings.store)
         source = open_source(settings.bus, start=settings.bus_start) if settings.bus else None
-        live = LiveModel(store, settings.model, scheme=settings.consistency, metrics=metrics)
+        live = LiveModel(
+            store,
+            settings.model,
+            scheme=settings.consistency,
+            metrics=metrics,
+            manifest_cache_size=settings.manifest_cache_size,
+        )
         follower = VersionFollower(
             live.catalog,
             source,

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import plan_versions
 from publisher.store import ObjectStore
+from publisher.tunables import DEFAULT_TUNABLES
 from server.consistency import ModelSlot, UpdateResult, make_slot
 from server.errors import PinnedError, ShuttingDownError
 from server.metrics import ServerMetrics
@@ -59,9 +60,10 @@ class LiveModel:
         *,
         scheme: ConsistencyScheme = "double-buffer",
         metrics: ServerMetrics | None = None,
+        manifest_cache_size: int = DEFAULT_TUNABLES.manifest_cache_size,
     ) -> None:
         self.store = store
-        self.catalog = Catalog(store, model)
+        self.catalog = Catalog(store, model, cache_size=manifest_cache_size)
         self.model_name = self.catalog.model
         self.slot: ModelSlot = make_slot(scheme)
         self.metrics = metrics or ServerMetrics()

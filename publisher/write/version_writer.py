@@ -124,7 +124,7 @@ class VersionWriter:
         self.token = uuid.uuid4().hex[:16]
         self.tunables = tunables
         self.crash_hook = crash_hook
-        self.catalog = Catalog(store, model)
+        self.catalog = Catalog(store, model, cache_size=tunables.manifest_cache_size)
         self._lease_etag: str | None = None
         self._lease_lock = threading.Lock()
         self._stop = threading.Event()
