@@ -61,15 +61,25 @@ def check_key(key: str) -> str:
     return key
 
 
-def read_capped(key: str, read: Callable[[int | None], bytes], max_bytes: int | None) -> bytes:
+def read_capped(
+    key: str, read: Callable[[int | None], bytes], max_bytes: int | None, size: int | None = None
+) -> bytes:
     """What `read(n)` (a file's or an HTTP body's read) returns for `key`, all of it when
     `max_bytes` is None, else at most `max_bytes` bytes: one byte more is read to tell a longer
-    object, which raises ObjectTooLargeError."""
+    object, which raises ObjectTooLargeError.
+
+    `size` is the object's length when known (a file's): a file read allocates its whole
+    request up front, so a small object is not read into a buffer of the cap, and a longer one
+    is refused unread.
+    """
     if max_bytes is None:
         return read(None)
-    data = read(max_bytes + 1)
+    too_long = ObjectTooLargeError(f"{key} is longer than {max_bytes} bytes, the most read")
+    if size is not None and size > max_bytes:
+        raise too_long
+    data = read((max_bytes if size is None else size) + 1)
     if len(data) > max_bytes:
-        raise ObjectTooLargeError(f"{key} is longer than {max_bytes} bytes, the most read")
+        raise too_long
     return data
 
 

@@ -88,7 +88,7 @@ class FileStore(ObjectStore):
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                return read_capped(key, f.read, max_bytes), _etag(st)
+                return read_capped(key, f.read, max_bytes, st.st_size), _etag(st)
         except FileNotFoundError as exc:
             raise NotFoundError(f"{key} not found in {self.url}") from exc
         except OSError as exc:

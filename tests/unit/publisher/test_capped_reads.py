@@ -96,3 +96,17 @@ def test_a_huge_head_at_commit_costs_the_writer_the_cap(tmp_path: Path) -> None:
     )
     with VersionWriter(store, "m") as writer:
         assert _peak_of_refusal(lambda: writer.commit(draft)) < MiB
+
+
+def test_a_small_object_read_under_a_large_cap_costs_its_size(tmp_path: Path) -> None:
+    # A file read allocates what it is asked for: asking for the 16 MiB cap to read a 1 KiB
+    # manifest cost 16 MiB per read.
+    store = FileStore(tmp_path)
+    store.put("m/x", b"a" * 1024)
+    tracemalloc.start()
+    try:
+        assert store.get("m/x", MAX_MANIFEST_BYTES) == b"a" * 1024
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
