@@ -43,8 +43,8 @@ wants a zstd section to be exactly one frame whose declared content size, if any
 Padding bits of int codes are not checked (no error type exists for them).
 
 Decoding is zero-copy for uncompressed sections: the arrays of the returned `DeltaBlob` are
-read-only numpy views into the input buffer. The caps live in `BlobLimits` so tests can lower
-them.
+read-only numpy views into the input buffer. The caps live in `BlobLimits`: a reader that knows
+the blob's table passes `BlobLimits.for_table` (its manifest entry's shape), tests lower them.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from schemas.row_index import (
     MAX_VARINT_BYTES,
     ROW_ENCODINGS,
     RowEncoding,
+    bitmap_size,
     choose_encoding,
     decode_row_ids,
     encode_row_ids,
@@ -138,6 +139,24 @@ class BlobLimits:
     max_dim: int = MAX_DIM
     max_aux_dim: int = MAX_AUX_DIM
     max_table_rows: int = MAX_TABLE_ROWS
+
+    @classmethod
+    def for_table(
+        cls, *, codec: str, dim: int, table_rows: int, n_rows: int, aux_dim: int, size: int
+    ) -> BlobLimits:
+        """Caps that admit a blob of exactly this shape and `size` bytes and nothing larger:
+        what a reader that knows the blob's table (its manifest entry) passes, so a blob
+        declaring more rows, wider rows or bigger sections than that table is refused from its
+        header, before anything is inflated. Any row encoding fits: the row index may take
+        up to a bitmap's or n_rows varints' length, whichever is larger."""
+        rows_len = max(bitmap_size(table_rows), MAX_VARINT_BYTES * n_rows)
+        return cls(
+            max_total_bytes=max(size, MIN_BLOB_BYTES),
+            max_decoded_bytes=_decoded_bytes(codec, dim, n_rows, aux_dim, rows_len),
+            max_dim=dim,
+            max_aux_dim=aux_dim,
+            max_table_rows=table_rows,
+        )
 
     def __post_init__(self) -> None:
         bounds = {
@@ -595,16 +614,27 @@ def _exact_fields(obj: object, names: tuple[str, ...], where: str) -> Mapping[st
 
 
 def _expected_raw_len(header: BlobHeader, name: SectionName) -> int:
-    n = header.n_rows
     if name == "rows":
         if header.row_encoding == "bitmap":
-            return (header.table_rows + 7) // 8
+            return bitmap_size(header.table_rows)
         return 0  # "all"; varint lengths are a range, handled by the caller
-    if name == "codes":
-        return n * row_bytes(header.codec, header.dim)
-    if name == "scale_bias":
-        return scale_bias_bytes(header.codec, n)
-    return 4 * n * header.aux_dim
+    return _row_sections(header.codec, header.dim, header.n_rows, header.aux_dim)[name]
+
+
+def _row_sections(codec: str, dim: int, n_rows: int, aux_dim: int) -> dict[SectionName, int]:
+    """The raw lengths of the sections that hold `n_rows` rows: codes, scale_bias and aux."""
+    return {
+        "codes": n_rows * row_bytes(codec, dim),
+        "scale_bias": scale_bias_bytes(codec, n_rows),
+        "aux": 4 * n_rows * aux_dim,
+    }
+
+
+def _decoded_bytes(codec: str, dim: int, n_rows: int, aux_dim: int, rows_len: int) -> int:
+    """What decoding costs (`BlobLimits.max_decoded_bytes` caps it): every raw section, the
+    `rows_len` bytes of the row index included, plus 8 bytes per decoded row id."""
+    sections = sum(_row_sections(codec, dim, n_rows, aux_dim).values())
+    return _ROW_ID_BYTES * n_rows + rows_len + sections
 
 
 def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
@@ -634,7 +664,9 @@ def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
     expected = {name: _expected_raw_len(header, name) for name in SECTION_NAMES}
     if header.row_encoding == "varint":
         expected["rows"] = header.sections[0].raw_len
-    decoded = _ROW_ID_BYTES * header.n_rows + sum(expected.values())
+    decoded = _decoded_bytes(
+        header.codec, header.dim, header.n_rows, header.aux_dim, expected["rows"]
+    )
     if decoded > limits.max_decoded_bytes:
         raise BlobTooLargeError(
             f"decoding needs {decoded} bytes ({header.n_rows} rows of codec {header.codec}, dim "

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from schemas import strict_json
 from schemas.codec_names import CODECS
+from schemas.delta_blob import BlobLimits
 from schemas.errors import ManifestError
 from schemas.store_keys import check_key
 
@@ -115,6 +116,19 @@ class TableEntry(_Frozen):
     def full_fp32_bytes(self) -> int:
         """This table's share of a full fp32 checkpoint: every row and its optimizer columns."""
         return full_fp32_bytes([(self.rows, self.dim, self.aux_dim)])
+
+    @property
+    def blob_limits(self) -> BlobLimits:
+        """The decoder's caps for this entry's blob: its shape and size, nothing larger, so a
+        blob that declares more than its entry is refused before it is inflated."""
+        return BlobLimits.for_table(
+            codec=self.codec,
+            dim=self.dim,
+            table_rows=self.rows,
+            n_rows=self.rows_in_checkpoint,
+            aux_dim=self.aux_dim,
+            size=self.blob.size,
+        )
 
 
 class Position(_Frozen):

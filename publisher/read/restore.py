@@ -65,9 +65,12 @@ class RestoredState:
 
 
 def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
-    """Fetch, verify and decode one table blob, checking it matches its manifest entry."""
+    """Fetch, verify and decode one table blob, checking it matches its manifest entry.
+
+    The decoder's caps are the entry's (`TableEntry.blob_limits`): a blob declaring a bigger
+    table than its entry fails on its header, before a byte is inflated."""
     data = store.get_verified(entry.blob.key, entry.blob.size, entry.blob.sha256)
-    blob = decode_delta_blob(data)
+    blob = decode_delta_blob(data, limits=entry.blob_limits)
     expected = (
         entry.name,
         entry.codec,
