@@ -23,6 +23,9 @@ class Tunables:
     #: manifests a catalog keeps in memory, least recently used evicted first (tens of KiB
     #: each); a restore chain longer than this is read again by the next plan that needs it.
     manifest_cache_size: int = 256
+    #: most bytes restoring a version (a trainer's resume) may allocate, checked on its manifest
+    #: first (publisher/memory_budget.py); None: 3/4 of the machine's memory.
+    memory_budget_bytes: int | None = None
 
 
 DEFAULT_TUNABLES = Tunables()

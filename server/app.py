@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 
 from publisher.bus import open_source
+from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import NoVersionError
 from publisher.read.follower import VersionFollower
 from publisher.store import StoreUnavailableError, open_store
@@ -80,6 +81,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             scheme=settings.consistency,
             metrics=metrics,
             manifest_cache_size=settings.manifest_cache_size,
+            memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
         )
         follower = VersionFollower(
             live.catalog,

@@ -86,6 +86,12 @@ class ServerSettings(BaseSettings):
         "(never while pinned); None = readiness only needs the bootstrap",
     )
 
+    memory_budget_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="most bytes the served model's copies may take (checked on each new "
+        "version's manifest before anything is allocated); None = 3/4 of the machine's memory",
+    )
     manifest_cache_size: int = Field(
         default=DEFAULT_TUNABLES.manifest_cache_size,
         ge=1,
