@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from schemas.errors import ManifestError
 
+MAX_KEY_CHARS = 1024
+
 
 def head_key(model: str) -> str:
     return f"{model}/HEAD"
@@ -44,18 +46,27 @@ def is_manifest_key(model: str, key: str) -> bool:
     return key.startswith(manifests_prefix(model)) and key.endswith(".json")
 
 
+def is_safe_key(key: str) -> bool:
+    """Whether `key` is a safe relative store key: the one rule the stores enforce on every key
+    they touch and manifests on every key they name, so a key a manifest may hold is a key
+    every store (and gc) can read and delete.
+
+    Safe: 1..MAX_KEY_CHARS characters, no control characters or backslash, and `/`-separated
+    segments none of which is empty, `.` or `..` (no leading, trailing or doubled slash).
+    """
+    return (
+        0 < len(key) <= MAX_KEY_CHARS
+        and "\\" not in key
+        and not any(ord(c) < 0x20 for c in key)
+        and not any(part in ("", ".", "..") for part in key.split("/"))
+    )
+
+
 def check_key(model: str, key: str) -> str:
     """Return `key` if it is a safe store key owned by `model`, else raise ManifestError.
 
     Keys come from fetched JSON: they must never reach outside the model's own prefix.
     """
-    if (
-        not key.startswith(model + "/")
-        or ".." in key.split("/")
-        or "\\" in key
-        or "//" in key
-        or any(ord(c) < 0x20 for c in key)
-        or len(key) > 1024
-    ):
+    if not key.startswith(model + "/") or not is_safe_key(key):
         raise ManifestError(f"key {key!r} is not a safe key under {model + '/'!r}")
     return key

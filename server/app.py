@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from publisher.bus import open_source
+from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import NoVersionError
 from publisher.read.follower import VersionFollower
 from publisher.store import StoreUnavailableError, open_store
@@ -75,7 +76,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
         torch.set_num_threads(settings.torch_threads)
         store = open_store(settings.store)
         source = open_source(settings.bus, start=settings.bus_start) if settings.bus else None
-        live = LiveModel(store, settings.model, scheme=settings.consistency, metrics=metrics)
+        live = LiveModel(
+            store,
+            settings.model,
+            scheme=settings.consistency,
+            metrics=metrics,
+            manifest_cache_size=settings.manifest_cache_size,
+            memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
+        )
         follower = VersionFollower(
             live.catalog,
             source,

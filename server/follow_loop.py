@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from publisher.codecs import CodecError
+from publisher.memory_budget import MemoryBudgetError
 from publisher.read.follower import VersionFollower
 from publisher.store import IntegrityError, StoreError
 from schemas.errors import BadDataError, FormatError
@@ -44,6 +45,8 @@ _T = TypeVar("_T")
 def rejection_reason(exc: BadDataError) -> str:
     """The `reason` label of a rejected version ("restore": anything else keeping it from being
     rebuilt, such as a RestoreError or a missing blob)."""
+    if isinstance(exc, MemoryBudgetError):
+        return "budget"
     if isinstance(exc, IntegrityError):
         return "integrity"
     if isinstance(exc, FormatError):

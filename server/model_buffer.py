@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from publisher.dlrm import DLRM, DLRMConfig, table_weight_names
+from publisher.memory_budget import MemoryBudget
 from publisher.read.blob_rows import BlobRows, decode_blob, write_blob
 from publisher.read.catalog import VersionRef
 from publisher.read.restore import read_blob
@@ -185,12 +186,14 @@ class ModelBuffer:
         self.readers = 0
 
     @classmethod
-    def for_manifest(cls, manifest: Manifest) -> ModelBuffer:
-        """An empty buffer with the architecture `manifest.model_config` describes."""
+    def for_manifest(cls, manifest: Manifest, budget: MemoryBudget, copies: int) -> ModelBuffer:
+        """An empty buffer with the architecture `manifest.model_config` describes, once
+        `copies` models of it fit `budget` (MemoryBudgetError before anything is allocated)."""
         try:
             config = DLRMConfig.from_json(manifest.model_config_)
         except ValueError as exc:
             raise ApplyError(f"version {manifest.version}: {exc}") from exc
+        budget.check_model(manifest, config, copies)
         return cls(config)
 
     @property
@@ -219,15 +222,20 @@ class ModelBuffer:
             for e in manifest.tables
         )
 
-    def check(self, fetched: FetchedVersion) -> None:
-        """Raise ApplyError unless every blob of `fetched` can be written to this buffer."""
-        m = fetched.manifest
+    def check_manifest(self, m: Manifest) -> None:
+        """Raise ApplyError unless `m` describes this buffer's architecture and table shapes:
+        checked before its blobs are fetched, whose decode caps come from those shapes."""
         if not self.fits(m):
             raise ApplyError(
                 f"version {m.version} ({m.kind}) has another architecture or table shapes than "
                 f"the served model: tables {[(e.name, e.rows, e.dim) for e in m.tables]}, "
                 f"served {[(n, *t.shape) for n, t in self.tables.items()]}"
             )
+
+    def check(self, fetched: FetchedVersion) -> None:
+        """Raise ApplyError unless every blob of `fetched` can be written to this buffer."""
+        m = fetched.manifest
+        self.check_manifest(m)
         if m.kind == "full":
             missing = set(self.tables) - {t.name for t in fetched.tables}
             if missing:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from publisher.tunables import DEFAULT_TUNABLES
 from schemas.manifest import check_model_name
 
 ENV_PREFIX = "CHECKNRUN_SERVER_"
@@ -118,6 +119,18 @@ class ServerSettings(BaseSettings):
         gt=0,
         description="/readyz answers 503 while a newer committed version has waited this long "
         "(never while pinned); None = readiness only needs the bootstrap",
+    )
+
+    memory_budget_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="most bytes the served model's copies may take (checked on each new "
+        "version's manifest before anything is allocated); None = 3/4 of the machine's memory",
+    )
+    manifest_cache_size: int = Field(
+        default=DEFAULT_TUNABLES.manifest_cache_size,
+        ge=1,
+        description="manifests kept in memory (least recently used evicted first)",
     )
 
     poll_timeout_s: float = Field(default=1.0, gt=0, description="longest wait of one bus poll")

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from publisher.memory_budget import MemoryBudget
 from publisher.read.restore import RestoredState, restore
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
@@ -144,6 +145,7 @@ class IncrementalCheckpointer:
             model, self.tables, self.optimizers, self.codecs, self.model_config
         )
         self.ledger = CheckpointRecords()
+        self.memory_budget = MemoryBudget.from_setting(tunables.memory_budget_bytes)
         self._closed = False
         #: the version `resume` loaded, if any.
         self.last_restored_version: int | None = None
@@ -347,9 +349,13 @@ class IncrementalCheckpointer:
 
         Returns its position; the step and sample counters continue from it. The next
         checkpoint is a full baseline: the restored version need not be HEAD's.
-        Raises `publisher.read.catalog.NoVersionError` when there is nothing to resume from.
+        Raises `publisher.read.catalog.NoVersionError` when there is nothing to resume from,
+        and `RestoreError` (before allocating) when its manifest declares more than
+        `Tunables.memory_budget_bytes`.
         """
-        state = restore(self.store, self.model_name, version, progress=progress)
+        state = restore(
+            self.store, self.model_name, version, progress=progress, budget=self.memory_budget
+        )
         self.load_state(state)
         self.last_restored_version = state.version
         return state.position

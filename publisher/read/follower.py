@@ -34,7 +34,6 @@ poll (`retry_after_error_s`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from typing import Final
 from publisher.bus.base import AnnouncementSource
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import plan_versions
+from schemas import strict_json
 from schemas.announcement import MAX_ANNOUNCEMENT_BYTES, Announcement
 from schemas.errors import AnnouncementError, CheckNRunError, ManifestError
 from schemas.manifest import Head
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 #: why a message was ignored, the keys of `FollowerStats.ignored`.
 OVERSIZED: Final = "oversized"  # longer than max_message_bytes
-BAD_JSON: Final = "bad_json"  # not UTF-8 JSON, or not an object
+BAD_JSON: Final = "bad_json"  # not strict UTF-8 JSON (schemas/strict_json.py), or not an object
 UNKNOWN_SCHEMA: Final = "unknown_schema"  # schema_version is not 1
 OTHER_MODEL: Final = "other_model"  # an announcement of another model (normal on a shared bus)
 BAD_KEY: Final = "bad_key"  # manifest_key outside MODEL/manifests/, or unsafe
@@ -296,8 +296,8 @@ class VersionFollower:
             self._ignore(OVERSIZED, f"{len(data)} bytes > {self.max_message_bytes}")
             return None
         try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            obj = strict_json.loads(data, AnnouncementError, "announcement")
+        except AnnouncementError as exc:
             self._ignore(BAD_JSON, str(exc)[:200])
             return None
         if not isinstance(obj, dict):

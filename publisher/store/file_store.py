@@ -21,6 +21,7 @@ from publisher.store.base import (
     PreconditionFailedError,
     StoreError,
     check_key,
+    read_capped,
 )
 
 _LOCK_DIR = ".checknrun-locks"
@@ -82,12 +83,12 @@ class FileStore(ObjectStore):
                 raise PreconditionFailedError(f"{key}: expected {want}, found {have}")
             return self.put(key, data)
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
-                return f.read(), _etag(st)
+                return read_capped(key, f.read, max_bytes, st.st_size), _etag(st)
         except FileNotFoundError as exc:
             raise NotFoundError(f"{key} not found in {self.url}") from exc
         except OSError as exc:

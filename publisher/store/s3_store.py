@@ -57,6 +57,7 @@ from publisher.store.base import (
     StoreError,
     StoreUnavailableError,
     check_key,
+    read_capped,
 )
 
 log = logging.getLogger(__name__)
@@ -419,18 +420,19 @@ class S3Store(ObjectStore):
             return None
         return current_etag if current == data else None
 
-    def _get(self, name: str, **kwargs: Any) -> tuple[bytes, str]:
+    def _get(self, name: str, max_bytes: int | None = None, **kwargs: Any) -> tuple[bytes, str]:
         response = self._client.get_object(self.bucket, name, **kwargs)
         try:
             # Body and ETag come from one response, so they always belong together.
-            return response.read(), _unquote(response.headers.get("etag", ""))
+            body = read_capped(name, response.read, max_bytes)
+            return body, _unquote(response.headers.get("etag", ""))
         finally:
             response.close()
             response.release_conn()
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         name = self._object(key)
-        return self._call(f"get {key}", lambda: self._get(name))
+        return self._call(f"get {key}", lambda: self._get(name, max_bytes))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:

@@ -29,6 +29,8 @@ from publisher.store import NotFoundError, ObjectStore, PreconditionFailedError,
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from schemas.errors import CheckNRunError, ConflictError
 from schemas.manifest import (
+    MAX_HEAD_BYTES,
+    MAX_LEASE_BYTES,
     BlobRef,
     Head,
     Lease,
@@ -122,7 +124,7 @@ class VersionWriter:
         self.token = uuid.uuid4().hex[:16]
         self.tunables = tunables
         self.crash_hook = crash_hook
-        self.catalog = Catalog(store, model)
+        self.catalog = Catalog(store, model, cache_size=tunables.manifest_cache_size)
         self._lease_etag: str | None = None
         self._lease_lock = threading.Lock()
         self._stop = threading.Event()
@@ -143,7 +145,7 @@ class VersionWriter:
     def _acquire_lease(self) -> None:
         key = lease_key(self.model)
         try:
-            data, etag = self.store.get_with_etag(key)
+            data, etag = self.store.get_with_etag(key, MAX_LEASE_BYTES)
         except NotFoundError:
             etag = None
         else:
@@ -213,7 +215,7 @@ class VersionWriter:
     def commit(self, draft: VersionDraft) -> VersionRef:
         """Write a draft as the next version and move HEAD to it."""
         try:
-            head_data, head_etag = self.store.get_with_etag(head_key(self.model))
+            head_data, head_etag = self.store.get_with_etag(head_key(self.model), MAX_HEAD_BYTES)
         except NotFoundError:
             parent: VersionRef | None = None
             head_etag_or_none: str | None = None

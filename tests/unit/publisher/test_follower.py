@@ -57,10 +57,10 @@ class FlakyStore(FileStore):
 
     down = False
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         if self.down:
             raise StoreUnavailableError("injected outage")
-        return super().get_with_etag(key)
+        return super().get_with_etag(key, max_bytes)
 
 
 def draft(
@@ -419,4 +419,24 @@ def test_a_raising_source_does_not_stop_head_polls(
     f = follower(store, RaisingSource(), poll_head_after_s=0.05)
     assert numbers(f.poll(None, 1.0)) == [1]
     writer.commit(draft("delta", 2))
+    assert numbers(f.poll(1, 1.0)) == [2]
+
+
+def test_announcements_with_duplicate_keys_or_nan_are_bad_json(
+    store: FlakyStore, writer: VersionWriter
+) -> None:
+    # The same strictness as blob headers and manifests (schemas/strict_json.py): two readers
+    # that keep different copies of a duplicated key must never see different versions.
+    _, v2 = commit(writer, "full", "delta")
+    source = ListSource()
+    f = follower(store, source)
+    f._next_head_poll = float("inf")
+    good = wire(v2)
+    source.push(
+        good.replace(b'"version":2', b'"version":7,"version":2'),
+        good.replace(b'"total_bytes":', b'"total_bytes":NaN,"total_bytes":'),
+    )
+    assert f.poll(1, 0.2) == []
+    assert f.stats.ignored == {BAD_JSON: 2}
+    source.push(good)
     assert numbers(f.poll(1, 1.0)) == [2]

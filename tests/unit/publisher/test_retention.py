@@ -13,6 +13,7 @@ from publisher.read.planner import restore_plan
 from publisher.read.retention import plan_gc, run_gc
 from publisher.store import FileStore
 from publisher.write.version_writer import CommitStage, TableBlob, VersionDraft, VersionWriter
+from schemas.errors import ManifestError
 from schemas.manifest import Position
 
 
@@ -126,3 +127,22 @@ def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
         == 0
     )
     assert [i.key for i in store.list("")] == keys
+
+
+def test_a_key_the_store_refuses_is_refused_in_the_manifest_before_gc_deletes(
+    tmp_path: Path,
+) -> None:
+    # `m/./...` passed the manifest's key check but not the store's, so gc deleted the old
+    # manifest and then stopped at its blob with BadKeyError: half a version gone. One key rule
+    # (schemas/store_keys.py) refuses the manifest when it is read, before anything is deleted.
+    store = FileStore(tmp_path)
+    publish(store, "FdFd")
+    old = Catalog(store, "m").find(1)
+    path = tmp_path / old.key
+    blob_key = old.manifest.tables[0].blob.key
+    path.write_bytes(path.read_bytes().replace(blob_key.encode(), b"m/./" + blob_key[2:].encode()))
+    age_everything(tmp_path, 3600)
+    before = sorted(i.key for i in store.list("m/"))
+    with pytest.raises(ManifestError, match="not a safe key"):
+        run_gc(store, plan_gc(store, "m", keep_baselines=1, grace_s=0))
+    assert sorted(i.key for i in store.list("m/")) == before

@@ -350,10 +350,10 @@ def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.M
     v2 = world.publish()
     real_get, real_range = world.store.get_with_etag, world.store.get_range
 
-    def down(key: str) -> tuple[bytes, str]:
+    def down(key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         if "/blobs/" in key:
             raise StoreUnavailableError("connection refused")
-        return real_get(key)
+        return real_get(key, max_bytes)
 
     def range_down(key: str, start: int, length: int) -> bytes:
         if "/blobs/" in key:
