@@ -1,6 +1,6 @@
-"""What refusing a hostile store object costs a reader: time and memory per rejection.
+"""Part `rejections`: what refusing a hostile store object costs a reader, time and memory.
 
-    python -m bench.rejection_costs [--repeats 3]
+    checknrun bench rejections [--repeats 3] [--json OUT]
 
 Three objects that anyone who can write to the store can plant (docs/RELIABILITY.md, issue 11),
 each refused by the path every reader shares:
@@ -19,6 +19,7 @@ tracemalloc's view; the peak is reset through /proc/self/clear_refs before each 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -31,9 +32,11 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zstandard
 
+from bench.machine import describe_machine
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
@@ -201,16 +204,26 @@ CASES: dict[str, Callable[[Path, ExitStack], Callable[[], object]]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.rejection_costs")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """How many timed rejections per object (the median is reported)."""
+    parser.add_argument("--repeats", type=int, help="timed rejections per object (default 3)")
+
+
+def run(quick: bool, *, repeats: int | None = None) -> dict[str, Any]:
+    """Refuse each hostile object; print the table and return the part's document."""
+    repeats = repeats or (1 if quick else 3)
     print("| item: hostile object | error | time per rejection | tracemalloc peak | RSS growth |")
     print("| --- | --- | ---: | ---: | ---: |")
+    costs = []
     for name, build in CASES.items():
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            print(measure(name, build(Path(tmp), stack), args.repeats).row())
-
-
-if __name__ == "__main__":
-    main()
+            cost = measure(name, build(Path(tmp), stack), repeats)
+        print(cost.row(), flush=True)
+        costs.append(dataclasses.asdict(cost))
+    return {
+        "part": "rejections",
+        "quick": quick,
+        "repeats": repeats,
+        "machine": describe_machine(),
+        "rejections": costs,
+    }
