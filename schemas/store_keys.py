@@ -39,6 +39,15 @@ def blob_prefix(model: str, version: int, token: str) -> str:
     return f"{blobs_prefix(model)}{version:012d}-{token}/"
 
 
+def is_blob_key(model: str, key: str) -> bool:
+    """Whether `key` lies under `model`'s blob prefix (safety: `check_key`).
+
+    A manifest names its blobs and gc deletes a dropped version's blobs: a blob key anywhere else
+    (HEAD, LEASE, a manifest) would let one manifest delete what is not a blob.
+    """
+    return key.startswith(blobs_prefix(model)) and len(key) > len(blobs_prefix(model))
+
+
 def is_manifest_key(model: str, key: str) -> bool:
     """Whether `key` has the shape of one of `model`'s manifest keys (safety: `check_key`)."""
     return key.startswith(manifests_prefix(model)) and key.endswith(".json")
