@@ -10,9 +10,10 @@ from publisher.store.base import (
     ObjectStore,
     PreconditionFailedError,
     StoreError,
+    StoreMissingError,
     StoreUnavailableError,
 )
-from publisher.store.file_store import FileStore
+from publisher.store.file_store import FileStore, UnsafePathError
 
 
 def open_store(url: str) -> ObjectStore:
@@ -37,6 +38,8 @@ __all__ = [
     "ObjectStore",
     "PreconditionFailedError",
     "StoreError",
+    "StoreMissingError",
     "StoreUnavailableError",
+    "UnsafePathError",
     "open_store",
 ]

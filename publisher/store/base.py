@@ -39,6 +39,14 @@ class BadKeyError(StoreError, BadDataError):
     """A key that is not a safe relative path."""
 
 
+class StoreMissingError(StoreError):
+    """The store itself (a file:// directory, an s3:// bucket) does not exist.
+
+    Read-only opens (`open_store(url, create=False)`: ls, inspect, restore, gc, serve) raise it
+    instead of creating the store.
+    """
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One listed object."""
