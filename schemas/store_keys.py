@@ -4,6 +4,7 @@ One model NAME owns the keys under `NAME/`:
 
     NAME/HEAD                                   the commit point (schemas/manifest.py Head)
     NAME/LEASE                                  the single-writer lease
+    NAME/probe-TOKEN                            writer TOKEN's conditional-write probe (transient)
     NAME/manifests/VVVVVVVVVVVV-TOKEN.json      the manifest of version V by writer TOKEN
     NAME/blobs/VVVVVVVVVVVV-TOKEN/...           that version's delta and tensor blobs
 
@@ -21,6 +22,11 @@ def head_key(model: str) -> str:
 
 def lease_key(model: str) -> str:
     return f"{model}/LEASE"
+
+
+def probe_key(model: str, token: str) -> str:
+    """The scratch object writer TOKEN checks conditional writes with; deleted at once."""
+    return f"{model}/probe-{token}"
 
 
 def manifests_prefix(model: str) -> str:

@@ -14,6 +14,7 @@ from publisher.store.base import (
     StoreUnavailableError,
 )
 from publisher.store.file_store import FileStore, UnsafePathError
+from publisher.store.write_conditions import ConditionalWritesIgnoredError, check_conditional_writes
 
 
 def open_store(url: str) -> ObjectStore:
@@ -31,6 +32,7 @@ def open_store(url: str) -> ObjectStore:
 
 __all__ = [
     "BadKeyError",
+    "ConditionalWritesIgnoredError",
     "FileStore",
     "IntegrityError",
     "NotFoundError",
@@ -41,5 +43,6 @@ __all__ = [
     "StoreMissingError",
     "StoreUnavailableError",
     "UnsafePathError",
+    "check_conditional_writes",
     "open_store",
 ]

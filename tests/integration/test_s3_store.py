@@ -16,11 +16,13 @@ import pytest
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
 from publisher.store import (
+    ConditionalWritesIgnoredError,
     IntegrityError,
     NotFoundError,
     PreconditionFailedError,
     StoreError,
     StoreUnavailableError,
+    check_conditional_writes,
     open_store,
 )
 from publisher.store.s3_store import S3Settings, S3Store
@@ -457,3 +459,30 @@ def test_conditional_put_whose_answer_was_lost_is_recognised(
     with pytest.raises(PreconditionFailedError):
         store.put_if("m/HEAD", b"v3 from writer B", etag=etag)
     assert calls == 2 and store.get("m/HEAD") == b"v2 from writer A"
+
+
+# --- conditional writes must be enforced (issue 11.9) ------------------------------------------
+
+
+def test_minio_enforces_conditional_writes_so_the_probe_passes(store: S3Store) -> None:
+    check_conditional_writes(store, "m/probe-test")
+    assert list(store.list("")) == []  # the probe object is gone
+    with VersionWriter(store, "m") as writer:
+        assert writer.commit(draft("full", 0)).version == 1
+
+
+def test_a_server_that_ignores_conditions_is_refused(
+    store: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Older SeaweedFS releases accept If-None-Match / If-Match and ignore them: simulated
+    against the real MinIO by a client that drops those headers on the way."""
+    real = store._client._put_object
+
+    def deaf(bucket: str, name: str, data: bytes, headers: dict[str, str], *a: Any) -> Any:
+        kept = {k: v for k, v in headers.items() if k not in ("If-Match", "If-None-Match")}
+        return real(bucket, name, data, kept, *a)
+
+    monkeypatch.setattr(store._client, "_put_object", deaf)
+    with pytest.raises(ConditionalWritesIgnoredError, match="ignores conditional writes"):
+        VersionWriter(store, "m")
+    assert list(store.list("")) == []  # no lease was taken
