@@ -5,7 +5,9 @@ trainer and server packages; they plug in through the `checknrun.commands` entry
 this module never imports them (imports flow one way: trainer and server stand on publisher).
 
 Every command with `--json` prints one JSON document on stdout and nothing else; errors go to
-stderr with a non-zero exit status (`exit_status`). Every command, built in or plugged in, runs
+stderr with a non-zero exit status (`exit_status`). The store commands here open the store
+read-only (`open_store(url, create=False)`): they never create anything, and a missing directory,
+bucket or model is an error (exit 1). Every command, built in or plugged in, runs
 through `run_command`, so all of them report errors the same way.
 """
 
@@ -102,8 +104,11 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_store(args.store) as store:
-        rows = [_version_row(r) for r in Catalog(store, args.model).versions()]
+    with open_store(args.store, create=False) as store:
+        catalog = Catalog(store, args.model)
+        rows = [_version_row(r) for r in catalog.versions()]
+        if not rows:
+            catalog.require_model()
     if args.json:
         print(json.dumps({"model": args.model, "versions": rows}))
         return 0
@@ -121,7 +126,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         ref = Catalog(store, args.model).find(args.version)
     m = ref.manifest
     tables = [
@@ -181,7 +186,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     if not Path(args.out).absolute().parent.is_dir():  # before the restore, not after it
         raise CommandError(f"--out {args.out}: no such directory")
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         state = restore(store, args.model, args.version, progress=not args.json)
     out: dict[str, Any] = {}
     for name, table in state.tables.items():
@@ -218,7 +223,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from publisher.read.retention import plan_gc, run_gc
 
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         plan = plan_gc(store, args.model, keep_baselines=args.keep_baselines, grace_s=args.grace)
         deleted = 0 if args.dry_run else run_gc(store, plan)
     doc = {

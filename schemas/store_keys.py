@@ -16,6 +16,10 @@ from __future__ import annotations
 from schemas.errors import ManifestError
 
 
+def model_prefix(model: str) -> str:
+    return f"{model}/"
+
+
 def head_key(model: str) -> str:
     return f"{model}/HEAD"
 

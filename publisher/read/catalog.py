@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from publisher.store import NotFoundError, ObjectStore
 from schemas.errors import BadDataError, ManifestError
 from schemas.manifest import Head, Manifest, check_model_name
-from schemas.store_keys import head_key
+from schemas.store_keys import head_key, model_prefix
 
 
 class CatalogError(BadDataError):
@@ -21,6 +21,10 @@ class CatalogError(BadDataError):
 
 class NoVersionError(CatalogError):
     """The model has no committed version, or not the one asked for."""
+
+
+class ModelNotFoundError(NoVersionError):
+    """The store holds nothing of the model, not even a lease: a typo, or the wrong store."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,18 @@ class Catalog:
             raise ManifestError(f"{key} holds model {manifest.model!r}, expected {self.model!r}")
         self._manifests[key] = manifest
         return manifest
+
+    def require_model(self) -> None:
+        """ModelNotFoundError unless the store holds some object of this model.
+
+        A model whose trainer has started but not yet committed holds its lease, so it exists:
+        "no version yet" and "no such model" are told apart.
+        """
+        if next(self.store.list(model_prefix(self.model)), None) is None:
+            raise ModelNotFoundError(
+                f"model {self.model!r} has no committed version: {self.store.url} holds nothing "
+                "of it (check --model and --store)"
+            )
 
     def remember(self, key: str, manifest: Manifest) -> None:
         """Cache a manifest this process wrote itself."""
@@ -110,9 +126,11 @@ class Catalog:
         if version is None:
             ref = self.latest()
             if ref is None:
+                self.require_model()
                 raise NoVersionError(f"model {self.model!r} has no committed version")
             return ref
         for ref in reversed(self.versions(since=version - 1)):
             if ref.version == version:
                 return ref
+        self.require_model()
         raise NoVersionError(f"model {self.model!r} has no committed version {version}")

@@ -9,10 +9,12 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from publisher.cli import EXIT_ERROR, main
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
 from publisher.store import (
@@ -21,6 +23,7 @@ from publisher.store import (
     NotFoundError,
     PreconditionFailedError,
     StoreError,
+    StoreMissingError,
     StoreUnavailableError,
     check_conditional_writes,
     open_store,
@@ -35,6 +38,7 @@ from publisher.write.version_writer import (
 )
 from schemas.manifest import Head, Position
 from schemas.store_keys import head_key
+from server.cli import check_store_exists
 
 MiB = 1024 * 1024
 
@@ -486,3 +490,44 @@ def test_a_server_that_ignores_conditions_is_refused(
     with pytest.raises(ConditionalWritesIgnoredError, match="ignores conditional writes"):
         VersionWriter(store, "m")
     assert list(store.list("")) == []  # no lease was taken
+
+
+# --- read-only commands create nothing (issue 11.13) -------------------------------------------
+
+
+def test_read_only_commands_never_create_a_bucket(
+    services: Any,
+    minio_client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    for name, value in s3_environ(services).items():
+        monkeypatch.setenv(name, value)
+    bucket = fresh_bucket()
+    url = f"s3://{bucket}/run1"
+    for command, *extra in (["ls"], ["inspect"], ["restore", "--out", str(tmp_path / "m.pt")]):
+        assert main([command, "--store", url, "--model", "m", *extra]) == EXIT_ERROR
+        assert f"bucket {bucket!r} does not exist" in capsys.readouterr().err
+    assert main(["gc", "--store", url, "--model", "m"]) == EXIT_ERROR
+    with pytest.raises(StoreMissingError, match="check the store URL"):
+        check_store_exists(url, "m")  # `serve` stops here, before it listens
+    assert not minio_client.bucket_exists(bucket)
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_an_existing_bucket_without_the_model(
+    services: Any,
+    store: S3Store,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in s3_environ(services).items():
+        monkeypatch.setenv(name, value)
+    store.put("other/HEAD", b"{}")  # the bucket exists and holds another model
+    check_store_exists(store.url, "m")  # `serve` starts and waits for the first version
+    assert main(["ls", "--store", store.url, "--model", "m"]) == EXIT_ERROR
+    assert "holds nothing of it" in capsys.readouterr().err
+    with VersionWriter(store, "m") as writer:
+        writer.commit(draft("full", 0))
+    assert main(["ls", "--store", store.url, "--model", "m", "--json"]) == 0
