@@ -221,7 +221,10 @@ class FileStore(ObjectStore):
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         found: list[ObjectInfo] = []
-        root_fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            root_fd = os.open(self.root, _DIR_FLAGS)
+        except OSError as exc:
+            raise StoreError(f"cannot list {self.url}: {exc}") from exc
         try:
             _scan(root_fd, "", prefix, found)
         finally:

@@ -22,6 +22,9 @@ Only plain S3 semantics are used, so MinIO, AWS S3 and other compatible servers 
   An S3 ETag is a digest of the content, so rewriting identical bytes keeps it: a swap against an
   ETag compares content, not write history. That is what the protocol needs, as the records
   swapped (lease, HEAD) name their writer's token and version, so equal bytes mean equal state.
+- A writer's store creates its bucket on first use (unless CHECKNRUN_S3_CREATE_BUCKET=0); a
+  read-only one (`create=False`: ls, inspect, restore, gc, serve) never does, and a missing
+  bucket is StoreMissingError at its first request.
 - Transient failures (connection refused/reset, timeouts, 5xx, SlowDown) are retried with capped
   exponential backoff within a bounded number of attempts and total time, then raise
   StoreUnavailableError. The urllib3 pool does no retrying of its own and has short connect
