@@ -9,6 +9,8 @@ one line on stderr naming its cause, the exit status `exit_status` gives it, and
 the error document `{"error": {"type": ..., "message": ..., "exit_status": ...}}` on stdout.
 Every command, built in or plugged in, runs through `run_command` (and its arguments through
 `parse_command_line`), so all of them report failures the same way.
+The store commands here open the store read-only (`open_store(url, create=False)`): they never
+create anything, and a missing directory, bucket or model is an error (exit 1).
 """
 
 from __future__ import annotations
@@ -162,8 +164,11 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_store(args.store) as store:
-        rows = [_version_row(r) for r in Catalog(store, args.model).versions()]
+    with open_store(args.store, create=False) as store:
+        catalog = Catalog(store, args.model)
+        rows = [_version_row(r) for r in catalog.versions()]
+        if not rows:
+            catalog.require_model()
     if args.json:
         print(json.dumps({"model": args.model, "versions": rows}))
         return 0
@@ -181,7 +186,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         ref = Catalog(store, args.model).find(args.version)
     m = ref.manifest
     tables = [
@@ -242,7 +247,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     if not Path(args.out).absolute().parent.is_dir():  # before the restore, not after it
         raise CommandError(f"--out {args.out}: no such directory")
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         state = restore(store, args.model, args.version, progress=not args.json)
     model = {weight_key(name): torch.from_numpy(t.weights) for name, t in state.tables.items()}
     model.update({name: torch.from_numpy(value) for name, value in state.dense.items()})
@@ -284,7 +289,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from publisher.read.retention import plan_gc, run_gc
 
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         plan = plan_gc(store, args.model, keep_baselines=args.keep_baselines, grace_s=args.grace)
         deleted = 0 if args.dry_run else run_gc(store, plan)
     doc = {

@@ -10,6 +10,8 @@ pydantic models that forbid extra fields. Rules (MUST):
   table's `rows_in_checkpoint == rows`; a delta has `baseline <= applies_to < version`.
 - Table names are unique; every blob key starts with `model + "/"`, has no `..`, backslash or
   leading slash; sha256 is 64 lowercase hex digits.
+- Every blob key lies under `model + "/blobs/"`; `parent_manifest` (and HEAD's `manifest`) under
+  `model + "/manifests/"`, ending in `.json`.
 - `dense_tensor_bytes` / `optimizer_tensor_bytes`, when set, are at most their blob's size.
 
 "x smaller than fp32", wherever a tool prints it, is `Manifest.ratio_to_full_fp32`: the bytes a
@@ -32,7 +34,7 @@ from schemas import strict_json
 from schemas.codec_names import CODECS
 from schemas.delta_blob import BlobLimits
 from schemas.errors import ManifestError
-from schemas.store_keys import check_key
+from schemas.store_keys import blobs_prefix, check_key, is_blob_key, is_manifest_key
 
 SCHEMA_VERSION = 1
 #: the most bytes a reader takes for each record; the store read itself stops there.
@@ -222,6 +224,14 @@ class Manifest(_Frozen):
                 check_key(self.model, key)
             except ManifestError as exc:
                 raise ValueError(str(exc)) from exc
+        # gc deletes a dropped version's blobs: a "blob" at HEAD or LEASE must never parse.
+        for blob in self.blobs:
+            if not is_blob_key(self.model, blob.key):
+                raise ValueError(f"blob key {blob.key!r} is not under {blobs_prefix(self.model)!r}")
+        if self.parent_manifest is not None and not is_manifest_key(
+            self.model, self.parent_manifest
+        ):
+            raise ValueError(f"parent_manifest {self.parent_manifest!r} is not a manifest key")
         return self
 
     @property
@@ -285,6 +295,8 @@ class Head(_Frozen):
             check_key(self.model, self.manifest)
         except ManifestError as exc:
             raise ValueError(str(exc)) from exc
+        if not is_manifest_key(self.model, self.manifest):
+            raise ValueError(f"HEAD names {self.manifest!r}, which is not a manifest key")
         return self
 
     def to_json(self) -> bytes:

@@ -4,6 +4,7 @@ One model NAME owns the keys under `NAME/`:
 
     NAME/HEAD                                   the commit point (schemas/manifest.py Head)
     NAME/LEASE                                  the single-writer lease
+    NAME/probe-TOKEN                            writer TOKEN's conditional-write probe (transient)
     NAME/manifests/VVVVVVVVVVVV-TOKEN.json      the manifest of version V by writer TOKEN
     NAME/blobs/VVVVVVVVVVVV-TOKEN/...           that version's delta and tensor blobs
 
@@ -17,12 +18,21 @@ from schemas.errors import ManifestError
 MAX_KEY_CHARS = 1024
 
 
+def model_prefix(model: str) -> str:
+    return f"{model}/"
+
+
 def head_key(model: str) -> str:
     return f"{model}/HEAD"
 
 
 def lease_key(model: str) -> str:
     return f"{model}/LEASE"
+
+
+def probe_key(model: str, token: str) -> str:
+    """The scratch object writer TOKEN checks conditional writes with; deleted at once."""
+    return f"{model}/probe-{token}"
 
 
 def manifests_prefix(model: str) -> str:
@@ -39,6 +49,15 @@ def manifest_key(model: str, version: int, token: str) -> str:
 
 def blob_prefix(model: str, version: int, token: str) -> str:
     return f"{blobs_prefix(model)}{version:012d}-{token}/"
+
+
+def is_blob_key(model: str, key: str) -> bool:
+    """Whether `key` lies under `model`'s blob prefix (safety: `check_key`).
+
+    A manifest names its blobs and gc deletes a dropped version's blobs: a blob key anywhere else
+    (HEAD, LEASE, a manifest) would let one manifest delete what is not a blob.
+    """
+    return key.startswith(blobs_prefix(model)) and len(key) > len(blobs_prefix(model))
 
 
 def is_manifest_key(model: str, key: str) -> bool:

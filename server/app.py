@@ -74,7 +74,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         torch.set_num_threads(settings.torch_threads)
-        store = open_store(settings.store)
+        # Read-only: a server never creates the store. A missing directory or bucket fails the
+        # start (StoreMissingError); an existing store with no version yet is waited on.
+        store = open_store(settings.store, create=False)
         source = open_source(settings.bus, start=settings.bus_start) if settings.bus else None
         live = LiveModel(
             store,

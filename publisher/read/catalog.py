@@ -21,7 +21,7 @@ from schemas.manifest import (
     Manifest,
     check_model_name,
 )
-from schemas.store_keys import head_key
+from schemas.store_keys import head_key, model_prefix
 
 
 class CatalogError(BadDataError):
@@ -30,6 +30,10 @@ class CatalogError(BadDataError):
 
 class NoVersionError(CatalogError):
     """The model has no committed version, or not the one asked for."""
+
+
+class ModelNotFoundError(NoVersionError):
+    """The store holds nothing of the model, not even a lease: a typo, or the wrong store."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,18 @@ class Catalog:
         self.remember(key, manifest)
         return manifest
 
+    def require_model(self) -> None:
+        """ModelNotFoundError unless the store holds some object of this model.
+
+        A model whose trainer has started but not yet committed holds its lease, so it exists:
+        "no version yet" and "no such model" are told apart.
+        """
+        if next(self.store.list(model_prefix(self.model)), None) is None:
+            raise ModelNotFoundError(
+                f"model {self.model!r} has no committed version: {self.store.url} holds nothing "
+                "of it (check --model and --store)"
+            )
+
     def remember(self, key: str, manifest: Manifest) -> None:
         """Cache a manifest (one this process wrote itself, or just read)."""
         with self._cache_lock:
@@ -142,9 +158,11 @@ class Catalog:
         if version is None:
             ref = self.latest()
             if ref is None:
+                self.require_model()
                 raise NoVersionError(f"model {self.model!r} has no committed version")
             return ref
         for ref in reversed(self.versions(since=version - 1)):
             if ref.version == version:
                 return ref
+        self.require_model()
         raise NoVersionError(f"model {self.model!r} has no committed version {version}")

@@ -44,6 +44,14 @@ class ObjectTooLargeError(StoreError, BadDataError):
     """An object is longer than its reader accepts; no more than that cap plus one byte was read."""
 
 
+class StoreMissingError(StoreError):
+    """The store itself (a file:// directory, an s3:// bucket) does not exist.
+
+    Read-only opens (`open_store(url, create=False)`: ls, inspect, restore, gc, serve) raise it
+    instead of creating the store.
+    """
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One listed object."""
