@@ -179,9 +179,9 @@ class CountingStore(FileStore):
 
     reads = 0
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         self.reads += 1
-        return super().get_with_etag(key)
+        return super().get_with_etag(key, max_bytes)
 
 
 def forged_gaps(n: int, first: int = 100) -> list[bytes]:

@@ -225,6 +225,8 @@ def test_cli_ls_inspect_restore(tmp_path: Path, capsys: pytest.CaptureFixture[st
     # A model the store holds nothing of is an error (issue 11.13), --json or not.
     assert main(["ls", "--store", url, "--model", "nothing", "--json"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "" and "holds nothing of it" in captured.err
+    error = json.loads(captured.out)["error"]  # with --json, the error document (issue 11.8)
+    assert error["type"] == "ModelNotFoundError" and error["exit_status"] == 1
+    assert "holds nothing of it" in error["message"] and "holds nothing of it" in captured.err
     assert main(["inspect", "--store", url, "--model", "nothing"]) == 1
     assert "no committed version" in capsys.readouterr().err
