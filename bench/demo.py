@@ -123,6 +123,7 @@ def _fresh_workdir(path: Path) -> Path:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
     workdir = _fresh_workdir(Path(args.dir))
+    (workdir / "store").mkdir()  # the server waits on an empty store but refuses a missing one
     store_url = f"file://{(workdir / 'store').resolve()}"
     bus_url = f"file://{(workdir / 'announcements.log').resolve()}"
     print(

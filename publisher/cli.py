@@ -4,9 +4,13 @@ Store commands (`ls`, `inspect`, `restore`) live here. `train`, `serve` and `dem
 trainer and server packages; they plug in through the `checknrun.commands` entry-point group, so
 this module never imports them (imports flow one way: trainer and server stand on publisher).
 
-Every command with `--json` prints one JSON document on stdout and nothing else; errors go to
-stderr with a non-zero exit status (`exit_status`). Every command, built in or plugged in, runs
-through `run_command`, so all of them report errors the same way.
+Every command with `--json` prints one JSON document on stdout and nothing else. A failure is
+one line on stderr naming its cause, the exit status `exit_status` gives it, and with `--json`
+the error document `{"error": {"type": ..., "message": ..., "exit_status": ...}}` on stdout.
+Every command, built in or plugged in, runs through `run_command` (and its arguments through
+`parse_command_line`), so all of them report failures the same way.
+The store commands here open the store read-only (`open_store(url, create=False)`): they never
+create anything, and a missing directory, bucket or model is an error (exit 1).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import open_store
@@ -26,41 +30,99 @@ from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 from schemas.manifest import ratio_to_full_fp32
 
 DEFAULT_STORE = "file://./checknrun-store"
+#: a table's per-row optimizer columns in a `restore` file: `<table>.__optimizer_rows__`.
+OPTIMIZER_ROWS = "__optimizer_rows__"
 
-#: exit statuses: 1 = bad input or state, 2 = usage (argparse), 3 = a service unreachable.
-EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 3, 130
+#: exit statuses: 1 = bad input or state, 2 = usage, 3 = a service unreachable, 130 = Ctrl-C.
+EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 1, 2, 3, 130
+
+#: What a command may fail with and report in one line: checknrun's own errors, a local file
+#: that cannot be read or written (OSError), and input that exhausts memory or the recursion
+#: limit. Anything else (ValueError, TypeError, KeyError... raised by our own code) is a bug.
+REPORTED = (CheckNRunError, OSError, MemoryError, RecursionError)
 
 
 class CommandError(BadDataError):
     """A command failed in a way the user can fix; the message says how."""
 
 
-def exit_status(exc: CheckNRunError | OSError) -> int:
-    """The exit status of a command that failed with `exc`.
+class UsageError(CommandError):
+    """The command line itself is wrong (what argparse refuses): exit status 2."""
 
-    3 when a service could not be reached (retrying later may work), else 1: bad input or state,
-    a conflict with another writer, or a local file that cannot be read or written (OSError).
+
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a command that failed with `exc` (one of `REPORTED`, or Ctrl-C).
+
+    3 when a service could not be reached (retrying later may work), 2 for a bad command line,
+    130 when interrupted, else 1: bad input or state, a conflict with another writer, a local
+    file that cannot be read or written, or input too large or too deeply nested to handle.
     """
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, UsageError):
+        return EXIT_USAGE
     return EXIT_UNAVAILABLE if isinstance(exc, UnavailableError) else EXIT_ERROR
+
+
+def error_message(exc: BaseException) -> str:
+    """What went wrong, on one line (multi-line messages, such as pydantic's, are joined)."""
+    if isinstance(exc, KeyboardInterrupt):
+        text = "interrupted"
+    elif isinstance(exc, MemoryError):
+        text = f"out of memory: {exc}" if str(exc) else "out of memory"
+    elif isinstance(exc, RecursionError):
+        text = f"input nested too deeply to handle: {exc}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def report_failure(prog: str, exc: BaseException, *, as_json: bool) -> int:
+    """Print `exc` as one line on stderr (and the JSON error document on stdout when `as_json`);
+    returns its exit status."""
+    code = exit_status(exc)
+    message = error_message(exc)
+    reason = "unavailable: " if code == EXIT_UNAVAILABLE else ""
+    print(f"{prog}: {reason}{message}", file=sys.stderr)
+    if as_json:
+        error = {"type": type(exc).__name__, "message": message, "exit_status": code}
+        print(json.dumps({"error": error}))
+    return code
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Run `args.func(args)` and return its exit status.
 
-    A checknrun error (or a local file's OSError) becomes its message on stderr and
-    `exit_status`; anything else is a bug and propagates with its traceback.
+    A failure in `REPORTED` (or Ctrl-C) becomes `report_failure`'s line and exit status; anything
+    else is a bug and propagates with its traceback.
     """
+    # Some commands (bench) take `--json OUT`, a file name: only `--json` alone means stdout.
+    as_json = getattr(args, "json", None) is True
     try:
         status: int = args.func(args)
-    except (CheckNRunError, OSError) as exc:
-        code = exit_status(exc)
-        reason = "unavailable: " if code == EXIT_UNAVAILABLE else ""
-        print(f"checknrun {args.command}: {reason}{exc}", file=sys.stderr)
-        return code
-    except KeyboardInterrupt:
-        print(f"checknrun {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except (*REPORTED, KeyboardInterrupt) as exc:
+        return report_failure(f"checknrun {args.command}", exc, as_json=as_json)
     return status
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are `UsageError`s, reported by `parse_command_line`
+    like every other failure (its sub-command parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """`parser.parse_args(argv)`; a usage error (with a `CommandParser`) is reported in one line
+    (and as the JSON error document when `--json` is among the arguments), then exits with 2."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return parser.parse_args(arguments)
+    except UsageError as exc:
+        raise SystemExit(report_failure(parser.prog, exc, as_json="--json" in arguments)) from exc
 
 
 def positive_int(text: str) -> int:
@@ -102,8 +164,11 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_store(args.store) as store:
-        rows = [_version_row(r) for r in Catalog(store, args.model).versions()]
+    with open_store(args.store, create=False) as store:
+        catalog = Catalog(store, args.model)
+        rows = [_version_row(r) for r in catalog.versions()]
+        if not rows:
+            catalog.require_model()
     if args.json:
         print(json.dumps({"model": args.model, "versions": rows}))
         return 0
@@ -121,7 +186,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         ref = Catalog(store, args.model).find(args.version)
     m = ref.manifest
     tables = [
@@ -178,24 +243,29 @@ def cmd_restore(args: argparse.Namespace) -> int:
     import torch  # only this command writes a torch file
 
     from publisher.read.restore import restore
+    from publisher.state_dicts import weight_key
 
     if not Path(args.out).absolute().parent.is_dir():  # before the restore, not after it
         raise CommandError(f"--out {args.out}: no such directory")
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         state = restore(store, args.model, args.version, progress=not args.json)
-    out: dict[str, Any] = {}
-    for name, table in state.tables.items():
-        out[f"{name}.weight"] = torch.from_numpy(table.weights)
-        if table.aux.shape[1]:
-            out[f"{name}.__optimizer_rows__"] = torch.from_numpy(table.aux)
-    for name, value in state.dense.items():
-        out[name] = torch.from_numpy(value)
-    payload = {
-        "state_dict": out,
-        "optimizer": {k: torch.from_numpy(v) for k, v in state.optimizer.items()},
-        "optimizer_meta": state.optimizer_meta,
-        "manifest": json.loads(state.manifest.to_json()),
-    }
+    model = {weight_key(name): torch.from_numpy(t.weights) for name, t in state.tables.items()}
+    model.update({name: torch.from_numpy(value) for name, value in state.dense.items()})
+    payload: dict[str, Any] = model
+    if not args.model_only:
+        # The layout README.md "Restore files" documents: the model's state_dict plus each
+        # table's per-row optimizer columns, then the rest of the optimizer state.
+        rows = {
+            f"{name}.{OPTIMIZER_ROWS}": torch.from_numpy(t.aux)
+            for name, t in state.tables.items()
+            if t.aux.shape[1]
+        }
+        payload = {
+            "state_dict": {**model, **rows},
+            "optimizer": {k: torch.from_numpy(v) for k, v in state.optimizer.items()},
+            "optimizer_meta": state.optimizer_meta,
+            "manifest": json.loads(state.manifest.to_json()),
+        }
     torch.save(payload, args.out)  # a local file we write ourselves: torch.save is fine here
     doc = {
         "model": args.model,
@@ -204,6 +274,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         "bytes_read": state.bytes_read,
         "seconds": round(state.seconds, 4),
         "tables": len(state.tables),
+        "model_only": args.model_only,
     }
     if args.json:
         print(json.dumps(doc))
@@ -218,7 +289,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from publisher.read.retention import plan_gc, run_gc
 
-    with open_store(args.store) as store:
+    with open_store(args.store, create=False) as store:
         plan = plan_gc(store, args.model, keep_baselines=args.keep_baselines, grace_s=args.grace)
         deleted = 0 if args.dry_run else run_gc(store, plan)
     doc = {
@@ -259,6 +330,12 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_store_args(p)
     p.add_argument("--version", type=int, default=None, help="default: the latest")
     p.add_argument("--out", required=True, help="output file (torch.save format)")
+    p.add_argument(
+        "--model-only",
+        action="store_true",
+        help="write the model's state_dict alone (loads with load_state_dict(strict=True)); "
+        "default: with the optimizer state and the manifest (see README)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_restore)
 
@@ -279,7 +356,8 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # Typed as the base: plugins register on `_SubParsersAction[ArgumentParser]`.
+    parser: argparse.ArgumentParser = CommandParser(
         prog="checknrun",
         description="Incremental, quantized checkpoints published as live model updates.",
     )
@@ -298,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

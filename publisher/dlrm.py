@@ -28,6 +28,8 @@ from torch import nn
 from schemas.errors import BadDataError
 
 TABLE_PREFIX = "embeddings."
+_FLOAT32_BYTES = 4
+_INT64_BYTES = 8
 
 
 class ArchitectureError(BadDataError, ValueError):
@@ -105,6 +107,24 @@ class DLRMConfig:
             raise ArchitectureError(f"embedding_dim {self.embedding_dim} out of 1..4096")
         if any(w < 1 for w in (*self.bottom_mlp, *self.top_mlp)):
             raise ArchitectureError("MLP widths must be >= 1")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors `DLRM(self)` allocates, from the config alone (nothing built):
+        float32 embedding tables and MLP weights and biases, and the int64 indices of the
+        feature pairs (counted twice: `triu_indices` and their contiguous copies coexist). The
+        pairs grow with the square of the table count, which dominates the few KiB of Python
+        objects each table also costs."""
+        d = self.embedding_dim
+        n = len(self.sparse) + 1
+        n_pairs = n * (n - 1) // 2
+        bottom = [max(len(self.dense), 1), *self.bottom_mlp, d]
+        top = [d + n_pairs, *self.top_mlp, 1]
+        mlp_values = sum(
+            a * b + b for layers in (bottom, top) for a, b in itertools.pairwise(layers)
+        )
+        tables_values = sum(f.rows for f in self.sparse) * d
+        return _FLOAT32_BYTES * (tables_values + mlp_values) + 2 * 2 * _INT64_BYTES * n_pairs
 
     @property
     def table_names(self) -> dict[str, str]:

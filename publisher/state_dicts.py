@@ -38,6 +38,11 @@ from schemas.tensor_blob import TensorBlobError
 OPTIMIZER_PREFIX = "optimizers.{}."
 
 
+def weight_key(table: str) -> str:
+    """The state_dict key of an embedding table's weight (`table` is its module path)."""
+    return f"{table}.weight" if table else "weight"
+
+
 def module_tensors(module: torch.nn.Module, skip: set[str]) -> dict[str, np.ndarray]:
     """Copies of a module's parameters and buffers by state_dict name, except those in `skip`."""
     return {

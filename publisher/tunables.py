@@ -1,4 +1,4 @@
-"""Tunables of the publishing side, in one place, with their defaults.
+"""Tunables of the publishing and reading side, in one place, with their defaults.
 
 Tests override them by passing another `Tunables` (it is a frozen dataclass: use `replace`).
 """
@@ -20,6 +20,12 @@ class Tunables:
     zstd_level: int = 1
     #: rows encoded per chunk (keeps codec work in cache).
     encode_chunk_rows: int = 16384
+    #: manifests a catalog keeps in memory, least recently used evicted first (tens of KiB
+    #: each); a restore chain longer than this is read again by the next plan that needs it.
+    manifest_cache_size: int = 256
+    #: most bytes restoring a version (a trainer's resume) may allocate, checked on its manifest
+    #: first (publisher/memory_budget.py); None: 3/4 of the machine's memory.
+    memory_budget_bytes: int | None = None
 
 
 DEFAULT_TUNABLES = Tunables()

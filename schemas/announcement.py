@@ -1,6 +1,7 @@
 """The announcement of a committed version (docs/FORMAT.md section 6).
 
-A small UTF-8 JSON message (MUST be at most `MAX_ANNOUNCEMENT_BYTES`) sent once HEAD has moved.
+A small UTF-8 JSON message (MUST be at most `MAX_ANNOUNCEMENT_BYTES`, parsed by the JSON rule of
+every document, schemas/strict_json.py) sent once HEAD has moved.
 It is a hint, never trusted on its own: a subscriber reads the manifest it names and verifies the
 blobs. Rules (MUST): schema_version 1; a valid model name; `manifest_key` under
 `model + "/manifests/"` ending in `.json`; `parent < version` when set; `total_bytes >= 0`.
@@ -13,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from schemas import strict_json
 from schemas.errors import AnnouncementError, ManifestError
 from schemas.manifest import Manifest, check_model_name
 from schemas.store_keys import check_key, is_manifest_key
@@ -81,6 +83,7 @@ class Announcement(BaseModel):
             raise AnnouncementError(
                 f"announcement is {len(data)} bytes; the cap is {MAX_ANNOUNCEMENT_BYTES}"
             )
+        strict_json.loads(data, AnnouncementError, "announcement")
         try:
             return cls.model_validate_json(data)
         except ValidationError as exc:

@@ -37,13 +37,14 @@ Where FORMAT.md leaves a choice, this reader: takes 20 bytes (prefix + crc32) as
 length; raises `BadHeaderError` for header_len 0 and `BlobTooLargeError` past the header cap;
 checks the section-length rules (`SectionLengthError`) with the size arithmetic, before the exact
 length; accepts a varint `rows` raw_len in n_rows..5*n_rows and leaves exact consumption to the
-row check; rejects duplicate JSON keys, NaN/Infinity and lone surrogates as `BadHeaderError`; and
+row check; parses the header by the JSON rule of every document (schemas/strict_json.py:
+duplicate keys, NaN/Infinity and lone surrogates are a `BadHeaderError`); and
 wants a zstd section to be exactly one frame whose declared content size, if any, is raw_len.
 Padding bits of int codes are not checked (no error type exists for them).
 
 Decoding is zero-copy for uncompressed sections: the arrays of the returned `DeltaBlob` are
-read-only numpy views into the input buffer. The caps live in `BlobLimits` so tests can lower
-them.
+read-only numpy views into the input buffer. The caps live in `BlobLimits`: a reader that knows
+the blob's table passes `BlobLimits.for_table` (its manifest entry's shape), tests lower them.
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ import struct
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NoReturn
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from schemas import strict_json
 from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes, scale_bias_bytes
 from schemas.errors import (
     BadHeaderError,
@@ -75,6 +77,7 @@ from schemas.row_index import (
     MAX_VARINT_BYTES,
     ROW_ENCODINGS,
     RowEncoding,
+    bitmap_size,
     choose_encoding,
     decode_row_ids,
     encode_row_ids,
@@ -136,6 +139,24 @@ class BlobLimits:
     max_dim: int = MAX_DIM
     max_aux_dim: int = MAX_AUX_DIM
     max_table_rows: int = MAX_TABLE_ROWS
+
+    @classmethod
+    def for_table(
+        cls, *, codec: str, dim: int, table_rows: int, n_rows: int, aux_dim: int, size: int
+    ) -> BlobLimits:
+        """Caps that admit a blob of exactly this shape and `size` bytes and nothing larger:
+        what a reader that knows the blob's table (its manifest entry) passes, so a blob
+        declaring more rows, wider rows or bigger sections than that table is refused from its
+        header, before anything is inflated. Any row encoding fits: the row index may take
+        up to a bitmap's or n_rows varints' length, whichever is larger."""
+        rows_len = max(bitmap_size(table_rows), MAX_VARINT_BYTES * n_rows)
+        return cls(
+            max_total_bytes=max(size, MIN_BLOB_BYTES),
+            max_decoded_bytes=_decoded_bytes(codec, dim, n_rows, aux_dim, rows_len),
+            max_dim=dim,
+            max_aux_dim=aux_dim,
+            max_table_rows=table_rows,
+        )
 
     def __post_init__(self) -> None:
         bounds = {
@@ -502,18 +523,7 @@ def _read_header(buf: memoryview, limits: BlobLimits, *, whole_blob: bool) -> Bl
 
 def _parse_header(raw: bytes) -> BlobHeader:
     """The header from its JSON bytes, with every field's type and range checked."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadHeaderError(f"header is not UTF-8: {exc}") from exc
-    try:
-        obj = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except BadHeaderError:
-        raise
-    except (ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError and ints past the interpreter's digit limit;
-        # RecursionError a deeply nested array.
-        raise BadHeaderError(f"header is not JSON: {exc}") from exc
+    obj = strict_json.loads(raw, BadHeaderError, "header")
     fields = _exact_fields(obj, _HEADER_FIELDS, "header")
 
     table = _check_table_name(fields["table"], BadHeaderError)
@@ -603,31 +613,28 @@ def _exact_fields(obj: object, names: tuple[str, ...], where: str) -> Mapping[st
     return obj
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of duplicate keys; two readers could then disagree on a field.
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise BadHeaderError(f"duplicate key {key!r} in header, expected unique keys")
-        obj[key] = value
-    return obj
-
-
-def _no_constant(name: str) -> NoReturn:
-    raise BadHeaderError(f"{name} in header, expected plain JSON (no NaN or Infinity)")
-
-
 def _expected_raw_len(header: BlobHeader, name: SectionName) -> int:
-    n = header.n_rows
     if name == "rows":
         if header.row_encoding == "bitmap":
-            return (header.table_rows + 7) // 8
+            return bitmap_size(header.table_rows)
         return 0  # "all"; varint lengths are a range, handled by the caller
-    if name == "codes":
-        return n * row_bytes(header.codec, header.dim)
-    if name == "scale_bias":
-        return scale_bias_bytes(header.codec, n)
-    return 4 * n * header.aux_dim
+    return _row_sections(header.codec, header.dim, header.n_rows, header.aux_dim)[name]
+
+
+def _row_sections(codec: str, dim: int, n_rows: int, aux_dim: int) -> dict[SectionName, int]:
+    """The raw lengths of the sections that hold `n_rows` rows: codes, scale_bias and aux."""
+    return {
+        "codes": n_rows * row_bytes(codec, dim),
+        "scale_bias": scale_bias_bytes(codec, n_rows),
+        "aux": 4 * n_rows * aux_dim,
+    }
+
+
+def _decoded_bytes(codec: str, dim: int, n_rows: int, aux_dim: int, rows_len: int) -> int:
+    """What decoding costs (`BlobLimits.max_decoded_bytes` caps it): every raw section, the
+    `rows_len` bytes of the row index included, plus 8 bytes per decoded row id."""
+    sections = sum(_row_sections(codec, dim, n_rows, aux_dim).values())
+    return _ROW_ID_BYTES * n_rows + rows_len + sections
 
 
 def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
@@ -657,7 +664,9 @@ def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
     expected = {name: _expected_raw_len(header, name) for name in SECTION_NAMES}
     if header.row_encoding == "varint":
         expected["rows"] = header.sections[0].raw_len
-    decoded = _ROW_ID_BYTES * header.n_rows + sum(expected.values())
+    decoded = _decoded_bytes(
+        header.codec, header.dim, header.n_rows, header.aux_dim, expected["rows"]
+    )
     if decoded > limits.max_decoded_bytes:
         raise BlobTooLargeError(
             f"decoding needs {decoded} bytes ({header.n_rows} rows of codec {header.codec}, dim "

@@ -1,7 +1,8 @@
 """The manifest of one version, the HEAD pointer and the writer lease (docs/FORMAT.md sections 1-3).
 
-A manifest is UTF-8 JSON, at most `MAX_MANIFEST_BYTES`, validated by frozen pydantic models that
-forbid extra fields. Rules (MUST):
+A manifest is UTF-8 JSON, at most `MAX_MANIFEST_BYTES`, parsed by the JSON rule of every document
+(schemas/strict_json.py: no duplicate keys, NaN or lone surrogates) and validated by frozen
+pydantic models that forbid extra fields. Rules (MUST):
 
 - `schema_version` is 1; `model` matches `[A-Za-z0-9._-]{1,128}`.
 - `version` >= 1 and > `parent`; `parent` and `parent_manifest` are both null or both set.
@@ -9,6 +10,8 @@ forbid extra fields. Rules (MUST):
   table's `rows_in_checkpoint == rows`; a delta has `baseline <= applies_to < version`.
 - Table names are unique; every blob key starts with `model + "/"`, has no `..`, backslash or
   leading slash; sha256 is 64 lowercase hex digits.
+- Every blob key lies under `model + "/blobs/"`; `parent_manifest` (and HEAD's `manifest`) under
+  `model + "/manifests/"`, ending in `.json`.
 - `dense_tensor_bytes` / `optimizer_tensor_bytes`, when set, are at most their blob's size.
 
 "x smaller than fp32", wherever a tool prints it, is `Manifest.ratio_to_full_fp32`: the bytes a
@@ -27,12 +30,17 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from schemas import strict_json
 from schemas.codec_names import CODECS
+from schemas.delta_blob import BlobLimits
 from schemas.errors import ManifestError
-from schemas.store_keys import check_key
+from schemas.store_keys import blobs_prefix, check_key, is_blob_key, is_manifest_key
 
 SCHEMA_VERSION = 1
+#: the most bytes a reader takes for each record; the store read itself stops there.
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_HEAD_BYTES = 64 * 1024
+MAX_LEASE_BYTES = 64 * 1024
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _M = TypeVar("_M", bound="BaseModel")
@@ -110,6 +118,19 @@ class TableEntry(_Frozen):
     def full_fp32_bytes(self) -> int:
         """This table's share of a full fp32 checkpoint: every row and its optimizer columns."""
         return full_fp32_bytes([(self.rows, self.dim, self.aux_dim)])
+
+    @property
+    def blob_limits(self) -> BlobLimits:
+        """The decoder's caps for this entry's blob: its shape and size, nothing larger, so a
+        blob that declares more than its entry is refused before it is inflated."""
+        return BlobLimits.for_table(
+            codec=self.codec,
+            dim=self.dim,
+            table_rows=self.rows,
+            n_rows=self.rows_in_checkpoint,
+            aux_dim=self.aux_dim,
+            size=self.blob.size,
+        )
 
 
 class Position(_Frozen):
@@ -203,6 +224,14 @@ class Manifest(_Frozen):
                 check_key(self.model, key)
             except ManifestError as exc:
                 raise ValueError(str(exc)) from exc
+        # gc deletes a dropped version's blobs: a "blob" at HEAD or LEASE must never parse.
+        for blob in self.blobs:
+            if not is_blob_key(self.model, blob.key):
+                raise ValueError(f"blob key {blob.key!r} is not under {blobs_prefix(self.model)!r}")
+        if self.parent_manifest is not None and not is_manifest_key(
+            self.model, self.parent_manifest
+        ):
+            raise ValueError(f"parent_manifest {self.parent_manifest!r} is not a manifest key")
         return self
 
     @property
@@ -266,6 +295,8 @@ class Head(_Frozen):
             check_key(self.model, self.manifest)
         except ManifestError as exc:
             raise ValueError(str(exc)) from exc
+        if not is_manifest_key(self.model, self.manifest):
+            raise ValueError(f"HEAD names {self.manifest!r}, which is not a manifest key")
         return self
 
     def to_json(self) -> bytes:
@@ -273,7 +304,7 @@ class Head(_Frozen):
 
     @classmethod
     def from_json(cls, data: bytes) -> Head:
-        return _parse(cls, data, 64 * 1024, "HEAD")
+        return _parse(cls, data, MAX_HEAD_BYTES, "HEAD")
 
 
 class Lease(_Frozen):
@@ -290,7 +321,7 @@ class Lease(_Frozen):
 
     @classmethod
     def from_json(cls, data: bytes) -> Lease:
-        return _parse(cls, data, 64 * 1024, "lease")
+        return _parse(cls, data, MAX_LEASE_BYTES, "lease")
 
 
 def _tensor_bytes(blob: BlobRef | None, tensors: int | None) -> int:
@@ -304,6 +335,7 @@ def _tensor_bytes(blob: BlobRef | None, tensors: int | None) -> int:
 def _parse(cls: type[_M], data: bytes, cap: int, what: str) -> _M:
     if len(data) > cap:
         raise ManifestError(f"{what} is {len(data)} bytes; the cap is {cap}")
+    strict_json.loads(data, ManifestError, what)  # the rules pydantic's own parser lacks
     try:
         return cls.model_validate_json(data)
     except ValidationError as exc:

@@ -4,6 +4,7 @@ One model NAME owns the keys under `NAME/`:
 
     NAME/HEAD                                   the commit point (schemas/manifest.py Head)
     NAME/LEASE                                  the single-writer lease
+    NAME/probe-TOKEN                            writer TOKEN's conditional-write probe (transient)
     NAME/manifests/VVVVVVVVVVVV-TOKEN.json      the manifest of version V by writer TOKEN
     NAME/blobs/VVVVVVVVVVVV-TOKEN/...           that version's delta and tensor blobs
 
@@ -14,6 +15,12 @@ from __future__ import annotations
 
 from schemas.errors import ManifestError
 
+MAX_KEY_CHARS = 1024
+
+
+def model_prefix(model: str) -> str:
+    return f"{model}/"
+
 
 def head_key(model: str) -> str:
     return f"{model}/HEAD"
@@ -21,6 +28,11 @@ def head_key(model: str) -> str:
 
 def lease_key(model: str) -> str:
     return f"{model}/LEASE"
+
+
+def probe_key(model: str, token: str) -> str:
+    """The scratch object writer TOKEN checks conditional writes with; deleted at once."""
+    return f"{model}/probe-{token}"
 
 
 def manifests_prefix(model: str) -> str:
@@ -39,9 +51,34 @@ def blob_prefix(model: str, version: int, token: str) -> str:
     return f"{blobs_prefix(model)}{version:012d}-{token}/"
 
 
+def is_blob_key(model: str, key: str) -> bool:
+    """Whether `key` lies under `model`'s blob prefix (safety: `check_key`).
+
+    A manifest names its blobs and gc deletes a dropped version's blobs: a blob key anywhere else
+    (HEAD, LEASE, a manifest) would let one manifest delete what is not a blob.
+    """
+    return key.startswith(blobs_prefix(model)) and len(key) > len(blobs_prefix(model))
+
+
 def is_manifest_key(model: str, key: str) -> bool:
     """Whether `key` has the shape of one of `model`'s manifest keys (safety: `check_key`)."""
     return key.startswith(manifests_prefix(model)) and key.endswith(".json")
+
+
+def is_safe_key(key: str) -> bool:
+    """Whether `key` is a safe relative store key: the one rule the stores enforce on every key
+    they touch and manifests on every key they name, so a key a manifest may hold is a key
+    every store (and gc) can read and delete.
+
+    Safe: 1..MAX_KEY_CHARS characters, no control characters or backslash, and `/`-separated
+    segments none of which is empty, `.` or `..` (no leading, trailing or doubled slash).
+    """
+    return (
+        0 < len(key) <= MAX_KEY_CHARS
+        and "\\" not in key
+        and not any(ord(c) < 0x20 for c in key)
+        and not any(part in ("", ".", "..") for part in key.split("/"))
+    )
 
 
 def check_key(model: str, key: str) -> str:
@@ -49,13 +86,6 @@ def check_key(model: str, key: str) -> str:
 
     Keys come from fetched JSON: they must never reach outside the model's own prefix.
     """
-    if (
-        not key.startswith(model + "/")
-        or ".." in key.split("/")
-        or "\\" in key
-        or "//" in key
-        or any(ord(c) < 0x20 for c in key)
-        or len(key) > 1024
-    ):
+    if not key.startswith(model + "/") or not is_safe_key(key):
         raise ManifestError(f"key {key!r} is not a safe key under {model + '/'!r}")
     return key

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from schemas import strict_json
 from schemas.errors import FormatError
 
 MAX_TENSOR_BLOB_BYTES = 4 * 1024**3
@@ -44,16 +45,16 @@ def tensor_bytes(data: bytes) -> int:
 def decode_tensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Tensors and metadata from safetensors bytes; TensorBlobError on anything malformed."""
     header_len = _header_len(data)
+    header = strict_json.loads(data[8 : 8 + header_len], TensorBlobError, "tensor blob header")
+    if not isinstance(header, dict):
+        raise TensorBlobError("tensor blob header must be a JSON object")
     try:
-        header = json.loads(data[8 : 8 + header_len])
         tensors = st_load(data)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+    except (SafetensorError, ValueError) as exc:
         raise TensorBlobError(f"invalid tensor blob: {exc}") from exc
+    # safetensors has checked that the metadata maps strings to strings.
     raw_meta = (header.get("__metadata__") or {}).get("checknrun", "{}")
-    try:
-        meta = json.loads(raw_meta)
-    except (TypeError, ValueError) as exc:
-        raise TensorBlobError(f"invalid tensor blob metadata: {exc}") from exc
+    meta = strict_json.loads(raw_meta, TensorBlobError, "tensor blob metadata")
     if not isinstance(meta, dict):
         raise TensorBlobError("tensor blob metadata must be a JSON object")
     return tensors, meta

@@ -17,15 +17,17 @@ from contextlib import asynccontextmanager
 
 import torch
 from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from publisher.bus import open_source
+from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import NoVersionError
 from publisher.read.follower import VersionFollower
 from publisher.store import StoreUnavailableError, open_store
 from server.dependencies import ServerState
-from server.errors import NotBootstrappedError
-from server.feature_batch import FeatureValidationError
+from server.errors import NotBootstrappedError, shown_input
+from server.feature_batch import MAX_REPORTED_ERRORS, FeatureValidationError
 from server.follow_loop import FollowLoop
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics
@@ -72,14 +74,24 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         torch.set_num_threads(settings.torch_threads)
-        store = open_store(settings.store)
+        # Read-only: a server never creates the store. A missing directory or bucket fails the
+        # start (StoreMissingError); an existing store with no version yet is waited on.
+        store = open_store(settings.store, create=False)
         source = open_source(settings.bus, start=settings.bus_start) if settings.bus else None
-        live = LiveModel(store, settings.model, scheme=settings.consistency, metrics=metrics)
+        live = LiveModel(
+            store,
+            settings.model,
+            scheme=settings.consistency,
+            metrics=metrics,
+            manifest_cache_size=settings.manifest_cache_size,
+            memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
+        )
         follower = VersionFollower(
             live.catalog,
             source,
             poll_head_after_s=settings.poll_head_after_s,
             retry_after_error_s=settings.retry_initial_s,
+            min_reconcile_interval_s=settings.min_reconcile_interval_s,
         )
         loop = FollowLoop(
             live,
@@ -131,6 +143,26 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes every error's input: unbounded output, and a 500 when
+        # that input holds a lone surrogate. Here: the first errors, client text made showable.
+        errors = exc.errors()
+        detail: list[dict[str, object]] = [
+            {
+                "loc": [p if isinstance(p, int) else shown_input(str(p)) for p in e["loc"]],
+                "msg": shown_input(str(e["msg"]), 300),
+                "type": str(e["type"]),
+            }
+            for e in errors[:MAX_REPORTED_ERRORS]
+        ]
+        if len(errors) > MAX_REPORTED_ERRORS:
+            more = len(errors) - MAX_REPORTED_ERRORS
+            detail.append(
+                {"loc": ["body"], "msg": f"... and {more} more problems", "type": "too_many"}
+            )
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
     @app.exception_handler(FeatureValidationError)
     async def _invalid_features(_: Request, exc: FeatureValidationError) -> JSONResponse:
         return JSONResponse(

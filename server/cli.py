@@ -8,6 +8,10 @@ environment's value. The admin token is never a flag (it would show in `ps`): it
 the environment variable `--admin-token-env` names (default CHECKNRUN_SERVER_ADMIN_TOKEN).
 uvicorn turns SIGINT/SIGTERM into a lifespan shutdown, which stops the follow loop and closes the
 bus and the store.
+
+`serve` reads the store once before uvicorn starts: a store directory or bucket that does not
+exist is refused there (exit 1; a server never creates one), while a store with no version yet,
+or one that cannot be reached for now, is waited on by the follow loop.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ from typing import Any
 from pydantic import SecretStr, ValidationError
 
 from publisher.cli import run_command
+from publisher.read.catalog import Catalog
+from publisher.store import StoreMissingError, open_store
+from schemas.errors import CheckNRunError
 from server.settings import ENV_PREFIX, load_settings
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_ENV = f"{ENV_PREFIX}ADMIN_TOKEN"
 
@@ -48,7 +57,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=DEFAULT_TOKEN_ENV,
         metavar="VAR",
         help="environment variable holding the admin bearer token "
-        "(default %(default)s); unset = admin endpoints disabled",
+        "(default %(default)s); only the one named counts; unset = admin endpoints disabled",
     )
     p.add_argument("--environment", choices=["development", "production"])
     p.add_argument(
@@ -98,9 +107,27 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         bus_start=args.bus_start,
     )
     if args.admin_token_env != DEFAULT_TOKEN_ENV:
-        # The default variable is read by the settings themselves; another one is read here.
+        # The default variable is read by the settings themselves; another one is read here,
+        # and is then the only one that counts: unset, admin stays disabled even if the
+        # default variable is set (it used to enable admin with that one).
         overrides["admin_token"] = SecretStr(token_value) if token_value else None
     return load_settings(**overrides)
+
+
+def check_store_exists(store_url: str, model: str) -> None:
+    """StoreMissingError when the store's directory or bucket does not exist.
+
+    One read of HEAD (an S3 store answers a missing bucket only to a request). Anything else it
+    meets (no version yet, the store unreachable, a bad HEAD) is the follow loop's to wait out,
+    retry and report once serving, so it is only logged here.
+    """
+    with open_store(store_url, create=False) as store:
+        try:
+            Catalog(store, model).head()
+        except StoreMissingError:
+            raise
+        except CheckNRunError as exc:
+            log.warning("store %s: %s; serving anyway, the follow loop retries", store.url, exc)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -116,7 +143,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     logging.getLogger().setLevel(args.log_level.upper())
     if settings.admin_token is None:
-        logging.getLogger(__name__).info("no admin token configured: admin endpoints disabled")
+        log.info("no admin token configured: admin endpoints disabled")
+    # Here rather than in the lifespan: uvicorn would turn it into a traceback and exit status 3.
+    check_store_exists(settings.store, settings.model)
     # One process: the model lives in this process' memory; scale out with more replicas.
     uvicorn.run(
         create_app(settings),

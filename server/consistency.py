@@ -43,6 +43,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import VersionRef
 from server.errors import ApplyError, NotBootstrappedError
 from server.model_buffer import FetchedVersion, FetchFn, ModelBuffer, ServedVersion, Touched
@@ -72,11 +73,19 @@ def _now() -> datetime:
 
 
 class ModelSlot(ABC):
-    """Holds the served model; readers borrow a buffer, one writer at a time updates it."""
+    """Holds the served model; readers borrow a buffer, one writer at a time updates it.
+
+    A new model is built only once `copies` of it fit the memory budget (checked on its
+    manifest, publisher/memory_budget.py): a forged manifest costs a rejection, not the
+    allocation it declares.
+    """
 
     scheme: ConsistencyScheme
+    #: model copies the scheme holds in steady state.
+    copies: int
 
-    def __init__(self) -> None:
+    def __init__(self, budget: MemoryBudget) -> None:
+        self.budget = budget
         #: worst time a reader waited to borrow a buffer (seconds), for measurements.
         self.max_reader_wait_s = 0.0
 
@@ -106,7 +115,9 @@ class ModelSlot(ABC):
             self.max_reader_wait_s = waited
 
 
-def _build_fresh(plan: Sequence[VersionRef], fetch: FetchFn) -> tuple[ModelBuffer, int]:
+def _build_fresh(
+    slot: ModelSlot, plan: Sequence[VersionRef], fetch: FetchFn
+) -> tuple[ModelBuffer, int]:
     """A new buffer holding the plan's last version; the plan must start with a full."""
     first = plan[0].manifest
     if first.kind != "full":
@@ -114,7 +125,7 @@ def _build_fresh(plan: Sequence[VersionRef], fetch: FetchFn) -> tuple[ModelBuffe
             f"cannot build a model from version {first.version}: it is a delta "
             f"(applies to {first.applies_to}); a rebuild starts from a full version"
         )
-    buffer = ModelBuffer.for_manifest(first)
+    buffer = ModelBuffer.for_manifest(first, slot.budget, slot.copies)
     fetched_bytes = _write_plan(buffer, plan, fetch, Touched())
     return buffer, fetched_bytes
 
@@ -126,6 +137,7 @@ def _write_plan(
     fetched_bytes = 0
     for i, ref in enumerate(plan, 1):
         started = time.perf_counter()
+        buffer.check_manifest(ref.manifest)
         fetched = fetch(ref)
         buffer.check(fetched)
         buffer.write(fetched, touched)
@@ -149,9 +161,10 @@ class DoubleBufferSlot(ModelSlot):
     """Live + standby copies; publish by pointer swap, then bring the old copy level."""
 
     scheme: ConsistencyScheme = "double-buffer"
+    copies = 2
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, budget: MemoryBudget) -> None:
+        super().__init__(budget)
         self._cond = threading.Condition(threading.Lock())
         self._live: ModelBuffer | None = None
         self._standby: ModelBuffer | None = None
@@ -226,7 +239,7 @@ class DoubleBufferSlot(ModelSlot):
         # Drop the standby first so that memory peaks at 2 copies, not 3.
         previous_standby, self._standby = self._standby, None
         try:
-            fresh, fetched_bytes = _build_fresh(plan, fetch)
+            fresh, fetched_bytes = _build_fresh(self, plan, fetch)
         except BaseException:
             self._standby = previous_standby
             raise
@@ -283,9 +296,10 @@ class ReaderWriterSlot(ModelSlot):
     """One copy; deltas are scattered in under a write lock, fulls are built beside and swapped."""
 
     scheme: ConsistencyScheme = "rwlock"
+    copies = 1
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, budget: MemoryBudget) -> None:
+        super().__init__(budget)
         self._lock = ReaderWriterLock()
         self._buffer: ModelBuffer | None = None
 
@@ -324,7 +338,7 @@ class ReaderWriterSlot(ModelSlot):
             or not buffer.fits(plan[0].manifest)
         ):
             # A full rewrites every row: build it beside the live copy and swap the pointer.
-            fresh, fetched_bytes = _build_fresh(plan, fetch)
+            fresh, fetched_bytes = _build_fresh(self, plan, fetch)
 
             def swap() -> None:
                 self._buffer = fresh
@@ -337,6 +351,7 @@ class ReaderWriterSlot(ModelSlot):
         # Deltas only: fetch, verify and decode everything before taking the lock.
         fetched_all: list[FetchedVersion] = []
         for ref in plan:
+            buffer.check_manifest(ref.manifest)
             fetched = fetch(ref)
             buffer.check(fetched)
             fetched_all.append(fetched)
@@ -358,10 +373,10 @@ class ReaderWriterSlot(ModelSlot):
         )
 
 
-def make_slot(scheme: ConsistencyScheme) -> ModelSlot:
-    """The slot implementing `scheme`."""
+def make_slot(scheme: ConsistencyScheme, budget: MemoryBudget) -> ModelSlot:
+    """The slot implementing `scheme`, building models that fit `budget`."""
     if scheme == "double-buffer":
-        return DoubleBufferSlot()
+        return DoubleBufferSlot(budget)
     if scheme == "rwlock":
-        return ReaderWriterSlot()
+        return ReaderWriterSlot(budget)
     raise ValueError(f"unknown consistency scheme {scheme!r}")

@@ -29,10 +29,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from publisher.codecs import CodecError
+from publisher.memory_budget import MemoryBudgetError
 from publisher.read.follower import VersionFollower
 from publisher.store import IntegrityError, StoreError
 from schemas.errors import BadDataError, FormatError
-from server.errors import ApplyError, PinnedError, ShuttingDownError
+from server.errors import ApplyError, NonFiniteError, PinnedError, ShuttingDownError
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics
 
@@ -44,12 +45,16 @@ _T = TypeVar("_T")
 def rejection_reason(exc: BadDataError) -> str:
     """The `reason` label of a rejected version ("restore": anything else keeping it from being
     rebuilt, such as a RestoreError or a missing blob)."""
+    if isinstance(exc, MemoryBudgetError):
+        return "budget"
     if isinstance(exc, IntegrityError):
         return "integrity"
     if isinstance(exc, FormatError):
         return "format"
     if isinstance(exc, CodecError):
         return "codec"
+    if isinstance(exc, NonFiniteError):
+        return "non_finite"
     if isinstance(exc, ApplyError):
         return "layout"
     return "restore"
@@ -266,6 +271,7 @@ class FollowLoop:
         counts.update(
             received=stats.received,
             reconciles=stats.reconciles,
+            coalesced=stats.coalesced,
             head_polls=stats.head_polls,
             store_errors=stats.store_errors,
         )

@@ -15,7 +15,8 @@ Rules it keeps:
   the target when its parent is served), or the whole chain when the served version is not in
   its lineage. So a gap is filled from the store, never guessed.
 - A plan is applied as one swap by the consistency scheme (server/consistency.py); until it has
-  fully passed verification the served version does not move.
+  fully passed verification the served version does not move. A new model is built only if its
+  copies fit the memory budget (publisher/memory_budget.py), checked on the manifest.
 - While pinned, nothing but an admin moves the version.
 
 All mutations are serialised by one lock; predictions never take it.
@@ -31,9 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 
+from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import plan_versions
 from publisher.store import ObjectStore
+from publisher.tunables import DEFAULT_TUNABLES
 from server.consistency import ModelSlot, UpdateResult, make_slot
 from server.errors import PinnedError, ShuttingDownError
 from server.metrics import ServerMetrics
@@ -59,11 +62,13 @@ class LiveModel:
         *,
         scheme: ConsistencyScheme = "double-buffer",
         metrics: ServerMetrics | None = None,
+        manifest_cache_size: int = DEFAULT_TUNABLES.manifest_cache_size,
+        memory_budget: MemoryBudget | None = None,
     ) -> None:
         self.store = store
-        self.catalog = Catalog(store, model)
+        self.catalog = Catalog(store, model, cache_size=manifest_cache_size)
         self.model_name = self.catalog.model
-        self.slot: ModelSlot = make_slot(scheme)
+        self.slot: ModelSlot = make_slot(scheme, memory_budget or MemoryBudget.of_machine())
         self.metrics = metrics or ServerMetrics()
         self._mutate = threading.Lock()
         self._pinned: int | None = None

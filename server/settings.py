@@ -3,16 +3,20 @@
 Settings are built by `load_settings()` (never at import time), so tests build their own with
 `ServerSettings(...)` and the CLI overlays its flags on the environment. The admin token is a
 `SecretStr`: it never appears in a repr, a log line or the API. Outside development a token that
-looks like a placeholder or is too short to resist guessing is refused at start-up.
+looks like a placeholder or is too easy to guess (`token_weakness`) is refused at start-up.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from publisher.tunables import DEFAULT_TUNABLES
 from schemas.manifest import check_model_name
 
 ENV_PREFIX = "CHECKNRUN_SERVER_"
@@ -36,6 +40,38 @@ WEAK_TOKENS = frozenset(
     }
 )
 MIN_TOKEN_CHARS = 16
+#: distinct characters a token needs (16 random hex digits have fewer than 6 with p = 3e-5).
+MIN_TOKEN_DISTINCT_CHARS = 6
+#: bits a token's character frequencies must carry (length x Shannon entropy per character):
+#: 16 random hex digits carry at least 40 in all but 0.2% of draws and never below 32 in 200k;
+#: `aaaaaaaaaaaaaaabcdef` carries 28.
+MIN_TOKEN_FREQUENCY_BITS = 32.0
+
+
+def token_weakness(token: str) -> str | None:
+    """Why `token` is too easy to guess to guard an admin endpoint, or None if it is not.
+
+    Rules: a known placeholder, fewer than MIN_TOKEN_CHARS characters, a repeated pattern (the
+    steps between neighbouring characters repeat with a period of at most half the token: this
+    catches `abcdabcdabcdabcd`, `aaaaaaaaaaaaaaaa` and runs like `abcdefghijklmnop`), fewer than
+    MIN_TOKEN_DISTINCT_CHARS distinct characters, or character frequencies carrying fewer than
+    MIN_TOKEN_FREQUENCY_BITS bits. A rule, never the token, is what the message names.
+    """
+    if token.strip().lower() in WEAK_TOKENS:
+        return "it is a known placeholder"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"it is shorter than {MIN_TOKEN_CHARS} characters"
+    steps = [ord(b) - ord(a) for a, b in itertools.pairwise(token)]
+    if any(steps[p:] == steps[:-p] for p in range(1, len(steps) // 2 + 1)):
+        return "it repeats a pattern"
+    counts = Counter(token)
+    if len(counts) < MIN_TOKEN_DISTINCT_CHARS:
+        return f"it has fewer than {MIN_TOKEN_DISTINCT_CHARS} distinct characters"
+    bits = -sum(c * math.log2(c / len(token)) for c in counts.values())
+    if bits < MIN_TOKEN_FREQUENCY_BITS:
+        return "a few characters make up most of it"
+    return None
+
 
 ConsistencyScheme = Literal["double-buffer", "rwlock"]
 
@@ -85,9 +121,27 @@ class ServerSettings(BaseSettings):
         "(never while pinned); None = readiness only needs the bootstrap",
     )
 
+    memory_budget_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="most bytes the served model's copies may take (checked on each new "
+        "version's manifest before anything is allocated); None = 3/4 of the machine's memory",
+    )
+    manifest_cache_size: int = Field(
+        default=DEFAULT_TUNABLES.manifest_cache_size,
+        ge=1,
+        description="manifests kept in memory (least recently used evicted first)",
+    )
+
     poll_timeout_s: float = Field(default=1.0, gt=0, description="longest wait of one bus poll")
     poll_head_after_s: float = Field(
         default=30.0, gt=0, description="read HEAD after this long without announcements"
+    )
+    min_reconcile_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="announcements with a gap reconcile from the store at most once per this "
+        "long; more within it wait for one reconcile at its end (0 = no limit)",
     )
     retry_initial_s: float = Field(default=1.0, gt=0, description="first retry after a failure")
     retry_max_s: float = Field(default=60.0, gt=0, description="cap of the retry backoff")
@@ -107,17 +161,13 @@ class ServerSettings(BaseSettings):
     def _refuse_weak_token(self) -> ServerSettings:
         if self.admin_token is None or self.environment == "development":
             return self
-        token = self.admin_token.get_secret_value()
-        if token.strip().lower() in WEAK_TOKENS or len(token) < MIN_TOKEN_CHARS:
-            # The message names the rule, never the token.
+        weakness = token_weakness(self.admin_token.get_secret_value())
+        if weakness is not None:
             raise ValueError(
-                f"the admin token is a known placeholder or shorter than {MIN_TOKEN_CHARS} "
-                "characters; generate one (e.g. `python -c 'import secrets; "
-                "print(secrets.token_urlsafe(32))'`) or set "
+                f"the admin token is too easy to guess: {weakness}; generate one (e.g. "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`) or set "
                 f"{ENV_PREFIX}ENVIRONMENT=development"
             )
-        if len(set(token)) < 4:
-            raise ValueError("the admin token repeats too few characters to be a real secret")
         return self
 
     @model_validator(mode="after")
@@ -135,7 +185,9 @@ def load_settings(**overrides: Any) -> ServerSettings:
     """Settings from the environment (`CHECKNRUN_SERVER_*`) with `overrides` on top.
 
     Overrides whose value is None are dropped, so CLI flags that were not given leave the
-    environment's value in place.
+    environment's value in place; except `admin_token`, given only to say where the token
+    comes from (another variable than CHECKNRUN_SERVER_ADMIN_TOKEN): None then means no token,
+    whatever CHECKNRUN_SERVER_ADMIN_TOKEN holds.
     """
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given = {k: v for k, v in overrides.items() if v is not None or k == "admin_token"}
     return ServerSettings(**given)

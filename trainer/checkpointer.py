@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from publisher.memory_budget import MemoryBudget
 from publisher.read.restore import RestoredState, restore
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
@@ -44,6 +45,7 @@ from publisher.write.process_publisher import ProcessPublisher, ProcessPublisher
 from publisher.write.publishing import (
     BackgroundPublisher,
     CheckpointPublisher,
+    NonFinitePolicy,
     PublishResult,
     SnapshotPublisher,
 )
@@ -96,6 +98,7 @@ class IncrementalCheckpointer:
         preallocate: bool = True,
         tunables: Tunables = DEFAULT_TUNABLES,
         policy_params: Mapping[str, float] | None = None,
+        on_non_finite: NonFinitePolicy = "stop",
     ) -> None:
         """
         Args:
@@ -115,6 +118,10 @@ class IncrementalCheckpointer:
                 GIL the training thread needs; see publisher/write/process_publisher.py.
             preallocate: allocate and touch one full copy of every table (rows and optimizer
                 columns) now, so no snapshot stalls on page faults (one model copy of memory).
+            on_non_finite: a snapshot holding NaN or inf is never published; "stop" re-raises
+                its NonFiniteSnapshotError on the training thread at the next batch, "skip"
+                counts it (`non_finite_skipped`) and folds its rows into the next snapshot,
+                published once the values are finite again.
         """
         self.clock = CheckpointClock(interval_samples, interval_seconds)
         self.model = model
@@ -138,10 +145,13 @@ class IncrementalCheckpointer:
             model, self.tables, self.optimizers, self.codecs, self.model_config
         )
         self.ledger = CheckpointRecords()
+        self.memory_budget = MemoryBudget.from_setting(tunables.memory_budget_bytes)
         self._closed = False
         #: the version `resume` loaded, if any.
         self.last_restored_version: int | None = None
 
+        if on_non_finite not in ("stop", "skip"):
+            raise CheckpointError(f"on_non_finite must be 'stop' or 'skip', got {on_non_finite!r}")
         if publish_in not in ("thread", "process"):
             raise CheckpointError(f"publish_in must be 'thread' or 'process', got {publish_in!r}")
         if announce is not None and (bus is not None or publish_in == "process"):
@@ -164,7 +174,9 @@ class IncrementalCheckpointer:
                 self.store.close()
             raise
         self.publish_in = publish_in
-        self.background = BackgroundPublisher(self.publisher, on_published=self._on_published)
+        self.background = BackgroundPublisher(
+            self.publisher, on_published=self._on_published, on_non_finite=on_non_finite
+        )
         self.tracked: TrackedEmbeddings = attach(model)
         if preallocate:
             try:
@@ -225,7 +237,12 @@ class IncrementalCheckpointer:
     def maybe_checkpoint(
         self, reader: Reader | None = None, metrics: Metrics | None = None
     ) -> CheckpointRecord | None:
-        """Checkpoint if the interval has passed; `metrics` may be a callable (called only then)."""
+        """Checkpoint if the interval has passed; `metrics` may be a callable (called only then).
+
+        Re-raises a publishing failure (a lost lease, a refused snapshot) at once, so training
+        stops at the batch after it rather than at the next interval.
+        """
+        self.background.raise_if_failed()
         if not self.due():
             return None
         return self.checkpoint_now(reader, metrics)
@@ -289,6 +306,11 @@ class IncrementalCheckpointer:
         return results[-1].ref.version if results else None
 
     @property
+    def non_finite_skipped(self) -> int:
+        """Snapshots not published because they held NaN or inf (`on_non_finite="skip"`)."""
+        return self.background.non_finite_skipped
+
+    @property
     def bytes_written(self) -> int:
         """Bytes committed so far by this checkpointer."""
         return sum(r.bytes_written for r in list(self.background.results))
@@ -327,9 +349,13 @@ class IncrementalCheckpointer:
 
         Returns its position; the step and sample counters continue from it. The next
         checkpoint is a full baseline: the restored version need not be HEAD's.
-        Raises `publisher.read.catalog.NoVersionError` when there is nothing to resume from.
+        Raises `publisher.read.catalog.NoVersionError` when there is nothing to resume from,
+        and `RestoreError` (before allocating) when its manifest declares more than
+        `Tunables.memory_budget_bytes`.
         """
-        state = restore(self.store, self.model_name, version, progress=progress)
+        state = restore(
+            self.store, self.model_name, version, progress=progress, budget=self.memory_budget
+        )
         self.load_state(state)
         self.last_restored_version = state.version
         return state.position

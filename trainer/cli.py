@@ -7,9 +7,11 @@
 stream; `--table-cap` sizes its tables) or the path of a CSV/TSV/Parquet log (with `--user-col`,
 `--item-col`, ... naming its columns). Progress goes to stderr; with `--json` one JSON document
 goes to stdout at the end and nothing else does. `--resume` continues from the latest (or the
-given) committed version at its reader position. `--bus URL` announces each committed version
-(`file:///PATH` log or `kafka://HOST:PORT/TOPIC`); without it nothing is announced and
-subscribers poll HEAD.
+given) committed version at its reader position; a model that already has versions is refused
+without it or `--new-lineage` (start a new history from scratch on top of the old one), so a
+rerun or another data file under the same `--model` never silently starts over. `--bus URL`
+announces each committed version (`file:///PATH` log or `kafka://HOST:PORT/TOPIC`); without it
+nothing is announced and subscribers poll HEAD.
 
 Registered through the `checknrun.commands` entry point `train = "trainer.cli:register"`;
 `python -m trainer.cli train ...` runs it without the entry point.
@@ -18,6 +20,7 @@ Registered through the `checknrun.commands` entry point `train = "trainer.cli:re
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import signal
@@ -33,10 +36,18 @@ import torch
 from tqdm import tqdm
 
 from publisher.bus import BusError
-from publisher.cli import CommandError, add_store_args, positive_int, run_command
+from publisher.cli import (
+    CommandError,
+    CommandParser,
+    add_store_args,
+    parse_command_line,
+    positive_int,
+    run_command,
+)
 from publisher.dlrm import DLRM
-from publisher.read.catalog import NoVersionError
+from publisher.read.catalog import Catalog, NoVersionError
 from publisher.write.policies import POLICIES, codec_for_expected_restores
+from publisher.write.snapshot import NonFiniteSnapshotError
 from schemas.codec_names import CODECS
 from schemas.errors import BadDataError
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
@@ -53,6 +64,8 @@ from trainer.online import (
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.streams.base import Batch, InteractionStream
 
+#: the built-in streams `--data` names (anything else is a file).
+DATA_SETS = ("movielens", "synthetic")
 DEFAULT_INTERVAL_SAMPLES = 50_000
 DEFAULT_TABLE_CAP = 730_000  # ~4.2M rows in 26 tables: ~1.08 GB of fp32 rows at dim 64
 
@@ -102,15 +115,24 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "--max-samples",
         type=positive_int,
         default=None,
-        help="stop at this stream offset (counted from the stream's start, also on --resume)",
+        help="stop at this stream offset (counted from the stream's start, also on --resume), "
+        "rounded up to whole batches so that a later --resume replays an uninterrupted run",
     )
-    p.add_argument(
+    history = p.add_mutually_exclusive_group()
+    history.add_argument(
         "--resume",
         nargs="?",
         const="latest",
         default=None,
         metavar="VERSION",
         help="continue from the latest (or the given) committed version",
+    )
+    history.add_argument(
+        "--new-lineage",
+        action="store_true",
+        help="train from scratch and publish on top of the model's existing versions (a new "
+        "full baseline starts a new history; without it or --resume a model that has "
+        "versions is refused)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document at the end")
     p.add_argument("--bus", default=None, help="announce versions: file:///PATH or kafka://...")
@@ -122,6 +144,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         choices=("thread", "process"),
         default="thread",
         help="where quantize/encode/commit run (default %(default)s; see docs)",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a checkpoint holding NaN or inf is never published: stop training with an error "
+        "(default), or skip it, train on and publish once the values are finite again",
     )
     p.add_argument(
         "--threads",
@@ -198,7 +227,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def open_stream(args: argparse.Namespace) -> InteractionStream:
-    """The stream `--data` names (DataError on a bad file or mapping)."""
+    """The stream `--data` names (DataError on a bad file or mapping, CommandError on a name
+    that is neither a data set nor a file)."""
     if args.data == "movielens":
         from trainer.streams.movielens import load_movielens
 
@@ -218,7 +248,15 @@ def open_stream(args: argparse.Namespace) -> InteractionStream:
                 drift=args.drift,
             )
         )
-    from trainer.streams.tabular import ColumnMapping, load_table
+    from trainer.streams.tabular import CSV_SUFFIXES, PARQUET_SUFFIXES, ColumnMapping, load_table
+
+    if not Path(args.data).suffix and not Path(args.data).exists():  # a mistyped data set name
+        close = difflib.get_close_matches(args.data, DATA_SETS, n=1)
+        raise CommandError(
+            f"--data {args.data!r} is neither a data set ({', '.join(DATA_SETS)}) nor a file"
+            + (f": did you mean {close[0]!r}?" if close else "")
+            + f" (a file is a {', '.join(CSV_SUFFIXES + PARQUET_SUFFIXES)} log)"
+        )
 
     mapping = ColumnMapping(
         user=args.user_col,
@@ -265,7 +303,7 @@ def default_embedding_dim(data: str) -> int:
 
 def default_model_name(data: str) -> str:
     """`movielens`, `synthetic`, or the data file's stem."""
-    if data in ("movielens", "synthetic"):
+    if data in DATA_SETS:
         return data
     stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in Path(data).stem)
     return stem.strip(".") or "model"
@@ -330,12 +368,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             bus=args.bus,
             on_published=published,
             publish_in=args.publish_in,
+            on_non_finite=args.on_nonfinite,
         )
     except BusError as exc:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc
     with ckpt:
         start, resumed = _resume(ckpt, stream, args)
-        stop = args.max_samples
+        stop = _whole_batches(args.max_samples, start, args.batch_size)
         if stream.num_samples is not None:
             stop = min(stop or stream.num_samples, stream.num_samples)
         if stop is not None and start >= stop:
@@ -353,21 +392,27 @@ def cmd_train(args: argparse.Namespace) -> int:
             dynamic_ncols=True,
         )
         stop_event = threading.Event()
-        with bar, _stop_on_signals(stop_event):
-            report = train_online(
-                model,
-                optimizers,
-                stream,
-                batch_size=args.batch_size,
-                start=start,
-                stop=stop,
-                checkpointer=ckpt,
-                metrics=ProgressiveMetrics(),
-                on_batch=_Progress(bar, ckpt),
-                stop_event=stop_event,
-            )
-        ckpt.flush()
-    doc = _report_json(args, model_name, resumed, report)
+        try:
+            with bar, _stop_on_signals(stop_event):
+                report = train_online(
+                    model,
+                    optimizers,
+                    stream,
+                    batch_size=args.batch_size,
+                    start=start,
+                    stop=stop,
+                    checkpointer=ckpt,
+                    metrics=ProgressiveMetrics(),
+                    on_batch=_Progress(bar, ckpt),
+                    stop_event=stop_event,
+                )
+            ckpt.flush()
+        except NonFiniteSnapshotError as exc:
+            raise NonFiniteSnapshotError(
+                f"{exc}; training stopped (--on-nonfinite skip trains on and publishes once the "
+                "values are finite again)"
+            ) from exc
+    doc = _report_json(args, model_name, resumed, report, ckpt.non_finite_skipped)
     if args.json:
         print(json.dumps(doc))
     else:
@@ -375,11 +420,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _whole_batches(max_samples: int | None, start: int, batch_size: int) -> int | None:
+    """--max-samples rounded up to a whole number of batches from `start` (said on stderr).
+
+    A run ends with a checkpoint, and a resumed run starts its batches there. Ending mid-batch
+    would make the resumed run's batches straddle the uninterrupted run's (5000 with batches of
+    256: it trains [5000, 5256), the uninterrupted run [4864, 5120) then [5120, 5376)), and
+    the two would differ. The end of the stream is a boundary for every run alike.
+    """
+    if max_samples is None or max_samples <= start or (max_samples - start) % batch_size == 0:
+        return max_samples
+    stop = start + -(-(max_samples - start) // batch_size) * batch_size
+    print(
+        f"--max-samples {max_samples:,} rounded up to {stop:,}: whole batches of {batch_size} "
+        f"from sample {start:,}, so a later --resume trains what an uninterrupted run would",
+        file=sys.stderr,
+    )
+    return stop
+
+
 def _resume(
     ckpt: IncrementalCheckpointer, stream: InteractionStream, args: argparse.Namespace
 ) -> tuple[int, int | None]:
     """(start offset, resumed version) for --resume; (0, None) without it."""
     if args.resume is None:
+        _check_new_history(ckpt, stream, args.new_lineage)
         return 0, None
     version: int | None = None
     if args.resume != "latest":
@@ -396,6 +461,33 @@ def _resume(
         raise CommandError(f"--resume: {exc}") from exc
     resumed = ckpt.last_restored_version
     return start, resumed
+
+
+def _check_new_history(
+    ckpt: IncrementalCheckpointer, stream: InteractionStream, new_lineage: bool
+) -> None:
+    """Refuse to start a new history on a model that has one, unless `--new-lineage` says so.
+
+    Run after the checkpointer took the model's lease, so no other trainer commits meanwhile.
+    """
+    latest = Catalog(ckpt.store, ckpt.model_name).latest()
+    if latest is None or new_lineage:
+        return
+    name, version = ckpt.model_name, latest.version
+    reader = latest.manifest.position.reader
+    this = stream.reader_state(0)
+    if (reader.get("source"), reader.get("fingerprint")) == (this["source"], this["fingerprint"]):
+        raise CommandError(
+            f"model {name!r} already has versions (v{version}, trained to sample "
+            f"{reader.get('offset')}): --resume continues it, --new-lineage starts a new "
+            "history from scratch on top of it, --model NAME trains another model"
+        )
+    raise CommandError(
+        f"model {name!r} (v{version}) was trained on other data (source={reader.get('source')!r} "
+        f"fingerprint={reader.get('fingerprint')!r}; this run: source={this['source']!r} "
+        f"fingerprint={this['fingerprint']!r}): --model NAME trains a new model, --new-lineage "
+        "starts a new history on this one"
+    )
 
 
 class _Progress:
@@ -442,7 +534,11 @@ def _human_bytes(n: int) -> str:
 
 
 def _report_json(
-    args: argparse.Namespace, model_name: str, resumed: int | None, report: TrainingReport
+    args: argparse.Namespace,
+    model_name: str,
+    resumed: int | None,
+    report: TrainingReport,
+    non_finite_skipped: int,
 ) -> dict[str, Any]:
     return {
         "model": model_name,
@@ -459,7 +555,7 @@ def _report_json(
         "samples_per_s": round(report.samples_per_s, 1),
         "stopped": report.stopped,
         "metrics": {k: round(v, 6) for k, v in report.metrics.items()},
-        "summary": report.summary(),
+        "summary": {**report.summary(), "non_finite_skipped": non_finite_skipped},
         "checkpoints": [r.to_json() for r in report.records],
     }
 
@@ -478,14 +574,16 @@ def _print_summary(doc: dict[str, Any]) -> None:
         f"stall median {s['stall_ms_median']} ms, max {s['stall_ms_max']} ms; "
         f"{_human_bytes(s['bytes_written'])} written, {s['ratio']}x smaller than full fp32"
     )
+    if s["non_finite_skipped"]:
+        print(f"{s['non_finite_skipped']} checkpoint(s) not published: they held NaN or inf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m trainer.cli train ...`: the command without the entry point installed."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.cli")
+    parser: argparse.ArgumentParser = CommandParser(prog="python -m trainer.cli")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register(sub)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,

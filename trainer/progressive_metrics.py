@@ -63,9 +63,9 @@ class ProgressiveMetrics:
         logits = logits.detach().float().reshape(-1)
         labels = labels.detach().float().reshape(-1)
         loss = float(F.binary_cross_entropy_with_logits(logits, labels, reduction="sum"))
-        scaled = (logits.clamp(-LOGIT_RANGE, LOGIT_RANGE) + LOGIT_RANGE) * (
-            (BINS - 1) / (2 * LOGIT_RANGE)
-        )
+        # A diverged model scores NaN: bin it as no information (logit 0), not as a bad index.
+        binned = torch.nan_to_num(logits, nan=0.0).clamp(-LOGIT_RANGE, LOGIT_RANGE)
+        scaled = (binned + LOGIT_RANGE) * ((BINS - 1) / (2 * LOGIT_RANGE))
         bins = scaled.to(torch.int64).numpy()
         positive = labels.numpy() > 0.5
         pos = np.bincount(bins[positive], minlength=BINS)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from publisher.state_dicts import OptimizerStateLayout, RowState, module_tensors
+from publisher.state_dicts import OptimizerStateLayout, RowState, module_tensors, weight_key
 from publisher.write.policies import Plan, Policy
 from publisher.write.snapshot import Snapshot, TableRows
 from publisher.write.tracker import DirtyRowTracker, EmbeddingModule, RowIds
@@ -187,7 +187,7 @@ def _weight_keys(model: nn.Module, tables: Mapping[str, EmbeddingModule]) -> dic
     keys: dict[str, str] = {}
     state_keys = set(model.state_dict())
     for name in tables:
-        key = f"{name}.weight" if name else "weight"
+        key = weight_key(name)
         if key not in state_keys:
             raise CheckpointError(f"table {name!r}: state_dict has no {key!r}")
         keys[name] = key

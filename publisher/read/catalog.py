@@ -7,12 +7,21 @@ section 2), so listing walks that chain and never shows an orphan of a crashed p
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from publisher.store import NotFoundError, ObjectStore
+from publisher.tunables import DEFAULT_TUNABLES
 from schemas.errors import BadDataError, ManifestError
-from schemas.manifest import Head, Manifest, check_model_name
-from schemas.store_keys import head_key
+from schemas.manifest import (
+    MAX_HEAD_BYTES,
+    MAX_MANIFEST_BYTES,
+    Head,
+    Manifest,
+    check_model_name,
+)
+from schemas.store_keys import head_key, model_prefix
 
 
 class CatalogError(BadDataError):
@@ -21,6 +30,10 @@ class CatalogError(BadDataError):
 
 class NoVersionError(CatalogError):
     """The model has no committed version, or not the one asked for."""
+
+
+class ModelNotFoundError(NoVersionError):
+    """The store holds nothing of the model, not even a lease: a typo, or the wrong store."""
 
 
 @dataclass(frozen=True)
@@ -36,17 +49,34 @@ class VersionRef:
 
 
 class Catalog:
-    """Reads one model's committed versions from a store. Manifests are cached by key."""
+    """Reads one model's committed versions from a store.
 
-    def __init__(self, store: ObjectStore, model: str) -> None:
+    Manifests are cached by key, the `cache_size` most recently used ones: a server or trainer
+    that lives for days meets a new version every second or so (a manifest is tens of KiB in
+    memory), while a plan reads at most one restore chain, newest first, and following a
+    version reads none (publisher/read/planner.py). A manifest that was evicted is read again.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        model: str,
+        *,
+        cache_size: int = DEFAULT_TUNABLES.manifest_cache_size,
+    ) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         self.store = store
         self.model = check_model_name(model)
-        self._manifests: dict[str, Manifest] = {}
+        self.cache_size = cache_size
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        # The follow loop and an admin's pin read through one catalog from two threads.
+        self._cache_lock = threading.Lock()
 
     def head(self) -> Head | None:
         """The HEAD record, or None when nothing was committed yet."""
         try:
-            data = self.store.get(head_key(self.model))
+            data = self.store.get(head_key(self.model), MAX_HEAD_BYTES)
         except NotFoundError:
             return None
         head = Head.from_json(data)
@@ -56,18 +86,36 @@ class Catalog:
 
     def manifest(self, key: str) -> Manifest:
         """The validated manifest stored at `key`."""
-        cached = self._manifests.get(key)
-        if cached is not None:
-            return cached
-        manifest = Manifest.from_json(self.store.get(key))
+        with self._cache_lock:
+            cached = self._manifests.get(key)
+            if cached is not None:
+                self._manifests.move_to_end(key)
+                return cached
+        manifest = Manifest.from_json(self.store.get(key, MAX_MANIFEST_BYTES))
         if manifest.model != self.model:
             raise ManifestError(f"{key} holds model {manifest.model!r}, expected {self.model!r}")
-        self._manifests[key] = manifest
+        self.remember(key, manifest)
         return manifest
 
+    def require_model(self) -> None:
+        """ModelNotFoundError unless the store holds some object of this model.
+
+        A model whose trainer has started but not yet committed holds its lease, so it exists:
+        "no version yet" and "no such model" are told apart.
+        """
+        if next(self.store.list(model_prefix(self.model)), None) is None:
+            raise ModelNotFoundError(
+                f"model {self.model!r} has no committed version: {self.store.url} holds nothing "
+                "of it (check --model and --store)"
+            )
+
     def remember(self, key: str, manifest: Manifest) -> None:
-        """Cache a manifest this process wrote itself."""
-        self._manifests[key] = manifest
+        """Cache a manifest (one this process wrote itself, or just read)."""
+        with self._cache_lock:
+            self._manifests[key] = manifest
+            self._manifests.move_to_end(key)
+            while len(self._manifests) > self.cache_size:
+                self._manifests.popitem(last=False)
 
     def latest(self) -> VersionRef | None:
         """The version HEAD points to."""
@@ -110,9 +158,11 @@ class Catalog:
         if version is None:
             ref = self.latest()
             if ref is None:
+                self.require_model()
                 raise NoVersionError(f"model {self.model!r} has no committed version")
             return ref
         for ref in reversed(self.versions(since=version - 1)):
             if ref.version == version:
                 return ref
+        self.require_model()
         raise NoVersionError(f"model {self.model!r} has no committed version {version}")

@@ -20,6 +20,11 @@
   baseline, then the deltas its `applies_to` links lead through.
 - When no announcement of this model arrives for `poll_head_after_s` seconds, HEAD is polled
   directly, so a dead bus only delays updates. The first poll reads HEAD at once.
+- Gap reconciles are rate-limited: within `min_reconcile_interval_s` of the last one, a gap
+  announcement only marks a reconcile wanted (`stats.coalesced`), and one reconcile runs when the
+  interval ends. Anyone who can write to the bus can forge gaps, and each cost store reads
+  (2,000 junk messages made 2,002 reconciles); now a flood costs one reconcile per interval.
+  In-order announcements (parent == current) still take the fast path at once.
 
 Messages are hostile input (docs/FORMAT.md section 6): each is size-capped and validated, and a
 bad one is dropped, logged and counted in `stats.ignored` by reason; nothing about a message, and
@@ -29,7 +34,6 @@ poll (`retry_after_error_s`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +44,7 @@ from typing import Final
 from publisher.bus.base import AnnouncementSource
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import plan_versions
+from schemas import strict_json
 from schemas.announcement import MAX_ANNOUNCEMENT_BYTES, Announcement
 from schemas.errors import AnnouncementError, CheckNRunError, ManifestError
 from schemas.manifest import Head
@@ -49,7 +54,7 @@ log = logging.getLogger(__name__)
 
 #: why a message was ignored, the keys of `FollowerStats.ignored`.
 OVERSIZED: Final = "oversized"  # longer than max_message_bytes
-BAD_JSON: Final = "bad_json"  # not UTF-8 JSON, or not an object
+BAD_JSON: Final = "bad_json"  # not strict UTF-8 JSON (schemas/strict_json.py), or not an object
 UNKNOWN_SCHEMA: Final = "unknown_schema"  # schema_version is not 1
 OTHER_MODEL: Final = "other_model"  # an announcement of another model (normal on a shared bus)
 BAD_KEY: Final = "bad_key"  # manifest_key outside MODEL/manifests/, or unsafe
@@ -81,6 +86,7 @@ class FollowerStats:
     received: int = 0  # raw messages taken from the source
     applied_candidates: int = 0  # versions returned by poll
     reconciles: int = 0  # catch-ups from the store because announcements had a gap
+    coalesced: int = 0  # gap announcements folded into a reconcile already made or wanted
     head_polls: int = 0  # HEAD reads on the timer (first poll, silence, retry after an error)
     store_errors: int = 0  # store reads that failed (retried later)
     ignored: dict[str, int] = field(default_factory=dict)  # by reason (see REASONS)
@@ -101,6 +107,7 @@ class VersionFollower:
         poll_head_after_s: float = 5.0,
         max_message_bytes: int = MAX_ANNOUNCEMENT_BYTES,
         retry_after_error_s: float = 1.0,
+        min_reconcile_interval_s: float = 1.0,
     ) -> None:
         self.catalog = catalog
         self.model = catalog.model
@@ -108,8 +115,11 @@ class VersionFollower:
         self.poll_head_after_s = poll_head_after_s
         self.max_message_bytes = max_message_bytes
         self.retry_after_error_s = retry_after_error_s
+        self.min_reconcile_interval_s = min_reconcile_interval_s
         self.stats = FollowerStats()
         self._next_head_poll = 0.0  # the first poll reads HEAD at once
+        self._reconciled_at = float("-inf")  # when the last gap reconcile started (monotonic)
+        self._reconcile_wanted = False  # a gap announcement came while reconciles were limited
 
     def poll(self, current: int | None, timeout_s: float) -> list[VersionRef]:
         """Committed versions newer than `current` to apply, in order; [] after `timeout_s`.
@@ -145,13 +155,22 @@ class VersionFollower:
 
     def _step(self, current: int | None, deadline: float) -> list[VersionRef]:
         now = time.monotonic()
-        if now >= self._next_head_poll:
-            self.stats.head_polls += 1
+        wanted_due = self._reconcile_wanted and now >= self._reconcile_allowed_at()
+        if wanted_due or now >= self._next_head_poll:
+            if wanted_due:
+                self.stats.reconciles += 1
+                self._reconciled_at = now
+            else:
+                self.stats.head_polls += 1
+            self._reconcile_wanted = False  # HEAD is read now, whichever asked
             self._next_head_poll = now + self.poll_head_after_s
             refs = self._guarded(partial(self._reconcile, current), "polling HEAD")
             if refs:
                 return refs
-        wait = max(0.0, min(deadline, self._next_head_poll) - time.monotonic())
+        wake = self._next_head_poll
+        if self._reconcile_wanted:
+            wake = min(wake, self._reconcile_allowed_at())
+        wait = max(0.0, min(deadline, wake) - time.monotonic())
         if self.source is None:
             time.sleep(wait)
             return []
@@ -209,7 +228,13 @@ class VersionFollower:
     def _follow(self, announcement: Announcement, current: int | None) -> list[VersionRef]:
         """The versions an announcement newer than `current` leads to."""
         if current is None or announcement.parent != current:
+            now = time.monotonic()
+            if now < self._reconcile_allowed_at():
+                self.stats.coalesced += 1
+                self._reconcile_wanted = True
+                return []
             self.stats.reconciles += 1
+            self._reconciled_at = now
             return self._reconcile(current)
         head = self.catalog.head()
         if head is None or head.version < announcement.version:
@@ -243,6 +268,9 @@ class VersionFollower:
         # The announced version's parent is `current`: the planner settles this without a read.
         return plan_versions(self.catalog, current, VersionRef(manifest, announcement.manifest_key))
 
+    def _reconcile_allowed_at(self) -> float:
+        return self._reconciled_at + self.min_reconcile_interval_s
+
     def _reconcile(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
         """The plan from `current` to HEAD (`head` if already read), read from the store."""
         latest = self.catalog.latest() if head is None else self.catalog.at_head(head)
@@ -268,8 +296,8 @@ class VersionFollower:
             self._ignore(OVERSIZED, f"{len(data)} bytes > {self.max_message_bytes}")
             return None
         try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            obj = strict_json.loads(data, AnnouncementError, "announcement")
+        except AnnouncementError as exc:
             self._ignore(BAD_JSON, str(exc)[:200])
             return None
         if not isinstance(obj, dict):

@@ -3,9 +3,10 @@
 The chain is planned by `publisher.read.planner` and each blob is written into its table by
 `publisher.read.blob_rows`: the paths a following server uses too. Tables are restored one at a
 time and each blob is decoded straight into the table's array, so memory stays near one copy of
-the model plus one blob. Every blob is checked against the sha256 in its manifest before it is
-decoded. With the fp32 codec the result is bitwise equal to the trainer's state at that version;
-with a lossy codec each row is within its codec's error bound.
+the model plus one blob. The target's state is checked against the memory budget before
+anything is fetched (publisher/memory_budget.py), and every blob against the sha256 in its
+manifest before it is decoded. With the fp32 codec the result is bitwise equal to the trainer's
+state at that version; with a lossy codec each row is within its codec's error bound.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from publisher.memory_budget import MemoryBudget, MemoryBudgetError
 from publisher.read.blob_rows import write_blob
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
@@ -65,9 +67,12 @@ class RestoredState:
 
 
 def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
-    """Fetch, verify and decode one table blob, checking it matches its manifest entry."""
+    """Fetch, verify and decode one table blob, checking it matches its manifest entry.
+
+    The decoder's caps are the entry's (`TableEntry.blob_limits`): a blob declaring a bigger
+    table than its entry fails on its header, before a byte is inflated."""
     data = store.get_verified(entry.blob.key, entry.blob.size, entry.blob.sha256)
-    blob = decode_delta_blob(data)
+    blob = decode_delta_blob(data, limits=entry.blob_limits)
     expected = (
         entry.name,
         entry.codec,
@@ -97,47 +102,57 @@ def _restore_table(
             entry = ref.manifest.table(target_entry.name)
         except KeyError as exc:
             raise RestoreError(f"version {ref.version} lacks table {target_entry.name!r}") from exc
+        shape = (entry.rows, entry.dim, entry.aux_dim)
+        if shape != (target_entry.rows, target_entry.dim, target_entry.aux_dim):
+            # Before the fetch: the blob's decode caps come from its entry, so an entry of
+            # another shape (a forged baseline) must not get as far as inflating a blob.
+            raise RestoreError(
+                f"{ref.key}: table {entry.name!r} is {entry.rows}x{entry.dim} "
+                f"(+{entry.aux_dim}), version {target.version} says {target_entry.rows}x"
+                f"{target_entry.dim} (+{target_entry.aux_dim})"
+            )
         try:
-            blob = read_blob(store, entry)
+            blob = read_blob(store, entry)  # it matches its entry, hence the target's shape
         except FormatError as exc:
             raise RestoreError(f"{entry.blob.key}: {exc}") from exc
         if table is None:
-            # Size the table from the verified baseline blob, not from the manifest alone: a
-            # forged manifest must not make us allocate before any byte was checked.
+            # Sized from the target's entry, which the memory budget checked, and only once a
+            # verified blob agrees with it.
             if blob.n_rows != blob.table_rows:
                 raise RestoreError(f"{entry.blob.key}: the chain must start with a full table")
             table = TableState(
                 name=entry.name,
-                weights=np.empty((blob.table_rows, blob.dim), dtype=np.float32),
-                aux=np.empty((blob.table_rows, blob.aux_dim), dtype=np.float32),
+                weights=np.empty((entry.rows, entry.dim), dtype=np.float32),
+                aux=np.empty((entry.rows, entry.aux_dim), dtype=np.float32),
             )
-        if (blob.table_rows, blob.dim, blob.aux_dim) != (
-            target_entry.rows,
-            target_entry.dim,
-            target_entry.aux_dim,
-        ):
-            raise RestoreError(
-                f"{entry.blob.key}: table {entry.name!r} is {blob.table_rows}x{blob.dim} "
-                f"(+{blob.aux_dim}), version {target.version} says {target_entry.rows}x"
-                f"{target_entry.dim} (+{target_entry.aux_dim})"
-            )
-        write_blob(blob, table.weights, table.aux)  # its shape is the table's: checked above
+        write_blob(blob, table.weights, table.aux)
         bytes_read += entry.blob.size
     assert table is not None  # a chain is never empty
     return table, bytes_read
 
 
 def restore_chain(
-    store: ObjectStore, chain: list[VersionRef], *, progress: bool = False, workers: int = 0
+    store: ObjectStore,
+    chain: list[VersionRef],
+    *,
+    progress: bool = False,
+    workers: int = 0,
+    budget: MemoryBudget | None = None,
 ) -> RestoredState:
     """Apply a chain (baseline first) and return the state at its last version.
 
     Tables are independent, so they are restored on `workers` threads (default: one per core):
     sha256, zstd and the numpy scatter release the GIL. Each table still applies its chain in
-    order, and memory stays near one model copy plus one blob per worker.
+    order, and memory stays near one model copy plus one blob per worker. Before anything is
+    fetched the target's state must fit `budget` (default: the machine's), else RestoreError
+    (from a MemoryBudgetError).
     """
     started = time.perf_counter()
     target = chain[-1].manifest
+    try:
+        (budget or MemoryBudget.of_machine()).check_restore(target)
+    except MemoryBudgetError as exc:
+        raise RestoreError(str(exc)) from exc
     state = RestoredState(manifest=target, tables={})
     workers = workers or min(len(target.tables), os.cpu_count() or 1) or 1
     bar = tqdm(
@@ -168,7 +183,13 @@ def restore_chain(
 
 
 def restore(
-    store: ObjectStore, model: str, version: int | None = None, *, progress: bool = False
+    store: ObjectStore,
+    model: str,
+    version: int | None = None,
+    *,
+    progress: bool = False,
+    budget: MemoryBudget | None = None,
 ) -> RestoredState:
-    """The state of `model` at `version` (the latest when None)."""
-    return restore_chain(store, restore_plan(Catalog(store, model), version), progress=progress)
+    """The state of `model` at `version` (the latest when None), if it fits `budget`."""
+    chain = restore_plan(Catalog(store, model), version)
+    return restore_chain(store, chain, progress=progress, budget=budget)

@@ -6,7 +6,12 @@ period, and every object younger than the grace period (a publish in progress wr
 and manifest before HEAD moves to them). Deleted: older committed versions, and orphans (objects
 under `manifests/` or `blobs/` that no committed version references: leftovers of crashed
 publishes). A version's manifest is deleted before its blobs, so a reader never finds a manifest
-whose blobs are gone; readers treat a missing parent manifest as the start of history.
+whose blobs are gone; readers treat a missing parent manifest as the start of history, so the
+oldest kept version's `parent_manifest` naming a deleted manifest is normal (docs/FORMAT.md 2).
+
+gc deletes only keys under the model's `manifests/` and `blobs/` prefixes, whatever a manifest
+says: `run_gc` refuses a plan naming anything else (HEAD, LEASE, another model) before deleting
+anything, so that guarantee does not rest on manifest validation alone.
 """
 
 from __future__ import annotations
@@ -16,13 +21,19 @@ from dataclasses import dataclass, field
 
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import ObjectStore
+from schemas.errors import BadDataError
 from schemas.store_keys import blobs_prefix, manifests_prefix
+
+
+class RetentionError(BadDataError):
+    """A gc plan names a key that is not gc's to delete."""
 
 
 @dataclass
 class GcPlan:
-    """What a gc pass keeps and deletes."""
+    """What a gc pass of `model` keeps and deletes."""
 
+    model: str
     kept_versions: list[int] = field(default_factory=list)
     deleted_versions: list[int] = field(default_factory=list)
     delete_keys: list[str] = field(default_factory=list)
@@ -40,7 +51,7 @@ def plan_gc(
     now = time.time() if now is None else now
     catalog = Catalog(store, model)
     versions = catalog.versions()
-    plan = GcPlan()
+    plan = GcPlan(model)
     if not versions:
         return plan
     fulls = [r for r in versions if r.manifest.kind == "full"]
@@ -73,7 +84,18 @@ def plan_gc(
 
 
 def run_gc(store: ObjectStore, plan: GcPlan) -> int:
-    """Delete what `plan` says (manifests of old versions first); return the number of keys."""
+    """Delete what `plan` says (manifests of old versions first); return the number of keys.
+
+    RetentionError, with nothing deleted, if the plan names a key outside the model's
+    `manifests/` and `blobs/` prefixes.
+    """
+    owned = (manifests_prefix(plan.model), blobs_prefix(plan.model))
+    foreign = [k for k in (*plan.delete_keys, *plan.orphan_keys) if not k.startswith(owned)]
+    if foreign:
+        raise RetentionError(
+            f"gc of model {plan.model!r} refuses to delete {', '.join(map(repr, foreign[:5]))}: "
+            f"only keys under {owned[0]!r} and {owned[1]!r} are gc's"
+        )
     manifests = [k for k in plan.orphan_keys if "/manifests/" in k]
     blobs = [k for k in plan.orphan_keys if "/manifests/" not in k]
     for key in [*plan.delete_keys, *manifests, *blobs]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
+from schemas.store_keys import is_safe_key
 
 
 class StoreError(CheckNRunError):
@@ -39,6 +40,18 @@ class BadKeyError(StoreError, BadDataError):
     """A key that is not a safe relative path."""
 
 
+class ObjectTooLargeError(StoreError, BadDataError):
+    """An object is longer than its reader accepts; no more than that cap plus one byte was read."""
+
+
+class StoreMissingError(StoreError):
+    """The store itself (a file:// directory, an s3:// bucket) does not exist.
+
+    Read-only opens (`open_store(url, create=False)`: ls, inspect, restore, gc, serve) raise it
+    instead of creating the store.
+    """
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One listed object."""
@@ -50,18 +63,32 @@ class ObjectInfo:
 
 
 def check_key(key: str) -> str:
-    """Refuse keys that could escape the store's root or prefix."""
-    parts = key.split("/")
-    if (
-        not key
-        or key.startswith("/")
-        or "\\" in key
-        or any(p in ("", ".", "..") for p in parts)
-        or any(ord(c) < 0x20 for c in key)
-        or len(key) > 1024
-    ):
+    """Refuse keys that could escape the store's root or prefix (`schemas.store_keys`' rule)."""
+    if not is_safe_key(key):
         raise BadKeyError(f"unsafe store key {key!r}")
     return key
+
+
+def read_capped(
+    key: str, read: Callable[[int | None], bytes], max_bytes: int | None, size: int | None = None
+) -> bytes:
+    """What `read(n)` (a file's or an HTTP body's read) returns for `key`, all of it when
+    `max_bytes` is None, else at most `max_bytes` bytes: one byte more is read to tell a longer
+    object, which raises ObjectTooLargeError.
+
+    `size` is the object's length when known (a file's): a file read allocates its whole
+    request up front, so a small object is not read into a buffer of the cap, and a longer one
+    is refused unread.
+    """
+    if max_bytes is None:
+        return read(None)
+    too_long = ObjectTooLargeError(f"{key} is longer than {max_bytes} bytes, the most read")
+    if size is not None and size > max_bytes:
+        raise too_long
+    data = read((max_bytes if size is None else size) + 1)
+    if len(data) > max_bytes:
+        raise too_long
+    return data
 
 
 class ObjectStore(ABC):
@@ -81,8 +108,12 @@ class ObjectStore(ABC):
         """
 
     @abstractmethod
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        """The whole object and its ETag; NotFoundError if absent."""
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
+        """The whole object and its ETag; NotFoundError if absent.
+
+        With `max_bytes`, at most `max_bytes + 1` bytes are read (`read_capped`) and a longer
+        object raises ObjectTooLargeError: a hostile object costs the cap, not its size.
+        """
 
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -100,9 +131,9 @@ class ObjectStore(ABC):
     def exists(self, key: str) -> bool:
         """True if the object exists."""
 
-    def get(self, key: str) -> bytes:
-        """The whole object; NotFoundError if absent."""
-        return self.get_with_etag(key)[0]
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The whole object; NotFoundError if absent, ObjectTooLargeError past `max_bytes`."""
+        return self.get_with_etag(key, max_bytes)[0]
 
     def get_verified(self, key: str, size: int, sha256: str) -> bytes:
         """The object, checked against the size and sha256 a manifest promises."""

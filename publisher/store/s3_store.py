@@ -22,6 +22,9 @@ Only plain S3 semantics are used, so MinIO, AWS S3 and other compatible servers 
   An S3 ETag is a digest of the content, so rewriting identical bytes keeps it: a swap against an
   ETag compares content, not write history. That is what the protocol needs, as the records
   swapped (lease, HEAD) name their writer's token and version, so equal bytes mean equal state.
+- A writer's store creates its bucket on first use (unless CHECKNRUN_S3_CREATE_BUCKET=0); a
+  read-only one (`create=False`: ls, inspect, restore, gc, serve) never does, and a missing
+  bucket is StoreMissingError at its first request.
 - Transient failures (connection refused/reset, timeouts, 5xx, SlowDown) are retried with capped
   exponential backoff within a bounded number of attempts and total time, then raise
   StoreUnavailableError. The urllib3 pool does no retrying of its own and has short connect
@@ -55,8 +58,10 @@ from publisher.store.base import (
     ObjectStore,
     PreconditionFailedError,
     StoreError,
+    StoreMissingError,
     StoreUnavailableError,
     check_key,
+    read_capped,
 )
 
 log = logging.getLogger(__name__)
@@ -209,8 +214,10 @@ class S3Store(ObjectStore):
         prefix: str = "",
         *,
         settings: S3Settings,
+        create: bool = True,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """`create=False` (read-only commands): never create the bucket, whatever the settings."""
         if not bucket:
             raise StoreError("S3Store needs a bucket name")
         prefix = prefix.strip("/")
@@ -225,7 +232,8 @@ class S3Store(ObjectStore):
         self.settings = settings
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._sleep = sleep
-        self._bucket_ready = not settings.create_bucket
+        self._create = create
+        self._bucket_ready = not (create and settings.create_bucket)
         self._bucket_lock = threading.Lock()
         # No urllib3 retries: this class retries whole operations itself, with its own bounds;
         # two nested retry loops would multiply the time an outage takes to surface.
@@ -249,14 +257,17 @@ class S3Store(ObjectStore):
         _check_client(self._client)
 
     @classmethod
-    def from_url(cls, url: str, environ: Mapping[str, str] | None = None) -> S3Store:
+    def from_url(
+        cls, url: str, environ: Mapping[str, str] | None = None, *, create: bool = True
+    ) -> S3Store:
         """The store `s3://BUCKET/PREFIX` names, configured from the environment."""
         bucket, prefix = parse_s3_url(url)
-        return cls(bucket, prefix, settings=S3Settings.from_env(environ))
+        return cls(bucket, prefix, settings=S3Settings.from_env(environ), create=create)
 
     def with_settings(self, **changes: Any) -> S3Store:
         """A store on the same bucket and prefix with some settings changed (tests, tools)."""
-        return S3Store(self.bucket, self.prefix, settings=replace(self.settings, **changes))
+        settings = replace(self.settings, **changes)
+        return S3Store(self.bucket, self.prefix, settings=settings, create=self._create)
 
     def __repr__(self) -> str:
         s = self.settings
@@ -319,9 +330,11 @@ class S3Store(ObjectStore):
             if code in _PRECONDITION_CODES or status == 412:
                 return PreconditionFailedError(f"{what}: condition failed ({code or status})")
             if code == "NoSuchBucket":
-                return StoreError(
-                    f"{what}: bucket {self.bucket!r} does not exist at {self._where()}; create it "
-                    "or allow CHECKNRUN_S3_CREATE_BUCKET=1"
+                # A read-only store never creates it: then the URL is most likely wrong.
+                hint = "create it or allow CHECKNRUN_S3_CREATE_BUCKET=1"
+                return StoreMissingError(
+                    f"{what}: bucket {self.bucket!r} does not exist at {self._where()}; "
+                    + (hint if self._create else "check the store URL")
                 )
             if code in _DENIED_CODES or status == 403:
                 return StoreError(
@@ -419,18 +432,19 @@ class S3Store(ObjectStore):
             return None
         return current_etag if current == data else None
 
-    def _get(self, name: str, **kwargs: Any) -> tuple[bytes, str]:
+    def _get(self, name: str, max_bytes: int | None = None, **kwargs: Any) -> tuple[bytes, str]:
         response = self._client.get_object(self.bucket, name, **kwargs)
         try:
             # Body and ETag come from one response, so they always belong together.
-            return response.read(), _unquote(response.headers.get("etag", ""))
+            body = read_capped(name, response.read, max_bytes)
+            return body, _unquote(response.headers.get("etag", ""))
         finally:
             response.close()
             response.release_conn()
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         name = self._object(key)
-        return self._call(f"get {key}", lambda: self._get(name))
+        return self._call(f"get {key}", lambda: self._get(name, max_bytes))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:

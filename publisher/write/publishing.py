@@ -6,7 +6,9 @@
     background.wait()                # re-raises a background failure
 
 `CheckpointPublisher.publish` runs the paper's stages two and three: quantize + encode every
-table (schemas/delta_blob.py), then commit (version_writer.py), then announce.
+table (schemas/delta_blob.py), then commit (version_writer.py), then announce. A snapshot that
+holds NaN or inf anywhere is refused before any of that (`Snapshot.check_finite`): a version is
+what servers serve and trainers resume from.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Literal, Protocol
 
 from publisher.codecs import encode_rows
 from publisher.read.catalog import VersionRef
 from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
-from publisher.write.snapshot import Snapshot, TableRows
+from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
 from schemas.delta_blob import DeltaBlob, encode_delta_blob
@@ -32,6 +34,9 @@ from schemas.manifest import Manifest, ratio_to_full_fp32
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
+
+#: what `BackgroundPublisher` does with a snapshot holding NaN or inf: fail, or hold it back.
+NonFinitePolicy = Literal["stop", "skip"]
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,12 @@ class CheckpointPublisher:
         self.announce = announce
 
     def publish(self, snapshot: Snapshot) -> PublishResult:
-        """Encode, commit and announce one snapshot; return the committed version."""
+        """Encode, commit and announce one snapshot; return the committed version.
+
+        NonFiniteSnapshotError (nothing written) when the snapshot holds NaN or inf.
+        """
         started = time.perf_counter()
+        snapshot.check_finite()
         tables = [encode_table(t, self.tunables) for t in snapshot.tables]
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
@@ -177,8 +186,11 @@ class BackgroundPublisher:
     snapshots waiting behind it into one (union of rows, newest values), so memory stays bounded
     by about one model copy plus the snapshot being folded, and the training thread never pays
     for a merge. A store that is unreachable is retried with backoff, folding whatever arrives
-    meanwhile. Any other failure stops the worker and is re-raised by the next `submit`, `wait`
-    or `close`.
+    meanwhile. A snapshot holding NaN or inf stops the worker like any other failure, or, with
+    `on_non_finite="skip"`, is held back (counted in `non_finite_skipped`) and folded into the
+    next one, which is published once its values are finite again: the rows the held snapshot
+    carried are not lost from the chain. Any other failure stops the worker and is re-raised by
+    the next `submit`, `wait` or `close` (or `raise_if_failed`).
 
     Threads (not processes) do the work: quantization, zstd, hashing, socket I/O and the numpy
     copies of a merge all release the GIL for their heavy part, and the snapshot arrays need no
@@ -192,16 +204,24 @@ class BackgroundPublisher:
         on_published: Callable[[PublishResult], None] | None = None,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 10.0,
+        on_non_finite: NonFinitePolicy = "stop",
     ) -> None:
+        if on_non_finite not in ("stop", "skip"):
+            raise ValueError(f"on_non_finite must be 'stop' or 'skip', got {on_non_finite!r}")
         self.publisher = publisher
+        self.on_non_finite = on_non_finite
         self.on_published = on_published
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.results: list[PublishResult] = []
         #: snapshots folded into a later one (submitted - published, once everything is out).
         self.merges = 0
+        #: snapshots not published because they (or one folded into them) held NaN or inf.
+        self.non_finite_skipped = 0
         self.peak_pending_bytes = 0
         self._queue: list[Snapshot] = []  # oldest first
+        #: a refused (non-finite) snapshot waiting to be folded into the next one.
+        self._held: Snapshot | None = None
         self._queued_bytes = 0
         self._merging = False
         self._busy = False
@@ -216,7 +236,7 @@ class BackgroundPublisher:
     def submit(self, snapshot: Snapshot) -> None:
         """Queue a snapshot; returns at once (no merge, no storage on the caller's thread)."""
         with self._cond:
-            self._raise_error()
+            self.raise_if_failed()
             self._queue.append(snapshot)
             self._queued_bytes += snapshot.nbytes
             self.peak_pending_bytes = max(self.peak_pending_bytes, self._queued_bytes)
@@ -229,7 +249,8 @@ class BackgroundPublisher:
             return bool(self._queue) or self._merging
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until everything submitted is committed; re-raise a background failure."""
+        """Block until everything submitted is committed (or held back as non-finite, with
+        `on_non_finite="skip"`); re-raise a background failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while (self._queue or self._merging or self._busy) and self._error is None:
@@ -237,7 +258,7 @@ class BackgroundPublisher:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError("publishing did not finish in time")
                 self._cond.wait(remaining)
-            self._raise_error()
+            self.raise_if_failed()
 
     def close(self, flush: bool = True) -> None:
         """Optionally flush, then stop the threads and release the writer's lease."""
@@ -252,9 +273,20 @@ class BackgroundPublisher:
             self._thread.join(timeout=30)
             self.publisher.close()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("background publishing failed") from self._error
+    def raise_if_failed(self) -> None:
+        """Re-raise the failure that stopped the worker, if any (cheap: call it every batch)."""
+        error = self._error  # one read: the worker sets it once and never clears it
+        if error is not None:
+            # The error itself, as `Future.result()` does: its class says what it means (a
+            # lost lease is a ConflictError, a bug stays a bug) and its traceback shows where.
+            raise error
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the worker with `exc` (re-raised on the submitting side)."""
+        with self._cond:
+            self._error = exc
+            self._busy = False
+            self._cond.notify_all()
 
     def _fold(self, snapshots: list[Snapshot]) -> Snapshot:
         """One snapshot carrying all of `snapshots` (oldest first); called without the lock."""
@@ -306,7 +338,8 @@ class BackgroundPublisher:
                     self._cond.wait()
                 if not self._queue:
                     return
-                batch = self._take_all()
+                held, self._held = self._held, None
+                batch = ([] if held is None else [held]) + self._take_all()
                 self._busy = True
                 self.merges += len(batch) - 1
             snapshot = batch[0]
@@ -321,11 +354,21 @@ class BackgroundPublisher:
                 time.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)
                 continue
-            except BaseException as exc:
+            except NonFiniteSnapshotError as exc:
+                if self.on_non_finite == "stop":
+                    self._fail(exc)
+                    return
+                log.warning("%s; held back until a later snapshot is finite", exc)
                 with self._cond:
-                    self._error = exc
+                    self._held = snapshot
+                    # Count each snapshot once, not again each time it is refused folded.
+                    already = 0 if held is None else held.merged
+                    self.non_finite_skipped += snapshot.merged - already
                     self._busy = False
                     self._cond.notify_all()
+                continue
+            except BaseException as exc:
+                self._fail(exc)
                 return
             delay = self.retry_initial_s
             with self._cond:
@@ -342,6 +385,8 @@ class BackgroundPublisher:
 __all__ = [
     "BackgroundPublisher",
     "CheckpointPublisher",
+    "NonFinitePolicy",
+    "NonFiniteSnapshotError",
     "PublishResult",
     "SnapshotPublisher",
     "StoreError",

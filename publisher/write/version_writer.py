@@ -1,12 +1,15 @@
 """The write side of the commit protocol (docs/FORMAT.md section 2): lease, blobs, manifest, HEAD.
 
-    writer = VersionWriter(store, "movielens")      # takes the single-writer lease
+    writer = VersionWriter(store, "movielens")      # probes the store, takes the lease
     ref = writer.commit(draft)                       # blobs -> manifest -> HEAD (compare-and-swap)
 
 Order is the whole point: blobs first, the manifest next, and HEAD last by compare-and-swap, so
 a crash anywhere leaves the previous version as HEAD and nothing committed refers to a missing
 object. Leftovers of a crash are orphans that `gc` removes. `crash_hook` lets tests stop the
 protocol at each step.
+
+The lease and HEAD are compare-and-swaps, so a writer first checks that the store enforces
+conditional writes (`check_conditional_writes`) and refuses to publish to one that ignores them.
 """
 
 from __future__ import annotations
@@ -25,10 +28,18 @@ from typing import Any, Literal
 
 from publisher.faults import fault_point
 from publisher.read.catalog import Catalog, VersionRef
-from publisher.store import NotFoundError, ObjectStore, PreconditionFailedError, StoreError
+from publisher.store import (
+    NotFoundError,
+    ObjectStore,
+    PreconditionFailedError,
+    StoreError,
+    check_conditional_writes,
+)
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from schemas.errors import CheckNRunError, ConflictError
 from schemas.manifest import (
+    MAX_HEAD_BYTES,
+    MAX_LEASE_BYTES,
     BlobRef,
     Head,
     Lease,
@@ -38,7 +49,7 @@ from schemas.manifest import (
     check_model_name,
     utc_now,
 )
-from schemas.store_keys import blob_prefix, head_key, lease_key, manifest_key
+from schemas.store_keys import blob_prefix, head_key, lease_key, manifest_key, probe_key
 
 
 class WriterError(CheckNRunError):
@@ -122,10 +133,12 @@ class VersionWriter:
         self.token = uuid.uuid4().hex[:16]
         self.tunables = tunables
         self.crash_hook = crash_hook
-        self.catalog = Catalog(store, model)
+        self.catalog = Catalog(store, model, cache_size=tunables.manifest_cache_size)
         self._lease_etag: str | None = None
         self._lease_lock = threading.Lock()
         self._stop = threading.Event()
+        # Once per writer, before the lease: taking it is itself a conditional write.
+        check_conditional_writes(store, probe_key(self.model, self.token))
         self._acquire_lease()
         self._renewer = threading.Thread(target=self._renew_loop, daemon=True, name="lease")
         self._renewer.start()
@@ -143,7 +156,7 @@ class VersionWriter:
     def _acquire_lease(self) -> None:
         key = lease_key(self.model)
         try:
-            data, etag = self.store.get_with_etag(key)
+            data, etag = self.store.get_with_etag(key, MAX_LEASE_BYTES)
         except NotFoundError:
             etag = None
         else:
@@ -213,7 +226,7 @@ class VersionWriter:
     def commit(self, draft: VersionDraft) -> VersionRef:
         """Write a draft as the next version and move HEAD to it."""
         try:
-            head_data, head_etag = self.store.get_with_etag(head_key(self.model))
+            head_data, head_etag = self.store.get_with_etag(head_key(self.model), MAX_HEAD_BYTES)
         except NotFoundError:
             parent: VersionRef | None = None
             head_etag_or_none: str | None = None

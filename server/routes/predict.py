@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, status
 from server.api_models import ErrorResponse, PredictRequest, PredictResponse
 from server.dependencies import LiveModelDep, MetricsDep, SettingsDep
 from server.errors import NotBootstrappedError
-from server.feature_batch import FeatureBatch, build_batch
+from server.feature_batch import FeatureBatch, build_batch, check_scores
 
 router = APIRouter(prefix="/v1", tags=["predict"])
 
@@ -27,7 +27,8 @@ router = APIRouter(prefix="/v1", tags=["predict"])
         422: {
             "model": ErrorResponse,
             "description": "invalid body: unknown or missing feature, id outside its table, "
-            'wrong type; `detail[].loc` is ["body", "examples", index, feature]',
+            'wrong type; `detail[].loc` is ["body", "examples", index, feature]; or an example '
+            "the model gives no finite score (type `score_not_finite`, its values overflow)",
         },
         503: {"model": ErrorResponse, "description": "no version is served yet"},
     },
@@ -58,7 +59,9 @@ def predict(
         logits = buffer.forward(batch.dense, batch.sparse)
         served = buffer.served
     assert served is not None
-    scores = torch.sigmoid(logits).tolist()
+    probabilities = torch.sigmoid(logits)
+    check_scores(probabilities, served.version)
+    scores = probabilities.tolist()
     metrics.predict_seconds.observe(time.perf_counter() - started)
     metrics.predict_examples.inc(len(scores))
     return PredictResponse(model=served.manifest.model, version=served.version, scores=scores)

@@ -9,18 +9,23 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from publisher.cli import EXIT_ERROR, main
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
 from publisher.store import (
+    ConditionalWritesIgnoredError,
     IntegrityError,
     NotFoundError,
     PreconditionFailedError,
     StoreError,
+    StoreMissingError,
     StoreUnavailableError,
+    check_conditional_writes,
     open_store,
 )
 from publisher.store.s3_store import S3Settings, S3Store
@@ -33,6 +38,7 @@ from publisher.write.version_writer import (
 )
 from schemas.manifest import Head, Position
 from schemas.store_keys import head_key
+from server.cli import check_store_exists
 
 MiB = 1024 * 1024
 
@@ -457,3 +463,71 @@ def test_conditional_put_whose_answer_was_lost_is_recognised(
     with pytest.raises(PreconditionFailedError):
         store.put_if("m/HEAD", b"v3 from writer B", etag=etag)
     assert calls == 2 and store.get("m/HEAD") == b"v2 from writer A"
+
+
+# --- conditional writes must be enforced (issue 11.9) ------------------------------------------
+
+
+def test_minio_enforces_conditional_writes_so_the_probe_passes(store: S3Store) -> None:
+    check_conditional_writes(store, "m/probe-test")
+    assert list(store.list("")) == []  # the probe object is gone
+    with VersionWriter(store, "m") as writer:
+        assert writer.commit(draft("full", 0)).version == 1
+
+
+def test_a_server_that_ignores_conditions_is_refused(
+    store: S3Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Older SeaweedFS releases accept If-None-Match / If-Match and ignore them: simulated
+    against the real MinIO by a client that drops those headers on the way."""
+    real = store._client._put_object
+
+    def deaf(bucket: str, name: str, data: bytes, headers: dict[str, str], *a: Any) -> Any:
+        kept = {k: v for k, v in headers.items() if k not in ("If-Match", "If-None-Match")}
+        return real(bucket, name, data, kept, *a)
+
+    monkeypatch.setattr(store._client, "_put_object", deaf)
+    with pytest.raises(ConditionalWritesIgnoredError, match="ignores conditional writes"):
+        VersionWriter(store, "m")
+    assert list(store.list("")) == []  # no lease was taken
+
+
+# --- read-only commands create nothing (issue 11.13) -------------------------------------------
+
+
+def test_read_only_commands_never_create_a_bucket(
+    services: Any,
+    minio_client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    for name, value in s3_environ(services).items():
+        monkeypatch.setenv(name, value)
+    bucket = fresh_bucket()
+    url = f"s3://{bucket}/run1"
+    for command, *extra in (["ls"], ["inspect"], ["restore", "--out", str(tmp_path / "m.pt")]):
+        assert main([command, "--store", url, "--model", "m", *extra]) == EXIT_ERROR
+        assert f"bucket {bucket!r} does not exist" in capsys.readouterr().err
+    assert main(["gc", "--store", url, "--model", "m"]) == EXIT_ERROR
+    with pytest.raises(StoreMissingError, match="check the store URL"):
+        check_store_exists(url, "m")  # `serve` stops here, before it listens
+    assert not minio_client.bucket_exists(bucket)
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_an_existing_bucket_without_the_model(
+    services: Any,
+    store: S3Store,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in s3_environ(services).items():
+        monkeypatch.setenv(name, value)
+    store.put("other/HEAD", b"{}")  # the bucket exists and holds another model
+    check_store_exists(store.url, "m")  # `serve` starts and waits for the first version
+    assert main(["ls", "--store", store.url, "--model", "m"]) == EXIT_ERROR
+    assert "holds nothing of it" in capsys.readouterr().err
+    with VersionWriter(store, "m") as writer:
+        writer.commit(draft("full", 0))
+    assert main(["ls", "--store", store.url, "--model", "m", "--json"]) == 0

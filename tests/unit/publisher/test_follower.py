@@ -57,10 +57,10 @@ class FlakyStore(FileStore):
 
     down = False
 
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         if self.down:
             raise StoreUnavailableError("injected outage")
-        return super().get_with_etag(key)
+        return super().get_with_etag(key, max_bytes)
 
 
 def draft(
@@ -172,6 +172,57 @@ def test_gap_reconciles_from_the_store(store: FlakyStore, writer: VersionWriter)
     # The lost ones arriving late are old news.
     source.push(wire(refs[0]), wire(refs[1]))
     assert f.poll(5, 0.1) == [] and f.stats.ignored == {OLD: 2}
+
+
+class CountingStore(FileStore):
+    """A FileStore that counts reads."""
+
+    reads = 0
+
+    def get_with_etag(self, key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
+        self.reads += 1
+        return super().get_with_etag(key, max_bytes)
+
+
+def forged_gaps(n: int, first: int = 100) -> list[bytes]:
+    """Valid-looking announcements of never-committed versions whose parent is not current."""
+    return [
+        announcement_json(
+            version=v, parent=v - 1, manifest_key=f"{MODEL}/manifests/{v:012d}-forged.json"
+        )
+        for v in range(first, first + n)
+    ]
+
+
+def test_a_flood_of_gap_announcements_costs_a_bounded_number_of_reads(tmp_path: Path) -> None:
+    store = CountingStore(tmp_path / "store")
+    with VersionWriter(store, MODEL) as writer:
+        commit(writer, "full", "delta")
+        source = ListSource()
+        f = follower(store, source, min_reconcile_interval_s=3600.0)
+        f._next_head_poll = float("inf")
+        reads = store.reads
+        source.push(*forged_gaps(1000))
+        source.push(*forged_gaps(1000, first=2000))
+        assert f.poll(2, 0.3) == []
+        assert f.stats.received == 2000
+        assert f.stats.reconciles == 1 and f.stats.coalesced == 1999
+        assert store.reads - reads <= 3, store.reads - reads  # one reconcile: HEAD + manifest
+
+        # A genuine version announced in order is applied at once, flood or not.
+        v3 = writer.commit(draft("delta", 3))
+        source.push(*forged_gaps(500), wire(v3), *forged_gaps(500, first=5000))
+        assert numbers(f.poll(2, 1.0)) == [3]
+
+        # A genuine gap amid the flood is filled by the one reconcile wanted, when it is due.
+        refs = [writer.commit(draft("delta", s)) for s in (4, 5)]
+        source.push(*forged_gaps(500, first=7000), wire(refs[-1]))  # 4 was lost
+        assert f.poll(3, 0.2) == []  # not due yet: the flood started the interval
+        assert f.stats.reconciles == 1
+        f.min_reconcile_interval_s = 0.05
+        assert numbers(f.poll(3, 5.0)) == [4, 5]
+        assert f.stats.reconciles == 2
+        assert store.reads - reads <= 12, store.reads - reads
 
 
 def test_a_full_in_the_gap_starts_the_plan(store: FlakyStore, writer: VersionWriter) -> None:
@@ -368,4 +419,24 @@ def test_a_raising_source_does_not_stop_head_polls(
     f = follower(store, RaisingSource(), poll_head_after_s=0.05)
     assert numbers(f.poll(None, 1.0)) == [1]
     writer.commit(draft("delta", 2))
+    assert numbers(f.poll(1, 1.0)) == [2]
+
+
+def test_announcements_with_duplicate_keys_or_nan_are_bad_json(
+    store: FlakyStore, writer: VersionWriter
+) -> None:
+    # The same strictness as blob headers and manifests (schemas/strict_json.py): two readers
+    # that keep different copies of a duplicated key must never see different versions.
+    _, v2 = commit(writer, "full", "delta")
+    source = ListSource()
+    f = follower(store, source)
+    f._next_head_poll = float("inf")
+    good = wire(v2)
+    source.push(
+        good.replace(b'"version":2', b'"version":7,"version":2'),
+        good.replace(b'"total_bytes":', b'"total_bytes":NaN,"total_bytes":'),
+    )
+    assert f.poll(1, 0.2) == []
+    assert f.stats.ignored == {BAD_JSON: 2}
+    source.push(good)
     assert numbers(f.poll(1, 1.0)) == [2]

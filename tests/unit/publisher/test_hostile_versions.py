@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zstandard
 
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.read.catalog import Catalog
@@ -101,12 +102,50 @@ def _huge_section(data: bytes) -> bytes:
     return _rewrite_blob(data, {"sections": sections})
 
 
+#: what the zstd bomb inflates to: within the decoder's global caps (8 GiB), far past its table.
+BOMB_BYTES = 256 * 1024 * 1024
+
+
+def _zstd_bomb(data: bytes) -> bytes:
+    """A valid blob of the same table name whose codes section is `BOMB_BYTES` of zeros,
+    compressed to a few KiB: every check up to the manifest cross-check passes, so before the
+    caps came from the manifest entry, all of it was inflated first."""
+    (header_len,) = struct.unpack_from("<I", data, 12)
+    table = json.loads(data[16 : 16 + header_len])["table"]
+    dim = 64
+    rows = BOMB_BYTES // (4 * dim)
+    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=BOMB_BYTES)
+    zeros = bytes(1024 * 1024)
+    codes = b"".join(compressor.compress(zeros) for _ in range(BOMB_BYTES // len(zeros)))
+    codes += compressor.flush()
+    sections = [
+        {"name": "rows", "compression": "none", "stored_len": 0, "raw_len": 0},
+        {"name": "codes", "compression": "zstd", "stored_len": len(codes), "raw_len": BOMB_BYTES},
+        {"name": "scale_bias", "compression": "none", "stored_len": 0, "raw_len": 0},
+        {"name": "aux", "compression": "none", "stored_len": 0, "raw_len": 0},
+    ]
+    header = {
+        "table": table,
+        "codec": "fp32",
+        "dim": dim,
+        "table_rows": rows,
+        "n_rows": rows,
+        "aux_dim": 0,
+        "row_encoding": "all",
+        "sections": sections,
+    }
+    raw = json.dumps(header).encode()
+    body = data[:12] + struct.pack("<I", len(raw)) + raw + codes
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
 BLOB_TAMPERING: dict[str, Callable[[bytes], bytes]] = {
     "bit flip": _bitflip,
     "truncated": _truncate,
     "row ids past the table": _row_ids_past_the_table,
     "huge declared row count": _huge_row_count,
     "huge declared section": _huge_section,
+    "zstd bomb of another table's size": _zstd_bomb,
 }
 
 
@@ -199,3 +238,21 @@ def test_restore_of_a_huge_declared_table_fails_before_allocating(served: Served
     finally:
         tracemalloc.stop()
     assert peak < ALLOCATION_CAP
+
+
+def test_a_zstd_bomb_is_refused_from_its_header_before_inflating(served: Served) -> None:
+    # 256 MiB of zeros in a few KiB: valid against the decoder's global caps, but the manifest
+    # entry says the table is 1000 x 8, so the caps derived from it refuse the header.
+    served.run.train(2)
+    v2 = served.run.publish("delta").ref.version
+    _tamper_blob(served, v2, _zstd_bomb)
+    entry = Catalog(served.store, "m").find(v2).manifest.tables[0]
+    assert entry.blob.size < BOMB_BYTES // 1000
+    tracemalloc.start()
+    try:
+        with pytest.raises(RestoreError, match="exceeds the cap"):
+            restore(served.store, "m", v2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 1024 * 1024, f"{peak / 2**20:.0f} MiB allocated to refuse a zstd bomb"

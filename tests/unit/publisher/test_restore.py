@@ -222,7 +222,11 @@ def test_cli_ls_inspect_restore(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert json.loads(capsys.readouterr().out)["version"] == 4
     payload = torch.load(out, weights_only=True)  # our own local file
     assert payload["state_dict"]["emb.a.weight"].shape == (500, 8)
-    assert main(["ls", "--store", url, "--model", "nothing", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["versions"] == []
+    # A model the store holds nothing of is an error (issue 11.13), --json or not.
+    assert main(["ls", "--store", url, "--model", "nothing", "--json"]) == 1
+    captured = capsys.readouterr()
+    error = json.loads(captured.out)["error"]  # with --json, the error document (issue 11.8)
+    assert error["type"] == "ModelNotFoundError" and error["exit_status"] == 1
+    assert "holds nothing of it" in error["message"] and "holds nothing of it" in captured.err
     assert main(["inspect", "--store", url, "--model", "nothing"]) == 1
     assert "no committed version" in capsys.readouterr().err

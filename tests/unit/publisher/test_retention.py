@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -10,9 +11,10 @@ import pytest
 
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
-from publisher.read.retention import plan_gc, run_gc
+from publisher.read.retention import GcPlan, RetentionError, plan_gc, run_gc
 from publisher.store import FileStore
 from publisher.write.version_writer import CommitStage, TableBlob, VersionDraft, VersionWriter
+from schemas.errors import ManifestError
 from schemas.manifest import Position
 
 
@@ -126,3 +128,55 @@ def test_dry_run_deletes_nothing(tmp_path: Path) -> None:
         == 0
     )
     assert [i.key for i in store.list("")] == keys
+
+
+def test_a_key_the_store_refuses_is_refused_in_the_manifest_before_gc_deletes(
+    tmp_path: Path,
+) -> None:
+    # `m/./...` passed the manifest's key check but not the store's, so gc deleted the old
+    # manifest and then stopped at its blob with BadKeyError: half a version gone. One key rule
+    # (schemas/store_keys.py) refuses the manifest when it is read, before anything is deleted.
+    store = FileStore(tmp_path)
+    publish(store, "FdFd")
+    old = Catalog(store, "m").find(1)
+    path = tmp_path / old.key
+    blob_key = old.manifest.tables[0].blob.key
+    path.write_bytes(path.read_bytes().replace(blob_key.encode(), b"m/./" + blob_key[2:].encode()))
+    age_everything(tmp_path, 3600)
+    before = sorted(i.key for i in store.list("m/"))
+    with pytest.raises(ManifestError, match="not a safe key"):
+        run_gc(store, plan_gc(store, "m", keep_baselines=1, grace_s=0))
+    assert sorted(i.key for i in store.list("m/")) == before
+
+
+def test_gc_never_deletes_head_or_lease_an_old_manifest_names_as_blobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 11.3: an old manifest naming HEAD and LEASE as blob keys made gc delete them."""
+    from publisher.cli import main
+
+    store = FileStore(tmp_path)
+    publish(store, "FdFd")  # fulls at 1 and 3: keeping one baseline drops versions 1 and 2
+    v1 = next(i.key for i in store.list("m/manifests/") if "/000000000001-" in i.key)
+    doc = json.loads(store.get(v1))
+    doc["tables"][0]["blob"]["key"] = "m/HEAD"
+    doc["dense"]["key"] = "m/LEASE"
+    store.put(v1, json.dumps(doc).encode())
+    before = {i.key: store.get(i.key) for i in store.list("")}
+    args = ["gc", "--store", f"file://{tmp_path}", "--model", "m", "--keep-baselines", "1"]
+    assert main([*args, "--grace", "0", "--json"]) == 1
+    assert "not under 'm/blobs/'" in capsys.readouterr().err
+    assert {i.key: store.get(i.key) for i in store.list("")} == before  # nothing deleted
+
+
+@pytest.mark.parametrize("key", ["m/HEAD", "m/LEASE", "n/blobs/x", "m/other/x"])
+def test_run_gc_deletes_only_under_manifests_and_blobs(tmp_path: Path, key: str) -> None:
+    """Whatever a plan says, gc deletes nothing outside MODEL/manifests/ and MODEL/blobs/."""
+    store = FileStore(tmp_path)
+    for k in ("m/manifests/000000000001-aa.json", "m/blobs/000000000001-aa/t.cnrd", key):
+        store.put(k, b"x")
+    plan = GcPlan("m", delete_keys=["m/manifests/000000000001-aa.json", key], orphan_keys=[key])
+    with pytest.raises(RetentionError, match=key):
+        run_gc(store, plan)
+    assert len(list(store.list(""))) == 3  # refused before deleting anything
+    assert run_gc(store, GcPlan("m", orphan_keys=["m/blobs/000000000001-aa/t.cnrd"])) == 1

@@ -12,7 +12,12 @@ import pytest
 
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
-from publisher.store import FileStore
+from publisher.store import (
+    ConditionalWritesIgnoredError,
+    FileStore,
+    StoreError,
+    check_conditional_writes,
+)
 from publisher.tunables import Tunables
 from publisher.write.version_writer import (
     CommitStage,
@@ -23,6 +28,7 @@ from publisher.write.version_writer import (
     VersionWriter,
     WriterError,
 )
+from schemas.errors import UnavailableError
 from schemas.manifest import Lease, Position
 from schemas.store_keys import head_key, lease_key
 
@@ -220,3 +226,44 @@ for i in range(3):
     # The dead writer's lease (same host, dead pid) is taken over at once; publishing goes on.
     with VersionWriter(FileStore(tmp_path), "m") as w:
         assert w.commit(draft("full")).version == expected[stage] + 1
+
+
+class IgnoresConditions(FileStore):
+    """Answers conditional writes as plain writes, as older SeaweedFS releases do; `ignore`
+    picks which condition it drops ("absent": If-None-Match, "etag": If-Match, or both)."""
+
+    def __init__(self, root: Path, ignore: tuple[str, ...]) -> None:
+        super().__init__(root)
+        self.ignore = ignore
+
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str:
+        if ("absent" if etag is None else "etag") in self.ignore:
+            return self.put(key, data)
+        return super().put_if(key, data, etag=etag)
+
+
+@pytest.mark.parametrize("ignore", [("absent", "etag"), ("absent",), ("etag",)])
+def test_writer_refuses_a_store_that_ignores_conditional_writes(
+    tmp_path: Path, ignore: tuple[str, ...]
+) -> None:
+    """Issue 11.9: with the conditions ignored two trainers both commit; now neither starts."""
+    store = IgnoresConditions(tmp_path, ignore)
+    with pytest.raises(ConditionalWritesIgnoredError, match="ignores conditional writes") as info:
+        VersionWriter(store, "m")
+    assert isinstance(info.value, StoreError) and not isinstance(info.value, UnavailableError)
+    assert list(store.list("")) == []  # no lease taken, and the probe object is gone
+
+
+def test_the_probe_passes_on_the_file_store_and_leaves_nothing(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    check_conditional_writes(store, "m/probe-abc")
+    assert list(store.list("")) == []
+    with VersionWriter(store, "m") as writer:
+        writer.commit(draft())
+    assert sorted(i.key.split("/")[1] for i in store.list("m/")) == [
+        "HEAD",
+        "LEASE",
+        "blobs",
+        "blobs",
+        "manifests",
+    ]

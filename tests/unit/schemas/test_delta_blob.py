@@ -952,3 +952,93 @@ def test_every_rejection_is_a_format_error() -> None:
         RowIndexError,
     ):
         assert issubclass(error, FormatError)
+
+
+# --- caps from the blob's table (BlobLimits.for_table) ----------------------------------------
+
+
+def _blob_of(
+    codec: str,
+    table_rows: int,
+    ids: list[int],
+    dim: int = 5,
+    aux_dim: int = 2,
+    seed: int | None = 0,
+) -> bytes:
+    """A blob of random codes (all zero when `seed` is None: they compress to nothing)."""
+    n = len(ids)
+    per_row = n if is_integer_codec(codec) else 0
+    shape = (n, row_bytes(codec, dim))
+    if seed is None:
+        codes = np.zeros(shape, dtype=np.uint8)
+    else:
+        codes = np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+    return encode_delta_blob(
+        DeltaBlob(
+            table="t",
+            codec=codec,
+            dim=dim,
+            table_rows=table_rows,
+            row_ids=np.array(ids, dtype=np.int64),
+            codes=codes,
+            scale=np.ones(per_row, dtype=np.float16),
+            bias=np.zeros(per_row, dtype=np.float16),
+            aux=np.zeros((n, aux_dim), dtype=np.float32),  # zeros: the aux section is zstd
+        )
+    )
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize(
+    "ids",
+    [list(range(40)), [3], list(range(0, 40, 2)), [0, 39]],
+    ids=["all", "varint", "bitmap", "sparse"],
+)
+def test_caps_for_its_own_table_admit_a_blob_whatever_its_encoding(
+    codec: str, ids: list[int]
+) -> None:
+    data = _blob_of(codec, 40, ids)
+    limits = BlobLimits.for_table(
+        codec=codec, dim=5, table_rows=40, n_rows=len(ids), aux_dim=2, size=len(data)
+    )
+    assert decode_delta_blob(data, limits=limits) == decode_delta_blob(data)
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ({"table_rows": 39}, "table_rows 40 exceeds the cap of 39"),
+        ({"dim": 4}, "dim 5 exceeds the cap of 4"),
+        ({"aux_dim": 1}, "aux_dim 2 exceeds the cap of 1"),
+        ({"n_rows": 3}, "exceeds the cap"),  # more rows than the entry holds
+        ({"codec": "int4"}, "exceeds the cap"),  # wider rows than the entry's codec
+        ({"size": 30}, "exceeds the cap of 30"),
+    ],
+)
+def test_caps_for_a_smaller_table_refuse_the_header_before_inflating(
+    table: dict[str, Any], match: str
+) -> None:
+    data = _blob_of("fp32", 40, list(range(0, 40, 10)))
+    shape: dict[str, Any] = {
+        "codec": "fp32",
+        "dim": 5,
+        "table_rows": 40,
+        "n_rows": 4,
+        "aux_dim": 2,
+        "size": len(data),
+    }
+    limits = BlobLimits.for_table(**{**shape, **table})
+    with pytest.raises(BlobTooLargeError, match=match):
+        decode_delta_blob(data, limits=limits)
+
+
+def test_a_zstd_bomb_is_refused_by_the_caps_of_its_table() -> None:
+    # 64 MiB of zeros compress to a few KiB: the global 8 GiB cap lets them inflate, the caps of
+    # the 1000 x 8 table the manifest names refuse the header first.
+    rows, dim = 2**18, 64
+    bomb = _blob_of("fp32", rows, list(range(rows)), dim=dim, aux_dim=0, seed=None)
+    assert len(bomb) < 64 * 1024
+    limits = BlobLimits.for_table(
+        codec="fp32", dim=8, table_rows=1000, n_rows=1000, aux_dim=0, size=len(bomb)
+    )
+    _assert_small_peak(lambda: decode_delta_blob(bomb, limits=limits), BlobTooLargeError)

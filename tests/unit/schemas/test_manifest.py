@@ -149,6 +149,40 @@ def test_table_rejections(table: dict[str, Any]) -> None:
         parse(manifest_doc(tables=[table]))
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # gc deletes a dropped version's blobs: these would delete the commit point or the lease.
+        {"tables": [table_with(blob={"key": "m/HEAD", "size": 1, "sha256": SHA})]},
+        {"dense": {"key": "m/LEASE", "size": 1, "sha256": SHA}},
+        {"optimizer": {"key": "m/manifests/000000000001-aa.json", "size": 1, "sha256": SHA}},
+        {"dense": {"key": "m/blobs/", "size": 1, "sha256": SHA}},
+        {"parent_manifest": "m/HEAD"},
+        {"parent_manifest": "m/blobs/000000000001-aa/x.json"},
+    ],
+    ids=[
+        "table-HEAD",
+        "dense-LEASE",
+        "optimizer-manifest",
+        "blobs-prefix-itself",
+        "parent-HEAD",
+        "parent-blob",
+    ],
+)
+def test_keys_outside_their_prefix_rejected(overrides: dict[str, Any]) -> None:
+    """A blob key lies under MODEL/blobs/, a parent manifest under MODEL/manifests/ (issue 11.3)."""
+    # `m/blobs/` (an empty last segment) already fails the one key rule (schemas/store_keys.py).
+    with pytest.raises(ManifestError, match=r"not under|not a manifest key|not a safe key"):
+        parse(manifest_doc(**overrides))
+
+
+def test_head_must_name_a_manifest_key() -> None:
+    for key in ("m/LEASE", "m/blobs/000000000003-aa/x.json", "m/HEAD"):
+        raw = json.dumps({"schema_version": 1, "model": "m", "version": 3, "manifest": key})
+        with pytest.raises(ManifestError, match="not a manifest key"):
+            Head.from_json(raw.encode())
+
+
 def test_duplicate_tables_rejected() -> None:
     t = manifest_doc()["tables"][0]
     with pytest.raises(ManifestError, match="duplicate"):

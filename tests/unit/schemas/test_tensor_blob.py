@@ -30,3 +30,22 @@ def test_tensor_bytes_refuses_what_decode_refuses(data: bytes) -> None:
         tensor_bytes(data)
     with pytest.raises(TensorBlobError):
         decode_tensors(data)
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("where", ["header", "metadata"])
+def test_deeply_nested_json_is_a_tensor_blob_error(where: str) -> None:
+    # json's decoder recurses once per level: hostile nesting must not escape as RecursionError.
+    if where == "header":
+        header = _nested(100_000)
+        data = len(header).to_bytes(8, "little") + header
+    else:
+        data = encode_tensors({"w": np.ones(2, dtype=np.float32)})
+        header_len = int.from_bytes(data[:8], "little")
+        header = data[8 : 8 + header_len].replace(b'"{}"', b'"' + _nested(100_000) + b'"')
+        data = len(header).to_bytes(8, "little") + header + data[8 + header_len :]
+    with pytest.raises(TensorBlobError):
+        decode_tensors(data)

@@ -421,6 +421,50 @@ def test_predict_rejects_non_finite_numbers(served: Served) -> None:
     assert r.status_code == 422
 
 
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        ("/v1/predict", b'{"examples": [{"\\ud800": 1}]}'),  # a lone surrogate as a name
+        ("/v1/predict", b'{"examples": [{"d0": "\\udfff", "d1": 1, "f0": 1, "f1": 1}]}'),
+        ("/v1/predict", b'{"examples": [{"d0": 1}], "\\ud800": 1}'),
+        ("/v1/model/pin", b'{"version": 1, "\\ud800": "\\ud800"}'),
+    ],
+)
+def test_lone_surrogates_are_a_short_4xx(served: Served, path: str, raw: bytes) -> None:
+    headers = {"Content-Type": "application/json", **AUTH}
+    r = served.client.post(path, content=raw, headers=headers)
+    assert r.status_code == 422, r.text
+    assert len(r.content) < 4096 and isinstance(r.json()["detail"], list)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"examples": [{f"k{i}": "x" for i in range(3000)}]},  # wrong types and unknown names
+        {"examples": [[i] for i in range(5000)]},  # not objects (and above the batch cap)
+        {"examples": [_example()], **{f"k{i}": 1 for i in range(5000)}},  # unknown fields
+    ],
+)
+def test_a_body_full_of_mistakes_gets_a_capped_report(served: Served, body: object) -> None:
+    raw = json.dumps(body).encode()
+    assert len(raw) < 64 * 1024  # under the body cap: parsed and validated
+    r = served.client.post("/v1/predict", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code in (413, 422), r.text
+    assert len(r.content) < 16 * 1024, len(r.content)
+    detail = r.json()["detail"]
+    assert isinstance(detail, str) or len(detail) <= 51
+
+
+def test_an_example_without_a_finite_score_is_a_422_never_null(served: Served) -> None:
+    # Finite weights, finite inputs, yet 3e38 - 3e38 overflows float32 inside the model: NaN.
+    overflowing = _example(d0=3e38, d1=-3e38)
+    r = served.client.post("/v1/predict", json={"examples": [_example(), overflowing]})
+    assert r.status_code == 422, r.text
+    (problem,) = r.json()["detail"]
+    assert problem["loc"] == ["body", "examples", 1] and problem["type"] == "score_not_finite"
+    assert served.client.post("/v1/predict", json={"examples": [_example()]}).is_success
+
+
 def test_batch_above_the_cap_is_413(served: Served) -> None:
     r = served.client.post("/v1/predict", json={"examples": [_example()] * 17})
     assert r.status_code == 413 and "16" in r.json()["detail"]
@@ -484,6 +528,35 @@ def test_metrics_exposition(served: Served) -> None:
         "checknrun_server_ready 1",
     ):
         assert line in text, line
+
+
+def _request_series(text: str) -> list[dict[str, str]]:
+    prefix = "checknrun_server_http_requests_total{"
+    series = []
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            labels = line[len(prefix) : line.index("}")]
+            series.append(dict(pair.split("=", 1) for pair in labels.split(",")))
+    return [{k: v.strip('"') for k, v in s.items()} for s in series]
+
+
+def test_made_up_methods_and_paths_add_no_metric_series(served: Served) -> None:
+    for i in range(300):
+        served.client.request(f"M{i}", "/v1/predict")
+        served.client.get(f"/made/up/{i}")
+    for i in range(3):
+        served.client.request(chr(ord("A") + i) * 8000, "/v1/model")
+    text = served.client.get("/metrics").text
+    series = _request_series(text)
+    methods = {s["method"] for s in series}
+    routes = {s["route"] for s in series}
+    assert methods <= {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "other"}
+    assert "other" in methods
+    paths = {*served.client.get("/openapi.json").json()["paths"], "/openapi.json", "unmatched"}
+    assert routes <= paths
+    assert len(series) < 20 and len(text) < 32 * 1024, (len(series), len(text))
+    other = [s for s in series if s["method"] == "other" and s["route"] == "/v1/predict"]
+    assert other == [{"route": "/v1/predict", "method": "other", "status": "405"}]
 
 
 def test_no_response_exposes_the_token_or_the_store(served: Served) -> None:

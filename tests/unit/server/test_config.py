@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import secrets
 import signal
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from bench.synthetic_run import SyntheticRun, random_examples, small_config
 from publisher.store import FileStore
 from server.cli import register, settings_from_args
 from server.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
-from server.settings import ServerSettings, load_settings
+from server.settings import ServerSettings, load_settings, token_weakness
 
 STRONG = "Zq8-vT3pL0xW9mR2bN7c"
 
@@ -52,6 +53,28 @@ def test_weak_tokens_are_refused_outside_development(token: str) -> None:
         store="file:///s", model="m", admin_token=SecretStr(token), environment="development"
     )
     assert dev.admin_enabled
+
+
+@pytest.mark.parametrize(
+    ("token", "rule"),
+    [
+        ("abcdabcdabcdabcd", "repeats a pattern"),  # four distinct characters, repeated
+        ("abcabcabcabcabcabcabcabcabcabcab", "repeats a pattern"),  # cut mid-pattern
+        ("abcdefghijklmnopqrstuvwxyz", "repeats a pattern"),  # a run
+        ("aabbccddeeffgghhiijj", "repeats a pattern"),
+        ("abababababababababXY", "fewer than 6 distinct"),
+        ("aaaaaaaaaaaaaaabcdef", "a few characters make up most of it"),
+    ],
+)
+def test_low_entropy_tokens_are_refused(token: str, rule: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ServerSettings(store="file:///s", model="m", admin_token=SecretStr(token))
+    assert rule in str(info.value) and token not in str(info.value)
+
+
+def test_random_tokens_pass_the_weakness_rules() -> None:
+    for token in [secrets.token_hex(8) for _ in range(2000)] + [STRONG]:
+        assert token_weakness(token) is None, token
 
 
 def test_no_token_means_admin_disabled() -> None:
@@ -98,6 +121,20 @@ def test_admin_token_from_a_named_variable(monkeypatch: pytest.MonkeyPatch) -> N
     assert s.admin_token is not None and s.admin_token.get_secret_value() == STRONG
     monkeypatch.delenv("MY_TOKEN")
     assert settings_from_args(args).admin_token is None
+
+
+def test_a_named_token_variable_is_the_only_one_that_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CHECKNRUN_SERVER_ADMIN_TOKEN", STRONG)
+    monkeypatch.delenv("OTHER", raising=False)
+    args = _parse("--store", "file:///x", "--model", "m", "--admin-token-env", "OTHER")
+    s = settings_from_args(args)
+    assert s.admin_token is None and not s.admin_enabled
+    monkeypatch.setenv("OTHER", "")  # set but empty: no token either
+    assert settings_from_args(args).admin_token is None
+    default = settings_from_args(_parse("--store", "file:///x", "--model", "m"))
+    assert default.admin_token is not None  # without the flag, the default variable counts
 
 
 @pytest.mark.slow

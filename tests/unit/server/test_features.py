@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from bench.synthetic_run import small_config
-from server.feature_batch import MAX_REPORTED_ERRORS, FeatureValidationError, build_batch
+from server.feature_batch import (
+    MAX_REPORTED_ERRORS,
+    FeatureProblem,
+    FeatureValidationError,
+    build_batch,
+)
 
 CONFIG = small_config(rows=(10, 5), bag_rows=4)
 
@@ -69,3 +74,34 @@ def test_bools_are_not_numbers_or_ids() -> None:
     with pytest.raises(FeatureValidationError) as info:
         build_batch([ex(d0=True, f0=False, tags=[True])], CONFIG)
     assert {p.feature for p in info.value.problems} == {"d0", "f0", "tags"}
+
+
+def test_unknown_names_are_counted_and_shown_short() -> None:
+    # 90k unknown names, some 8 KB long or holding a lone surrogate: one capped report.
+    example = {**ex(), **{f"k{i:x}": 1 for i in range(90_000)}, "x" * 8000: 1, "\ud800": 1}
+    with pytest.raises(FeatureValidationError) as info:
+        build_batch([example], CONFIG)
+    problems = info.value.problems
+    assert len(problems) == MAX_REPORTED_ERRORS + 1
+    assert problems[-1].type == "too_many"
+    assert f"{90_002 - MAX_REPORTED_ERRORS} more" in problems[-1].message
+    for p in problems:
+        detail = p.as_detail()
+        assert all(len(str(part)) <= 80 for part in detail["loc"])
+        assert len(detail["msg"]) < 200
+        detail["msg"].encode("utf-8")  # showable: no lone surrogate left
+    long_one = build_problems([{**ex(), "x" * 8000: 1}])[0]
+    assert long_one.feature is not None and long_one.feature.endswith("...")
+    surrogate = build_problems([{**ex(), "\ud800": 1}])[0]
+    assert surrogate.feature == "\\ud800"
+
+
+def build_problems(examples: list[object]) -> list[FeatureProblem]:
+    with pytest.raises(FeatureValidationError) as info:
+        build_batch(examples, CONFIG)
+    return info.value.problems
+
+
+def test_an_example_that_is_not_an_object_is_a_problem() -> None:
+    problems = build_problems([ex(), 3, [1], None])
+    assert [(p.example, p.type) for p in problems] == [(i, "wrong_type") for i in (1, 2, 3)]

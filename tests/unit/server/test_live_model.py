@@ -7,8 +7,11 @@ prediction ever sees a torn model while versions are applied under load.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +23,13 @@ import torch
 from bench.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 from publisher.bus import open_announcer, open_source
 from publisher.dlrm import DLRM, DLRMConfig
-from publisher.read.catalog import NoVersionError
+from publisher.read.catalog import Catalog, NoVersionError
 from publisher.read.follower import VersionFollower
 from publisher.read.restore import restore
 from publisher.store import FileStore, StoreUnavailableError
 from schemas.announcement import Announcement
+from schemas.delta_blob import decode_delta_blob, encode_delta_blob
+from schemas.tensor_blob import decode_tensors, encode_tensors
 from server.errors import PinnedError, ShuttingDownError
 from server.feature_batch import build_batch
 from server.follow_loop import FollowLoop
@@ -188,6 +193,76 @@ def test_missing_blob_is_rejected_not_counted_as_an_outage(world: World) -> None
     assert world.loop.run(max_messages=1, timeout=5) == [v2]
 
 
+def _poison_rows(value: float) -> Callable[[bytes], bytes]:
+    def change(data: bytes) -> bytes:
+        blob = decode_delta_blob(data)
+        assert blob.codec == "fp32" and blob.n_rows > 0
+        codes = blob.codes.copy()
+        codes.view(np.float32)[0, -1] = value
+        return encode_delta_blob(dataclasses.replace(blob, codes=codes))
+
+    return change
+
+
+def _poison_dense(value: float) -> Callable[[bytes], bytes]:
+    def change(data: bytes) -> bytes:
+        tensors, meta = decode_tensors(data)
+        name = sorted(tensors)[0]
+        poisoned = tensors[name].copy()
+        poisoned.reshape(-1)[0] = value
+        return encode_tensors({**tensors, name: poisoned}, meta)
+
+    return change
+
+
+def poison(world: World, version: int, where: str, change: Callable[[bytes], bytes]) -> None:
+    """Rewrite a blob of a committed `version` and its manifest entry to match (size, sha256),
+    as a writer that published NaN or Inf would have: it passes every integrity check."""
+    ref = Catalog(world.store, "m").find(version)  # not the server's: it must read it afresh
+    doc = json.loads((world.root / ref.key).read_bytes())
+    entry = doc["dense"] if where == "dense" else doc["tables"][0]["blob"]
+    path = world.root / entry["key"]
+    bad = change(path.read_bytes())
+    path.write_bytes(bad)
+    entry["size"], entry["sha256"] = len(bad), hashlib.sha256(bad).hexdigest()
+    (world.root / ref.key).write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("kind", "where", "value"),
+    [
+        ("delta", "rows", float("nan")),
+        ("delta", "rows", float("inf")),
+        ("delta", "dense", float("nan")),
+        ("delta", "dense", float("-inf")),
+        ("full", "rows", float("nan")),
+        ("full", "dense", float("inf")),
+    ],
+)
+def test_version_holding_nan_or_inf_is_rejected(
+    world: World, kind: str, where: str, value: float
+) -> None:
+    world.publish("full")
+    world.loop.run(max_messages=1, timeout=5)
+    examples = random_examples(world.run.config, 8)
+    _, before_scores = served_scores(world.live, examples)
+    version = world.publish(kind, announce=False)
+    poison(world, version, where, (_poison_dense if where == "dense" else _poison_rows)(value))
+    ref = Catalog(world.store, "m").find(version)
+    open_announcer(world.bus_url, "m").announce(Announcement.of(ref.manifest, ref.key))
+
+    assert world.loop.run(timeout=0.4) == []
+    assert world.live.version == 1  # still serving the last good version
+    assert world.live.metrics.rejected.value(["non_finite"]) >= 1
+    served, scores = served_scores(world.live, examples)
+    assert served == 1 and np.array_equal(scores, before_scores)
+    assert np.isfinite(scores).all()
+    assert_matches_restore(world.live, world.store, 1)  # nothing torn, in any buffer
+    newer = world.publish("full")  # a newer full skips the bad version
+    assert world.loop.run(max_messages=1, timeout=5) == [newer]
+    assert_matches_restore(world.live, world.store, newer)
+
+
 def test_broken_delta_is_skipped_once_a_newer_full_exists(world: World) -> None:
     world.publish("full")
     world.loop.run(max_messages=1, timeout=5)
@@ -275,10 +350,10 @@ def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.M
     v2 = world.publish()
     real_get, real_range = world.store.get_with_etag, world.store.get_range
 
-    def down(key: str) -> tuple[bytes, str]:
+    def down(key: str, max_bytes: int | None = None) -> tuple[bytes, str]:
         if "/blobs/" in key:
             raise StoreUnavailableError("connection refused")
-        return real_get(key)
+        return real_get(key, max_bytes)
 
     def range_down(key: str, start: int, length: int) -> bytes:
         if "/blobs/" in key:

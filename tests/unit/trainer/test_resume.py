@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from publisher.read.catalog import Catalog, NoVersionError
+from publisher.read.restore import RestoreError
 from publisher.store import FileStore
+from publisher.tunables import Tunables
 from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
 from trainer.streams.base import Batch, DataError
@@ -168,3 +170,33 @@ def test_resume_of_a_given_version_and_errors(tmp_path: Path) -> None:
     )
     with ckpt, pytest.raises(CheckpointError, match="model_config"):
         ckpt.resume()
+
+
+def test_resume_checks_the_memory_budget_before_allocating(tmp_path: Path) -> None:
+    # The same budget rule as serving and `checknrun restore` (publisher/memory_budget.py): a
+    # manifest declaring more state than the trainer's budget is refused before a blob is read.
+    store = FileStore(tmp_path)
+    model, opts, ckpt = trainer(seed=0, store=store, policy="consecutive")
+    with ckpt:
+        train_online(model, opts, stream(), batch_size=BATCH, stop=1500, checkpointer=ckpt)
+    needed = Catalog(store, "resume").find().manifest.full_fp32_bytes
+    s = stream()
+    for budget, fits in ((needed - 1, False), (needed, True)):
+        model = build_dlrm(s.features, s.dense_names, seed=7)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt = IncrementalCheckpointer(
+            model,
+            build_optimizers(model),
+            store=store,
+            model_name="resume",
+            codec="fp32",
+            interval_samples=INTERVAL,
+            tunables=Tunables(memory_budget_bytes=budget),
+        )
+        with ckpt:
+            if fits:
+                ckpt.resume()
+                continue
+            with pytest.raises(RestoreError, match="over the memory budget"):
+                ckpt.resume()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -245,11 +245,30 @@ def test_non_numeric_and_non_binary_labels(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="column 'label' must be numeric"):
         load_table(write(tmp_path, "a.csv", data), ColumnMapping())
     data["label"] = [1, 3]
-    with pytest.raises(DataError, match=r"'label' must hold 0/1, found 3 at row 1"):
+    with pytest.raises(DataError, match=r"'label' must hold 0/1, found 3 at file row 2"):
         load_table(write(tmp_path, "b.csv", data), ColumnMapping())
     data["label"] = [1, None]
     with pytest.raises(DataError, match="'label' has 1 missing"):
         load_table(write(tmp_path, "c.csv", data), ColumnMapping())
+
+
+@pytest.mark.parametrize("name", ["late.csv", "late.parquet"])
+def test_errors_name_the_file_row_not_the_replay_row(tmp_path: Path, name: str) -> None:
+    # The bad value is on the first data row, whose timestamp replays it last.
+    data: dict[str, list[object]] = {
+        "user": ["a", "b", "c"],
+        "item": ["x", "y", "z"],
+        "timestamp": [30, 10, 20],
+        "label": [7, 0, 1],
+    }
+    with pytest.raises(DataError, match=r"found 7 at file row 1 "):
+        load_table(write(tmp_path, name, data), ColumnMapping())
+    data["label"] = [1, 0, None]
+    with pytest.raises(DataError, match=r"1 missing value\(s\), first at file row 3$"):
+        load_table(write(tmp_path, name, data), ColumnMapping())
+    data["label"], data["stars"] = [1, 0, 1], [float("inf"), 4.0, 5.0]
+    with pytest.raises(DataError, match=r"'stars' has a non-finite value at file row 1$"):
+        load_table(write(tmp_path, name, data), ColumnMapping(rating="stars"))
 
 
 def test_bad_timestamp_rating_and_names(tmp_path: Path) -> None:

@@ -1,0 +1,93 @@
+"""The memory a version may make a process allocate, checked on its manifest before anything is.
+
+A manifest is a few KiB of JSON that anyone who can write to the store controls, and it declares
+what readers allocate: a forged one naming a 2^20 x 256 table cost every server 1 GiB and seconds
+of initialisation per attempt, retried forever, and a restarted server met the same HEAD again.
+Every reader that allocates from a manifest checks it here first, against one budget:
+
+- restore, and a trainer's resume (`publisher.read.restore`), allocate the version's state in
+  fp32: every table with its optimizer columns, the dense and optimizer tensors. That is
+  `Manifest.full_fp32_bytes` (docs/FORMAT.md section 3.1).
+- a server (`server.model_buffer`) allocates the model its `model_config` builds,
+  `DLRMConfig.nbytes`, once per copy its consistency scheme holds; a version's tables must then
+  match that model before any blob is fetched.
+
+Not counted: what a reader holds while it works (the blobs of one version being fetched and
+decoded, each capped by its manifest entry, schemas.delta_blob.BlobLimits.for_table), and the
+process itself. The default budget is `DEFAULT_FRACTION` of the memory the process may use:
+physical memory, or its cgroup's limit when that is lower.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from publisher.dlrm import DLRMConfig
+from schemas.errors import BadDataError
+from schemas.manifest import Manifest
+
+#: the share of the machine's memory the model state may take by default: the rest is left to
+#: the interpreter, torch (~0.7 GiB), request buffers and what a reader holds while it works.
+DEFAULT_FRACTION = 0.75
+# cgroup v2, then v1: a container's limit, often far below the host's physical memory.
+_CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+class MemoryBudgetError(BadDataError):
+    """A version needs more memory than the budget allows; nothing was allocated for it."""
+
+
+def machine_memory_bytes() -> int:
+    """The memory this process may use: physical memory, or its cgroup's limit when lower."""
+    limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    for path in _CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit
+            limits.append(int(text))
+    return min(limits)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The most bytes one version may make a reader allocate."""
+
+    limit_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes < 1:
+            raise ValueError(f"a memory budget must be >= 1 byte, got {self.limit_bytes}")
+
+    @classmethod
+    def of_machine(cls) -> MemoryBudget:
+        """`DEFAULT_FRACTION` of `machine_memory_bytes()`."""
+        return cls(int(machine_memory_bytes() * DEFAULT_FRACTION))
+
+    @classmethod
+    def from_setting(cls, limit_bytes: int | None) -> MemoryBudget:
+        """The budget a setting gives: its bytes, or the machine's default when it is None."""
+        return cls.of_machine() if limit_bytes is None else cls(limit_bytes)
+
+    def check_restore(self, manifest: Manifest) -> None:
+        """Raise MemoryBudgetError unless restoring `manifest`'s state fits."""
+        self._check(f"restoring version {manifest.version}", manifest.full_fp32_bytes)
+
+    def check_model(self, manifest: Manifest, config: DLRMConfig, copies: int) -> None:
+        """Raise MemoryBudgetError unless `copies` models of `config` (`manifest`'s) fit."""
+        copies_text = "1 model copy" if copies == 1 else f"{copies} model copies"
+        self._check(f"serving version {manifest.version} ({copies_text})", copies * config.nbytes)
+
+    def _check(self, what: str, needed: int) -> None:
+        if needed > self.limit_bytes:
+            raise MemoryBudgetError(
+                f"{what} needs {needed:,} bytes, over the memory budget of "
+                f"{self.limit_bytes:,}; refused before allocating (raise the budget if the "
+                "version is genuine)"
+            )

@@ -1,0 +1,70 @@
+"""The one JSON parse rule of every document checknrun reads (docs/FORMAT.md).
+
+Blob headers, manifests, HEAD, the lease and announcements are all parsed by `loads`, so they
+are equally strict. Python's `json.loads` accepts things no checknrun writer produces and two
+readers could disagree on; here each is refused with the caller's `FormatError` subclass:
+
+- bytes that are not UTF-8 (a BOM included), or text that is not one JSON value;
+- a duplicate key in an object (`json.loads` keeps the last, another parser the first);
+- `NaN`, `Infinity` and `-Infinity` (not JSON);
+- a lone surrogate escape such as `"\\ud800"` (no UTF-8 writer can produce it);
+- nesting deep enough to exhaust the interpreter's recursion, and integers past its digit limit.
+
+Callers that validate with pydantic run `loads` first as a gate and then let pydantic parse the
+same bytes, so the two parsers never see different documents.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NoReturn
+
+from schemas.errors import FormatError
+
+# A surrogate can only come from a \uD800-\uDFFF escape: strict UTF-8 refuses encoded ones. A
+# valid pair (how ensure_ascii writers spell characters past U+FFFF) is joined by json.loads,
+# so only when such an escape appears is the parsed value searched for a lone one.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def loads(data: bytes | bytearray | memoryview | str, error: type[FormatError], what: str) -> Any:
+    """The JSON value in `data`; raise `error` naming `what` if it breaks a rule above."""
+    if isinstance(data, str):
+        text = data
+    else:
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{what} is not UTF-8: {exc}") from exc
+
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj:
+                raise error(f"duplicate key {key!r} in {what}, expected unique keys")
+            obj[key] = value
+        return obj
+
+    def no_constant(name: str) -> NoReturn:
+        raise error(f"{name} in {what}, expected plain JSON (no NaN or Infinity)")
+
+    try:
+        value = json.loads(text, object_pairs_hook=unique_keys, parse_constant=no_constant)
+    except FormatError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and ints past the interpreter's digit limit;
+        # RecursionError a deeply nested array.
+        raise error(f"{what} is not JSON: {exc}") from exc
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise error(f"{what} holds a lone surrogate escape: not valid Unicode")
+    return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
