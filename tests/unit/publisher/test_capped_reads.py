@@ -4,7 +4,6 @@ hostile object costs a reader the cap, not the object's size."""
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from publisher.store import FileStore, ObjectTooLargeError
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.manifest import MAX_MANIFEST_BYTES, Head, Position
 from schemas.store_keys import head_key, lease_key, manifest_key
+from tests.support import peak_of_refusal
 
 MiB = 1024 * 1024
 #: a hostile object's size: sparse on disk, so it costs the test nothing to write.
@@ -23,17 +23,6 @@ HUGE = 256 * MiB
 def _huge(path: Path) -> None:
     with open(path, "wb") as f:
         f.truncate(HUGE)
-
-
-def _peak_of_refusal(action: Callable[[], object]) -> int:
-    """The peak bytes allocated while `action` raises ObjectTooLargeError."""
-    tracemalloc.start()
-    try:
-        with pytest.raises(ObjectTooLargeError):
-            action()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def _commit_one(store: FileStore) -> None:
@@ -64,7 +53,7 @@ def test_a_huge_head_costs_the_cap_not_its_size(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     _commit_one(store)
     _huge(tmp_path / head_key("m"))
-    assert _peak_of_refusal(Catalog(store, "m").head) < MiB
+    assert peak_of_refusal(Catalog(store, "m").head, ObjectTooLargeError) < MiB
 
 
 def test_a_huge_manifest_costs_the_cap_not_its_size(tmp_path: Path) -> None:
@@ -73,14 +62,17 @@ def test_a_huge_manifest_costs_the_cap_not_its_size(tmp_path: Path) -> None:
     key = manifest_key("m", 2, "hostile")
     _huge(tmp_path / key)
     store.put(head_key("m"), Head(model="m", version=2, manifest=key).to_json())
-    assert _peak_of_refusal(Catalog(store, "m").latest) < MAX_MANIFEST_BYTES + 2 * MiB
+    assert (
+        peak_of_refusal(Catalog(store, "m").latest, ObjectTooLargeError)
+        < MAX_MANIFEST_BYTES + 2 * MiB
+    )
 
 
 def test_a_huge_lease_costs_the_writer_the_cap_not_its_size(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     (tmp_path / "m").mkdir()
     _huge(tmp_path / lease_key("m"))
-    assert _peak_of_refusal(lambda: VersionWriter(store, "m")) < MiB
+    assert peak_of_refusal(lambda: VersionWriter(store, "m"), ObjectTooLargeError) < MiB
 
 
 def test_a_huge_head_at_commit_costs_the_writer_the_cap(tmp_path: Path) -> None:
@@ -95,7 +87,7 @@ def test_a_huge_head_at_commit_costs_the_writer_the_cap(tmp_path: Path) -> None:
         tables=[TableBlob("t", 4, 2, "fp32", 4, 0, b"y" * 10)],
     )
     with VersionWriter(store, "m") as writer:
-        assert _peak_of_refusal(lambda: writer.commit(draft)) < MiB
+        assert peak_of_refusal(lambda: writer.commit(draft), ObjectTooLargeError) < MiB
 
 
 def test_a_small_object_read_under_a_large_cap_costs_its_size(tmp_path: Path) -> None:
