@@ -43,7 +43,7 @@ starting at bit j*B of the row's bytes, and padding bits are 0::
 Work runs on row chunks that stay in cache, with torch kernels (torch.from_numpy shares memory);
 the API takes and returns numpy arrays. No Python loop runs over rows or elements: the loops are
 over chunks, over the positions inside one packing group (at most 8) and over search steps.
-Decoding of 8-, 4- and 2-bit rows runs on torch's unpack kernels where this torch has them.
+Decoding of 4- and 2-bit rows runs on torch's unpack kernels where this torch has them.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ def _decode_on_kernel(q: QuantizedRows, out: torch.Tensor, chunk: int) -> None:
         stop = min(n, start + chunk)
         rows = fused[: stop - start]
         sl = slice(start, stop)
-        rowwise_kernels.fuse(rows, q.codes[sl], q.scale[sl], q.bias[sl], bits)
+        rowwise_kernels.fuse(rows, q.codes[sl], q.scale[sl], q.bias[sl])
         decoded = rowwise_kernels.decode_fused(torch.from_numpy(rows), bits)
         out[sl].copy_(decoded[:, :dim])
 

@@ -26,10 +26,10 @@ from publisher.codecs import (
 from schemas.codec_names import CODEC_BITS, row_bytes
 
 needs_kernels = pytest.mark.skipif(
-    not ({4, 2} <= rowwise_kernels.ENCODE_BITS and {8, 4, 2} <= rowwise_kernels.DECODE_BITS),
+    not ({4, 2} <= rowwise_kernels.ENCODE_BITS and {4, 2} <= rowwise_kernels.DECODE_BITS),
     reason="this torch build lacks torch.ops.quantized.embedding_bag_* kernels",
 )
-KERNEL_CODECS = ["int8", "int4", "int2"]
+KERNEL_CODECS = ["int4", "int2"]
 PREPACK = {4: "embedding_bag_4bit_prepack", 2: "embedding_bag_2bit_prepack"}
 
 
@@ -59,7 +59,7 @@ def edge_rows(dim: int) -> np.ndarray:
         ramp * 1e-3 + 1000.0,  # fp16(min) far coarser than the range: scale from the bias
         ramp * 3e-4 + 7.0,  # fp16(min) may round above max: negative scale
         ramp * 131008.0 - 65504.0,  # the widest range whose bias fits
-        ramp * 160000.0 - 65504.0,  # int8's scale 627 fits; int2's 53333 too
+        ramp * 160000.0 - 65504.0,  # a range past fp16 whose scale fits: int2 53333
         np.where(np.arange(dim) % 2 == 0, -0.0, 0.0).astype(np.float32),  # signed zeros
         np.where(np.arange(dim) % 3 == 0, 1e-40, -1e-40).astype(np.float32),  # fp32 subnormals
     ]
@@ -158,7 +158,7 @@ def test_the_kernels_run_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> No
     for codec, expected in [
         ("int4", [("encode", 4), ("decode", 4)]),
         ("int2", [("encode", 2), ("decode", 2)]),
-        ("int8", [("decode", 8)]),  # embedding_bag_byte_prepack's fp32 scale: own encoder
+        ("int8", []),  # see publisher/rowwise_kernels.py: the 8-bit kernels do not fit or pay
         ("int3", []),
         ("int4-adaptive", [("decode", 4)]),  # the search is the codec's own
         ("fp16", []),
