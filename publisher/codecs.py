@@ -120,6 +120,10 @@ class NonFiniteRowsError(CodecError):
         )
         self.row = row
 
+    def __reduce__(self) -> tuple[type[NonFiniteRowsError], tuple[int]]:
+        # Rebuilt from its fields, not its message, so it crosses to the parent process intact.
+        return type(self), (self.row,)
+
 
 class OutOfRangeRowsError(CodecError):
     """A row's values do not fit the codec's fp16 fields; `row` is the first such row."""
@@ -127,6 +131,11 @@ class OutOfRangeRowsError(CodecError):
     def __init__(self, row: int, codec: str, detail: str) -> None:
         super().__init__(f"row {row} cannot be encoded as {codec}: {detail}")
         self.row = row
+        self._fields = (row, codec, detail)
+
+    def __reduce__(self) -> tuple[type[OutOfRangeRowsError], tuple[int, str, str]]:
+        # Rebuilt from its fields, not its message, so it crosses to the parent process intact.
+        return type(self), self._fields
 
 
 @dataclass(frozen=True, eq=False)
