@@ -3,13 +3,15 @@ their caps (docs/FORMAT.md section 1), so a hostile object costs the cap, not it
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
 
 from publisher.read.catalog import Catalog
-from publisher.store import ObjectTooLargeError
+from publisher.store import IntegrityError, ObjectTooLargeError
 from publisher.store.s3_store import S3Store
 from schemas.manifest import MAX_HEAD_BYTES, MAX_MANIFEST_BYTES, Head
 from schemas.store_keys import head_key, manifest_key
@@ -51,3 +53,12 @@ def test_a_huge_head_or_manifest_costs_the_cap(store: S3Store) -> None:
         peak_of_refusal(Catalog(store, "m").latest, ObjectTooLargeError)
         < MAX_MANIFEST_BYTES + 2 * MiB
     )
+
+
+def test_an_empty_blob_entry_costs_one_byte_not_the_objects_size(store: S3Store) -> None:
+    empty_sha = hashlib.sha256(b"").hexdigest()
+    store.put("m/blobs/empty", b"")
+    assert store.get_verified("m/blobs/empty", 0, empty_sha) == b""
+    store.put("m/blobs/swapped", b"b" * (24 * MiB))
+    refuse = partial(store.get_verified, "m/blobs/swapped", 0, empty_sha)
+    assert peak_of_refusal(refuse, IntegrityError) < MiB

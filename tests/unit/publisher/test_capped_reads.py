@@ -3,13 +3,15 @@ hostile object costs a reader the cap, not the object's size."""
 
 from __future__ import annotations
 
+import hashlib
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from publisher.read.catalog import Catalog
-from publisher.store import FileStore, ObjectTooLargeError
+from publisher.store import FileStore, IntegrityError, ObjectTooLargeError
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.manifest import MAX_MANIFEST_BYTES, Head, Position
 from schemas.store_keys import head_key, lease_key, manifest_key
@@ -47,6 +49,19 @@ def test_get_stops_at_the_cap(tmp_path: Path) -> None:
     with pytest.raises(ObjectTooLargeError):
         store.get_with_etag("m/x", 0)
     assert store.get("m/x") == b"a" * 10  # no cap: the whole object
+
+
+def test_an_empty_blob_entry_costs_one_byte_not_the_objects_size(tmp_path: Path) -> None:
+    # A manifest entry of size 0 whose object was swapped for a huge one: read uncapped before.
+    store = FileStore(tmp_path)
+    _huge(tmp_path / "blob")
+    empty = hashlib.sha256(b"").hexdigest()
+    refuse = partial(store.get_verified, "blob", 0, empty)
+    assert peak_of_refusal(refuse, IntegrityError) < MiB
+    with pytest.raises(IntegrityError, match="not empty, the manifest says 0 bytes"):
+        refuse()
+    store.put("empty", b"")
+    assert store.get_verified("empty", 0, empty) == b""
 
 
 def test_a_huge_head_costs_the_cap_not_its_size(tmp_path: Path) -> None:
