@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine, log, write_json
-from publisher.cli import CommandError
-from publisher.store import StoreError
+from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
 
 #: every part and what it measures.
 PARTS = {
@@ -72,14 +71,15 @@ def run_part(part: str, quick: bool, options: dict[str, Any] | None = None) -> d
 
 
 def part_parser(prog: str, part: str) -> argparse.ArgumentParser:
-    """The parser of `checknrun bench PART`'s own options."""
+    """The parser of `checknrun bench PART`'s own options (a usage error there is reported by
+    `run_command` like any other, exit status 2)."""
     if part == "report":
-        parser = argparse.ArgumentParser(prog=f"{prog} report", description="RESULTS.md + plots")
+        parser = CommandParser(prog=f"{prog} report", description="RESULTS.md + plots")
         parser.add_argument(
             "--dir", default="docs/benchmarks", help="where the part JSONs are, and the output"
         )
         return parser
-    parser = argparse.ArgumentParser(prog=f"{prog} {part}", description=PARTS[part])
+    parser = CommandParser(prog=f"{prog} {part}", description=PARTS[part])
     add_run_options(parser)
     add_arguments = getattr(importlib.import_module(f"bench.{part}"), "add_arguments", None)
     if add_arguments is not None:
@@ -147,14 +147,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m bench.cli [PART [PART OPTIONS]] [--quick] [--json OUT]`."""
-    parser = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__)
+    parser = CommandParser(prog="python -m bench.cli", description=__doc__)
     add_bench_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return cmd_bench(args)
-    except (CommandError, StoreError) as exc:  # as `checknrun` reports them
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 1
+    parser.set_defaults(command="bench", func=cmd_bench)
+    return run_command(parse_command_line(parser, argv))
 
 
 if __name__ == "__main__":

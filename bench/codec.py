@@ -7,6 +7,17 @@ timed repeats after one warm-up; decoding writes into a preallocated, already to
 a restore into an existing table does. Errors are measured on seeded rows that look like trained
 embeddings (see `embedding_like_rows`). One torch thread by default: throughput per core, which
 the int4 target is stated in.
+
+Next to each uniform 8-, 4- and 2-bit codec, torch's own row-wise kernels (FBGEMM's, in
+`torch.ops.quantized`) run on the same rows in the same repeats, taking turns with the codec:
+`embedding_bag_{byte,4bit,2bit}_prepack` on all rows in one call (its fastest use), and the
+matching `_unpack` decoding the kernel's fused rows chunk by chunk into a preallocated array, as
+the codec does (one call on all rows faults in a fresh output array and runs several times
+slower). The ratio codec / kernel is the codec's cost over the bare kernel: the codec also
+checks its input for NaN (the kernel does not) and splits fused rows into the blob's sections.
+`embedding_bag_byte_prepack` quantises with float32 scale and bias, which a blob does not carry,
+so int8 encodes with the codec's own code (`encode_on_kernel` false) and its ratio compares two
+different quantisations.
 """
 
 from __future__ import annotations
@@ -23,8 +34,9 @@ import numpy as np
 import torch
 
 from bench.machine import describe_machine
-from publisher.codecs import decode_rows, encode_rows, max_abs_error_bound
-from schemas.codec_names import CODEC_BITS, CODECS, row_bytes, scale_bias_bytes
+from publisher import rowwise_kernels
+from publisher.codecs import CHUNK_ELEMENTS, decode_rows, encode_rows, max_abs_error_bound
+from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes, scale_bias_bytes
 
 #: rows used for uniform codecs / adaptive codecs, and timed repeats: (full, quick).
 ROWS = (262_144, 32_768)
@@ -33,6 +45,14 @@ REPEATS = (7, 3)
 #: the target: uniform int4 per core (one torch thread).
 INT4_ENCODE_MB_S = 1_000.0
 INT4_DECODE_MB_S = 2_000.0
+#: the target next to torch's kernels: int4 and int8 encode at this fraction of the kernel's.
+KERNEL_ENCODE_RATIO = 0.9
+#: torch's (prepack, unpack) kernels per bit width of the uniform codecs.
+TORCH_KERNELS = {
+    8: ("embedding_bag_byte_prepack", "embedding_bag_byte_unpack"),
+    4: ("embedding_bag_4bit_prepack", "embedding_bag_4bit_unpack"),
+    2: ("embedding_bag_2bit_prepack", "embedding_bag_2bit_unpack"),
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,16 @@ class CodecResult:
     #: encoded bytes per row (codes plus scale/bias) and the ratio to fp32.
     bytes_per_row: float
     ratio_vs_fp32: float
+    #: whether the codec encodes / decodes on torch's kernels (publisher/rowwise_kernels.py).
+    encode_on_kernel: bool = False
+    decode_on_kernel: bool = False
+    #: torch's kernel for this bit width on the same rows (see the module docstring); None for
+    #: codecs without one, or where this torch lacks it or it refuses the dim.
+    kernel_encode_mb_s: float | None = None
+    kernel_decode_mb_s: float | None = None
+    #: codec throughput / kernel throughput.
+    encode_vs_kernel: float | None = None
+    decode_vs_kernel: float | None = None
 
 
 def embedding_like_rows(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -81,14 +111,45 @@ def embedding_like_rows(n: int, dim: int, seed: int = 0) -> np.ndarray:
     return rows.astype(np.float32)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: allocations, caches, lazy torch init
-    times = []
+def _median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds of each of `fns`, which take turns in every repeat, so that the load of a
+    shared machine falls on all of them alike."""
+    for fn in fns:
+        fn()  # warm-up: allocations, caches, lazy torch init
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, seconds in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def _torch_kernels(codec: str, dim: int) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """torch's (prepack, unpack) for a uniform codec, if this torch has them and takes `dim`."""
+    bits = CODEC_BITS[codec]
+    if codec.endswith("-adaptive") or bits not in TORCH_KERNELS or dim % (8 // bits):
+        return None
+    try:
+        prepack, unpack = (getattr(torch.ops.quantized, name) for name in TORCH_KERNELS[bits])
+    except (AttributeError, RuntimeError):
+        return None
+    return prepack, unpack
+
+
+def _kernel_decoder(
+    unpack: Callable[..., Any], fused: torch.Tensor, out: np.ndarray
+) -> Callable[[], None]:
+    """Decode `fused` into `out` chunk by chunk, as the codec does (same chunk rows)."""
+    n, dim = out.shape
+    chunk = max(1, CHUNK_ELEMENTS // dim)
+    out_t = torch.from_numpy(out)
+
+    def decode() -> None:
+        for start in range(0, n, chunk):
+            out_t[start : start + chunk].copy_(unpack(fused[start : start + chunk])[:, :dim])
+
+    return decode
 
 
 def measure(
@@ -111,21 +172,41 @@ def measure(
     q_timed = encode_rows(codec, timed)
     out = np.ones_like(timed)
     mb = timed.nbytes / 1e6
-    t_enc = _median_seconds(lambda: encode_rows(codec, timed), repeats)
-    t_dec = _median_seconds(lambda: decode_rows(q_timed, out), repeats)
+    encoders: list[Callable[[], object]] = [lambda: encode_rows(codec, timed)]
+    decoders: list[Callable[[], object]] = [lambda: decode_rows(q_timed, out)]
+    kernels = _torch_kernels(codec, dim)
+    if kernels is not None:
+        prepack, unpack = kernels
+        timed_t = torch.from_numpy(np.ascontiguousarray(timed))
+        fused = prepack(timed_t)
+        encoders.append(lambda: prepack(timed_t))
+        decoders.append(_kernel_decoder(unpack, fused, np.ones_like(timed)))
+    t_enc = _median_seconds(encoders, repeats)
+    t_dec = _median_seconds(decoders, repeats)
+    kernel_enc = mb / t_enc[1] if kernels else None
+    kernel_dec = mb / t_dec[1] if kernels else None
+    bits = CODEC_BITS[codec]
+    int_codec = is_integer_codec(codec)
+    uniform_int = int_codec and not codec.endswith("-adaptive")
     return CodecResult(
         codec=codec,
-        bits=CODEC_BITS[codec],
+        bits=bits,
         rows=n,
         timed_rows=timed.shape[0],
         dim=dim,
-        encode_mb_s=mb / t_enc,
-        decode_mb_s=mb / t_dec,
+        encode_mb_s=mb / t_enc[0],
+        decode_mb_s=mb / t_dec[0],
         mse=mse,
         rel_mse=mse / power if power else 0.0,
         max_error_to_bound=float(ratios.max()),
         bytes_per_row=enc_bytes,
         ratio_vs_fp32=row_bytes("fp32", dim) / enc_bytes,
+        encode_on_kernel=uniform_int and rowwise_kernels.encodes(bits, dim),
+        decode_on_kernel=int_codec and rowwise_kernels.decodes(bits),
+        kernel_encode_mb_s=kernel_enc,
+        kernel_decode_mb_s=kernel_dec,
+        encode_vs_kernel=t_enc[1] / t_enc[0] if kernels else None,
+        decode_vs_kernel=t_dec[1] / t_dec[0] if kernels else None,
     )
 
 
@@ -135,7 +216,12 @@ def format_table(results: Sequence[CodecResult]) -> str:
         "codec",
         "timed rows",
         "enc MB/s",
+        "torch enc",
+        "enc/torch",
         "dec MB/s",
+        "torch dec",
+        "dec/torch",
+        "on kernel",
         "rel MSE",
         "err/bound",
         "B/row",
@@ -146,7 +232,17 @@ def format_table(results: Sequence[CodecResult]) -> str:
             r.codec,
             str(r.timed_rows),
             f"{r.encode_mb_s:,.0f}",
+            _optional(r.kernel_encode_mb_s, "{:,.0f}"),
+            _optional(r.encode_vs_kernel, "{:.2f}x"),
             f"{r.decode_mb_s:,.0f}",
+            _optional(r.kernel_decode_mb_s, "{:,.0f}"),
+            _optional(r.decode_vs_kernel, "{:.2f}x"),
+            "+".join(
+                part
+                for part, on in (("enc", r.encode_on_kernel), ("dec", r.decode_on_kernel))
+                if on
+            )
+            or "-",
             f"{r.rel_mse:.3e}",
             f"{r.max_error_to_bound:.3f}",
             f"{r.bytes_per_row:.1f}",
@@ -163,6 +259,10 @@ def format_table(results: Sequence[CodecResult]) -> str:
         )
 
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)])
+
+
+def _optional(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def _positive_int(text: str) -> int:
@@ -199,7 +299,8 @@ def run(
 
     Errors are measured on all rows; adaptive codecs, ~20x slower, are timed on a quarter of
     them (`rows` overrides the row count). With int4 among the codecs, the document says whether
-    it meets the throughput target.
+    it meets the throughput target; with int4 or int8, whether their encoding runs at
+    KERNEL_ENCODE_RATIO of torch's kernel or better (`kernel_encode_target`).
     """
     codecs = tuple(codecs or CODECS)
     n_full = rows if rows is not None else ROWS[quick]
@@ -214,9 +315,14 @@ def run(
             timed = n_adaptive if codec.endswith("-adaptive") else n_full
             r = measure(codec, data, repeats, timed)
             results.append(r)
+            vs_kernel = (
+                f" ({r.encode_vs_kernel:.2f}x / {r.decode_vs_kernel:.2f}x torch's kernels)"
+                if r.encode_vs_kernel is not None and r.decode_vs_kernel is not None
+                else ""
+            )
             print(
                 f"[{i}/{len(codecs)}] {codec}: encode {r.encode_mb_s:,.0f} MB/s, "
-                f"decode {r.decode_mb_s:,.0f} MB/s, rel MSE {r.rel_mse:.3e}",
+                f"decode {r.decode_mb_s:,.0f} MB/s{vs_kernel}, rel MSE {r.rel_mse:.3e}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -247,4 +353,15 @@ def run(
             "encode_met": int4.encode_mb_s >= INT4_ENCODE_MB_S,
             "decode_met": int4.decode_mb_s >= INT4_DECODE_MB_S,
         }
+    kernel_target = {
+        r.codec: {
+            "encode_vs_kernel": r.encode_vs_kernel,
+            "encode_on_kernel": r.encode_on_kernel,
+            "met": r.encode_vs_kernel >= KERNEL_ENCODE_RATIO,
+        }
+        for r in results
+        if r.codec in ("int4", "int8") and r.encode_vs_kernel is not None
+    }
+    if kernel_target:
+        doc["kernel_encode_target"] = {"ratio": KERNEL_ENCODE_RATIO, **kernel_target}
     return doc

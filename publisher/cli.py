@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -113,16 +114,32 @@ class CommandParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def asks_for_json(parser: argparse.ArgumentParser, arguments: Sequence[str]) -> bool:
+    """Whether `arguments` ask for JSON on stdout: `--json` is among them and, in the parser of
+    the (sub-)command they name, a flag (`store_true`), as `run_command` decides it; a `--json
+    OUT` that names a file (bench) is not."""
+    for index, argument in enumerate(arguments):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) and argument in action.choices:
+                return asks_for_json(action.choices[argument], arguments[index + 1 :])
+    return "--json" in arguments and any(
+        "--json" in action.option_strings and isinstance(action, argparse._StoreTrueAction)
+        for action in parser._actions
+    )
+
+
 def parse_command_line(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
 ) -> argparse.Namespace:
     """`parser.parse_args(argv)`; a usage error (with a `CommandParser`) is reported in one line
-    (and as the JSON error document when `--json` is among the arguments), then exits with 2."""
+    (and as the JSON error document when the arguments ask for JSON: `asks_for_json`), then
+    exits with 2."""
     arguments = sys.argv[1:] if argv is None else list(argv)
     try:
         return parser.parse_args(arguments)
     except UsageError as exc:
-        raise SystemExit(report_failure(parser.prog, exc, as_json="--json" in arguments)) from exc
+        as_json = asks_for_json(parser, arguments)
+        raise SystemExit(report_failure(parser.prog, exc, as_json=as_json)) from exc
 
 
 def positive_int(text: str) -> int:
@@ -130,6 +147,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (else a usage error, exit status 2)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -346,7 +371,7 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument(
         "--grace",
-        type=float,
+        type=non_negative_seconds,
         default=3600.0,
         help="never delete what is younger than this many seconds",
     )

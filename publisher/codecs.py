@@ -6,16 +6,23 @@ this module holds the arithmetic. Rules, per row x[0..dim) (all rows of a call s
 - ``fp32``: codes are the little-endian float32 bytes of x (lossless).
 - ``fp16``: codes are the little-endian IEEE half bytes of x, rounded to nearest-even.
   |x| must stay below 65520 (larger values would round to inf).
-- ``intB`` (B in 8, 4, 3, 2; L = 2**B - 1), uniform asymmetric, per row::
+- ``intB`` (B in 8, 4, 3, 2; L = 2**B - 1), uniform asymmetric, per row, in float32::
 
       bias  = fp16(min x)                   # round to nearest fp16
-      scale = fp16((max x - min x) / L)     # round to nearest fp16
-      code  = clamp(round((x - bias) / scale), 0, L)   (code = 0 where scale == 0)
+      scale = fp16((max x - bias) / L)      # round to nearest fp16; 1 where that gives 0
+      code  = clamp(rint((x - bias) * (1 / scale)), 0, L)
       x'    = bias + code * scale           # what the decoder returns (float32)
 
-  The encoder quantises with the fp16-rounded scale and bias the decoder will use, so
-  |x - x'| <= scale/2 plus the fp16 rounding of bias (and, for a subnormal scale, L * 2**-25);
-  see `max_abs_error_bound`. Rounding is to nearest, ties to even.
+  This is the rule of FBGEMM's row-wise kernels that torch ships, so 4- and 2-bit rows are
+  quantized by `torch.ops.quantized.embedding_bag_{4,2}bit_prepack` where this torch has them
+  (publisher/rowwise_kernels.py) and by the same arithmetic here otherwise, byte for byte.
+  The encoder quantises with the fp16-rounded scale and bias the decoder will use, and the range
+  starts at the rounded bias, so |x - x'| <= |scale|/2 plus the fp16 rounding of bias (and, for
+  a subnormal scale, L * 2**-25); see `max_abs_error_bound`. A constant row c is no exception:
+  the range from fp16(c) to c is quantised like any other (scale 1 and code 0 where it is 0 or
+  below fp16's reach), so it decodes at least as close to c as fp16(c). Where fp16(min) rounds
+  above max the scale is negative, which decodes by the same formula. Rounding is to nearest,
+  ties to even.
 - ``intB-adaptive``: same layout and decoder; only the range [lo, hi] that yields bias and
   scale differs. Greedy search of Guan et al. 2019 (arXiv 1911.02079), as in Check-N-Run:
   step = (max - min) / ADAPTIVE_NUM_BINS (100); for ADAPTIVE_STEPS (16) rounds, try
@@ -36,6 +43,7 @@ starting at bit j*B of the row's bytes, and padding bits are 0::
 Work runs on row chunks that stay in cache, with torch kernels (torch.from_numpy shares memory);
 the API takes and returns numpy arrays. No Python loop runs over rows or elements: the loops are
 over chunks, over the positions inside one packing group (at most 8) and over search steps.
+Decoding of 4- and 2-bit rows runs on torch's unpack kernels where this torch has them.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from typing import Final
 import numpy as np
 import torch
 
+from publisher import rowwise_kernels
 from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes
 from schemas.errors import BadDataError
 
@@ -79,6 +88,9 @@ ADAPTIVE_STEPS: Final = 16
 #: float32 elements per chunk for the uniform codecs and decoding (2 MiB; 4-16k rows of dim 64
 #: measured alike, smaller chunks pay more per-chunk bookkeeping).
 CHUNK_ELEMENTS: Final = 1 << 19
+#: float32 elements per chunk on the prepack kernel (4 MiB: it stays in cache for the finite
+#: check after the kernel; 2-8 MiB measured alike, smaller chunks pay more per chunk).
+KERNEL_CHUNK_ELEMENTS: Final = 1 << 20
 #: float32 elements per chunk for the adaptive search (its buffers are 4x the chunk; larger
 #: chunks spend less on per-step bookkeeping than they lose to L2 misses).
 ADAPTIVE_CHUNK_ELEMENTS: Final = 1 << 18
@@ -108,6 +120,10 @@ class NonFiniteRowsError(CodecError):
         )
         self.row = row
 
+    def __reduce__(self) -> tuple[type[NonFiniteRowsError], tuple[int]]:
+        # Rebuilt from its fields, not its message, so it crosses to the parent process intact.
+        return type(self), (self.row,)
+
 
 class OutOfRangeRowsError(CodecError):
     """A row's values do not fit the codec's fp16 fields; `row` is the first such row."""
@@ -115,6 +131,11 @@ class OutOfRangeRowsError(CodecError):
     def __init__(self, row: int, codec: str, detail: str) -> None:
         super().__init__(f"row {row} cannot be encoded as {codec}: {detail}")
         self.row = row
+        self._fields = (row, codec, detail)
+
+    def __reduce__(self) -> tuple[type[OutOfRangeRowsError], tuple[int, str, str]]:
+        # Rebuilt from its fields, not its message, so it crosses to the parent process intact.
+        return type(self), self._fields
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,10 +208,17 @@ def encode_rows(
     scale = np.empty(n_sb, dtype=np.float16)
     bias = np.empty(n_sb, dtype=np.float16)
     adaptive = codec.endswith("-adaptive")
-    budget = ADAPTIVE_CHUNK_ELEMENTS if adaptive else CHUNK_ELEMENTS
+    on_kernel = not adaptive and rowwise_kernels.encodes(bits, dim)
+    if adaptive:
+        budget = ADAPTIVE_CHUNK_ELEMENTS
+    else:
+        budget = KERNEL_CHUNK_ELEMENTS if on_kernel else CHUNK_ELEMENTS
     chunk = chunk_rows if chunk_rows is not None else max(1, budget // dim)
     if chunk < 1:
         raise CodecError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if on_kernel:
+        _encode_on_kernel(codec, x, chunk, codes, scale, bias)
+        return QuantizedRows(codec=codec, dim=dim, codes=codes, scale=scale, bias=bias)
     encoder = _ChunkEncoder(codec, bits, dim, min(chunk, max(n, 1)), adaptive)
     codes_t = torch.from_numpy(codes)
     scale_t = torch.from_numpy(scale)
@@ -231,15 +259,16 @@ def decode_rows(q: QuantizedRows, out: np.ndarray | None = None) -> np.ndarray:
         return out
     bits = q.bits
     for name, arr in (("scale", q.scale), ("bias", q.bias)):
-        # An fp16 is inf or NaN iff its exponent bits are all ones.
-        non_finite = (arr.view(np.uint16) & 0x7C00) == 0x7C00
-        if non_finite.any():
-            row = int(np.flatnonzero(non_finite)[0])
+        row = _first_non_finite_half(arr)
+        if row is not None:
             raise CodecError(f"{name} of row {row} is {arr[row]}; scale and bias must be finite")
+    chunk = max(1, CHUNK_ELEMENTS // dim)
+    if rowwise_kernels.decodes(bits):
+        _decode_on_kernel(q, out_t, chunk)
+        return out
     codes_t = _shared_tensor(q.codes)
     scale = _shared_tensor(q.scale).float()
     bias = _shared_tensor(q.bias).float()
-    chunk = max(1, CHUNK_ELEMENTS // dim)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
         codes_chunk = _unpack(codes_t[start:stop], bits, dim)
@@ -247,14 +276,29 @@ def decode_rows(q: QuantizedRows, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def _decode_on_kernel(q: QuantizedRows, out: torch.Tensor, chunk: int) -> None:
+    """Decode on torch's unpack kernel: chunk by chunk into a reused fused-row buffer, so the
+    kernel's output stays in cache until it is copied into `out` (a whole-table call would
+    fault in a fresh output array and be several times slower)."""
+    n, dim, bits = q.n_rows, q.dim, q.bits
+    fused = np.empty((min(chunk, n), rowwise_kernels.fused_row_bytes(bits, dim)), np.uint8)
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        rows = fused[: stop - start]
+        sl = slice(start, stop)
+        rowwise_kernels.fuse(rows, q.codes[sl], q.scale[sl], q.bias[sl])
+        decoded = rowwise_kernels.decode_fused(torch.from_numpy(rows), bits)
+        out[sl].copy_(decoded[:, :dim])
+
+
 def max_abs_error_bound(q: QuantizedRows) -> np.ndarray:
     """Per row, a bound on |x - decode(encode(x))| for every element (float64, shape (n,)).
 
     fp32: 0. fp16: half an ulp of the row's largest decoded magnitude (relative 2**-11, plus
-    2**-25 for subnormals). Int codecs: scale/2, plus the fp16 rounding of bias, plus L * 2**-25
+    2**-25 for subnormals). Int codecs: |scale|/2, plus the fp16 rounding of bias, plus L * 2**-25
     when the scale is below the smallest normal fp16 (its rounding then is absolute), plus a
     float32 arithmetic allowance. Adaptive codecs add the error of elements clipped by the
-    shrunk range, up to ADAPTIVE_STEPS / (ADAPTIVE_NUM_BINS - ADAPTIVE_STEPS) * L * scale.
+    shrunk range, up to ADAPTIVE_STEPS / (ADAPTIVE_NUM_BINS - ADAPTIVE_STEPS) * L * |scale|.
     """
     n = q.n_rows
     if q.codec == "fp32":
@@ -265,7 +309,7 @@ def max_abs_error_bound(q: QuantizedRows) -> np.ndarray:
         peak: np.ndarray = np.abs(q.codes.view("<f2")).max(axis=1).astype(np.float64)
         return peak * _FP16_HALF_ULP_REL + _FP16_HALF_ULP_MIN
     levels = (1 << q.bits) - 1
-    scale = q.scale.astype(np.float64)
+    scale = np.abs(q.scale.astype(np.float64))  # negative where fp16(min) rounds above max
     bias_mag = np.abs(q.bias.astype(np.float64))
     bound = scale / 2 + np.maximum(bias_mag * _FP16_HALF_ULP_REL, _FP16_HALF_ULP_MIN)
     bound += np.where(scale < _FP16_MIN_NORMAL, levels * _FP16_HALF_ULP_MIN, 0.0)
@@ -317,6 +361,34 @@ def unpack_codes(packed: np.ndarray, bits: int, dim: int) -> np.ndarray:
 # --- chunk encoders -------------------------------------------------------------------------------
 
 
+def _encode_on_kernel(
+    codec: str,
+    x: torch.Tensor,
+    chunk: int,
+    codes: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray,
+) -> None:
+    """Uniform encoding on torch's prepack kernel (publisher/rowwise_kernels.py), which writes
+    the bytes `_ChunkEncoder` would."""
+    bits = CODEC_BITS[codec]
+    n = x.shape[0]
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        xc = x[start:stop].contiguous()
+        fused = rowwise_kernels.encode_fused(xc, bits)
+        # The kernel quantises NaN to code 0 without a word, so the rows are checked after it,
+        # while they are in cache: their sum is non-finite if any element is (inf also turns
+        # the scale or bias to inf). Only a non-finite sum (or an overflowing one) looks closer.
+        if not math.isfinite(float(xc.sum())):
+            _check_finite(xc.amin(1), xc.amax(1), start)
+        sl = slice(start, stop)
+        rowwise_kernels.split(fused, codes[sl], scale[sl], bias[sl])
+        row = _first_non_finite_half(scale[sl], bias[sl])
+        if row is not None:
+            raise _out_of_range(codec, start + row, xc[row])
+
+
 class _ChunkEncoder:
     """Buffers and steps to encode one chunk of rows; reused across the chunks of one call."""
 
@@ -360,10 +432,8 @@ class _ChunkEncoder:
         bias16, scale16 = _affine_params(mn, mx, self.levels)
         bad = ~(torch.isfinite(bias16) & torch.isfinite(scale16))
         if bool(bad.any()):
-            row = start + int(torch.nonzero(bad)[0, 0])
-            raise OutOfRangeRowsError(
-                row, self.codec, f"min {float(mn[row - start])!r} or range does not fit fp16"
-            )
+            row = int(torch.nonzero(bad)[0, 0])
+            raise _out_of_range(self.codec, start + row, x[row])
         t = self.t[:m]
         if self.adaptive:
             bias16, scale16 = self.search.best_params(x, mn, mx, bias16, scale16, t)
@@ -463,19 +533,22 @@ class _AdaptiveSearch:
 def _affine_params(
     lo: torch.Tensor, hi: torch.Tensor, levels: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 (bias, scale) of the range [lo, hi]: bias = fp16(lo), scale = fp16((hi - lo) / L)."""
-    return lo.half(), ((hi - lo) / levels).half()
+    """fp16 (bias, scale) of the range [lo, hi]: bias = fp16(lo), scale = fp16((hi - bias) / L),
+    1 where that is 0 (the rule of torch's prepack kernels, whose bytes these must equal)."""
+    bias = lo.half()
+    scale = ((hi - bias.float()) / levels).half()
+    return bias, scale.masked_fill_(scale == 0, 1.0)
 
 
 def _quantize_into(
     t: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor, levels: int
 ) -> None:
-    """t = clamp(round((x - bias) / scale), 0, L) as float32 (0 where scale == 0).
+    """t = clamp(rint((x - bias) * (1 / scale)), 0, L) as float32 (scale is never 0).
 
-    The division is a float32 multiplication by 1/scale, which can only pick the other code of
-    a near-tie (both are within half a step plus float32 rounding).
+    As in the kernels: a float32 multiplication by 1/scale, which can differ from a division
+    only at a near-tie (both codes are then within half a step plus float32 rounding).
     """
-    inv = torch.where(scale > 0, torch.reciprocal(scale), 0.0)
+    inv = torch.reciprocal(scale)
     torch.sub(x, bias.unsqueeze(1), out=t)
     t.mul_(inv.unsqueeze(1))
     t.clamp_(0, levels)
@@ -503,6 +576,21 @@ def _exact_sq_error(
     err = work.double().sub_(x)
     norm: torch.Tensor = torch.linalg.vector_norm(err, dim=1)
     return norm
+
+
+def _first_non_finite_half(*arrays: np.ndarray) -> int | None:
+    """The first index at which any of the equal-length fp16 arrays is inf or NaN, or None."""
+    bad = np.zeros(arrays[0].shape, dtype=bool)
+    for arr in arrays:
+        # An fp16 is inf or NaN iff its exponent bits are all ones.
+        bad |= (arr.view(np.uint16) & 0x7C00) == 0x7C00
+    return int(np.flatnonzero(bad)[0]) if bad.any() else None
+
+
+def _out_of_range(codec: str, row: int, x_row: torch.Tensor) -> OutOfRangeRowsError:
+    """The error for a row whose fp16 bias or scale overflowed."""
+    low = float(x_row.amin())
+    return OutOfRangeRowsError(row, codec, f"min {low!r} or range does not fit fp16")
 
 
 def _check_finite(mn: torch.Tensor, mx: torch.Tensor, start: int) -> None:

@@ -9,7 +9,8 @@ Every reader that allocates from a manifest checks it here first, against one bu
   fp32: every table with its optimizer columns, the dense and optimizer tensors. That is
   `Manifest.full_fp32_bytes` (docs/FORMAT.md section 3.1).
 - a server (`server.model_buffer`) allocates the model its `model_config` builds,
-  `DLRMConfig.nbytes`, once per copy its consistency scheme holds; a version's tables must then
+  `DLRMConfig.nbytes`, once per copy its consistency scheme holds at its peak (a new model is
+  built beside the served one: 2 copies, `server.consistency`); a version's tables must then
   match that model before any blob is fetched.
 
 Not counted: what a reader holds while it works (the blobs of one version being fetched and

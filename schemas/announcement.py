@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from schemas import strict_json
 from schemas.errors import AnnouncementError, ManifestError
-from schemas.manifest import Manifest, check_model_name
+from schemas.manifest import Manifest, check_model_name, parse_created_at
 from schemas.store_keys import check_key, is_manifest_key
 
 MAX_ANNOUNCEMENT_BYTES = 4096
@@ -39,9 +39,7 @@ class Announcement(BaseModel):
     @field_validator("created_at", mode="before")
     @classmethod
     def _created(cls, value: object) -> object:
-        if isinstance(value, str):
-            return datetime.fromisoformat(value)
-        return value
+        return parse_created_at(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Announcement:

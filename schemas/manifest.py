@@ -71,6 +71,20 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def parse_created_at(value: object) -> object:
+    """A `created_at` value (manifest or announcement) as a timezone-aware datetime.
+
+    JSON carries an ISO 8601 string, which strict mode would refuse without this. A value with
+    no UTC offset is refused (ValueError): readers subtract it from the aware clock
+    (staleness, apply lag), and a naive one made that raise TypeError after the swap.
+    """
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if isinstance(value, datetime) and value.utcoffset() is None:
+        raise ValueError(f"created_at {value.isoformat()!r} has no UTC offset (ISO 8601 UTC)")
+    return value
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
@@ -180,10 +194,7 @@ class Manifest(_Frozen):
     @field_validator("created_at", mode="before")
     @classmethod
     def _created(cls, value: object) -> object:
-        # JSON carries an ISO string; strict mode would refuse it without this.
-        if isinstance(value, str):
-            return datetime.fromisoformat(value)
-        return value
+        return parse_created_at(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:

@@ -81,6 +81,13 @@ def is_safe_key(key: str) -> bool:
     )
 
 
+def is_safe_prefix(prefix: str) -> bool:
+    """Whether `prefix` is a safe prefix to list a store by: empty (everything), or a safe key
+    (`is_safe_key`) followed by at most one `/`, so that every key it matches is safe too
+    (`m/`, `m/blobs/`, `m/blobs/000003-`; never `/m`, `m//`, `../m/`, `m/./`)."""
+    return prefix == "" or is_safe_key(prefix.removesuffix("/"))
+
+
 def check_key(model: str, key: str) -> str:
     """Return `key` if it is a safe store key owned by `model`, else raise ManifestError.
 

@@ -3,9 +3,10 @@
 The lifespan opens, in order, the store client, the announcement source, the live model, the
 follower and the follow loop, whose `run` goes to a worker thread: it fixes the source's start
 (before HEAD is read, so no announcement falls between the bootstrap and the subscription), then
-bootstraps, then follows. The lifespan closes them in reverse order. The HTTP server answers
-/healthz at once; /readyz turns 200 when the bootstrap has finished. A failure of the loop
-thread is re-raised (and logged) at shutdown, never lost.
+bootstraps, then follows. The lifespan closes them in reverse order, also those already open
+when a later one fails to open. The HTTP server answers /healthz at once; /readyz turns 200 when
+the bootstrap has finished. A failure of the loop thread is re-raised (and logged) at shutdown,
+never lost.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 
 import torch
 from fastapi import FastAPI, Request, status
@@ -74,56 +75,61 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         torch.set_num_threads(settings.torch_threads)
-        # Read-only: a server never creates the store. A missing directory or bucket fails the
-        # start (StoreMissingError); an existing store with no version yet is waited on.
-        store = open_store(settings.store, create=False)
-        source = open_source(settings.bus, start=settings.bus_start) if settings.bus else None
-        live = LiveModel(
-            store,
-            settings.model,
-            scheme=settings.consistency,
-            metrics=metrics,
-            manifest_cache_size=settings.manifest_cache_size,
-            memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
-        )
-        follower = VersionFollower(
-            live.catalog,
-            source,
-            poll_head_after_s=settings.poll_head_after_s,
-            retry_after_error_s=settings.retry_initial_s,
-            min_reconcile_interval_s=settings.min_reconcile_interval_s,
-        )
-        loop = FollowLoop(
-            live,
-            follower,
-            metrics=metrics,
-            poll_timeout_s=settings.poll_timeout_s,
-            retry_initial_s=settings.retry_initial_s,
-            retry_max_s=settings.retry_max_s,
-        )
-        state.live, state.follower, state.loop = live, follower, loop
-        task = asyncio.create_task(asyncio.to_thread(loop.run)) if settings.follow else None
-        log.info(
-            "serving model %s (%s, %s)",
-            settings.model,
-            settings.consistency,
-            "following " + (settings.bus or "HEAD polls") if settings.follow else "not following",
-        )
-        try:
-            yield
-        finally:
-            loop.stop()
-            live.interrupt()
+        with ExitStack() as resources:  # closes what was opened, in reverse, even mid-start
+            # Read-only: a server never creates the store. A missing directory or bucket fails
+            # the start (StoreMissingError); an existing store with no version yet is waited on.
+            store = resources.enter_context(open_store(settings.store, create=False))
+            source = (
+                resources.enter_context(open_source(settings.bus, start=settings.bus_start))
+                if settings.bus
+                else None
+            )
+            live = LiveModel(
+                store,
+                settings.model,
+                scheme=settings.consistency,
+                metrics=metrics,
+                manifest_cache_size=settings.manifest_cache_size,
+                memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
+            )
+            resources.callback(live.close)
+            follower = VersionFollower(  # reads `source`, which `resources` closes
+                live.catalog,
+                source,
+                poll_head_after_s=settings.poll_head_after_s,
+                retry_after_error_s=settings.retry_initial_s,
+                min_reconcile_interval_s=settings.min_reconcile_interval_s,
+            )
+            loop = FollowLoop(
+                live,
+                follower,
+                metrics=metrics,
+                poll_timeout_s=settings.poll_timeout_s,
+                retry_initial_s=settings.retry_initial_s,
+                retry_max_s=settings.retry_max_s,
+            )
+            state.live, state.follower, state.loop = live, follower, loop
+            task = asyncio.create_task(asyncio.to_thread(loop.run)) if settings.follow else None
+            log.info(
+                "serving model %s (%s, %s)",
+                settings.model,
+                settings.consistency,
+                "following " + (settings.bus or "HEAD polls")
+                if settings.follow
+                else "not following",
+            )
             try:
-                if task is not None:
-                    await asyncio.wait_for(task, timeout=settings.shutdown_timeout_s)
-            except Exception:
-                log.exception("the follow loop failed")
+                yield
             finally:
-                follower.close()  # closes the source
-                live.close()
-                store.close()
-                state.live = state.follower = state.loop = None
+                loop.stop()
+                live.interrupt()
+                try:
+                    if task is not None:
+                        await asyncio.wait_for(task, timeout=settings.shutdown_timeout_s)
+                except Exception:
+                    log.exception("the follow loop failed")
+                finally:
+                    state.live = state.follower = state.loop = None
 
     app = FastAPI(
         title="checknrun server",

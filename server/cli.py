@@ -9,9 +9,11 @@ the environment variable `--admin-token-env` names (default CHECKNRUN_SERVER_ADM
 uvicorn turns SIGINT/SIGTERM into a lifespan shutdown, which stops the follow loop and closes the
 bus and the store.
 
-`serve` reads the store once before uvicorn starts: a store directory or bucket that does not
-exist is refused there (exit 1; a server never creates one), while a store with no version yet,
-or one that cannot be reached for now, is waited on by the follow loop.
+`serve` checks its configuration, the bus URL and the store before uvicorn starts (uvicorn would
+turn a failure in the lifespan into a traceback and exit status 3): a setting out of range, a bus
+URL that names no bus, and a store directory or bucket that does not exist are refused there in
+one line (exit 1; a server never creates a store), while a store with no version yet, or a store
+or Kafka broker that cannot be reached for now, is waited on by the follow loop.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from typing import Any
 
 from pydantic import SecretStr, ValidationError
 
-from publisher.cli import run_command
+from publisher.bus import StartAt, open_source
+from publisher.cli import (
+    CommandError,
+    CommandParser,
+    parse_command_line,
+    run_command,
+)
 from publisher.read.catalog import Catalog
 from publisher.store import StoreMissingError, open_store
 from schemas.errors import CheckNRunError
@@ -88,7 +96,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Any:
-    """ServerSettings from the environment with the flags on top."""
+    """ServerSettings from the environment with the flags on top; CommandError naming every
+    invalid setting on one line."""
     env = os.environ if environ is None else environ
     token_value = env.get(args.admin_token_env)
     overrides: dict[str, Any] = dict(
@@ -111,7 +120,25 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         # and is then the only one that counts: unset, admin stays disabled even if the
         # default variable is set (it used to enable admin with that one).
         overrides["admin_token"] = SecretStr(token_value) if token_value else None
-    return load_settings(**overrides)
+    try:
+        return load_settings(**overrides)
+    except ValidationError as exc:
+        # Where and what only: pydantic's messages never hold the input, so no secret shows.
+        problems = "; ".join(
+            ": ".join(filter(None, (".".join(map(str, error["loc"])), error["msg"])))
+            for error in exc.errors()
+        )
+        raise CommandError(f"invalid configuration: {problems}") from exc
+
+
+def check_bus_url(bus_url: str | None, start: StartAt) -> None:
+    """BusError when `bus_url` names no bus (an unknown scheme, a malformed Kafka URL).
+
+    The source is opened and closed without connecting: a Kafka broker that cannot be reached
+    is the follow loop's to wait out (HEAD polls cover the gap), like an unreachable store.
+    """
+    if bus_url is not None:
+        open_source(bus_url, start=start).close()
 
 
 def check_store_exists(store_url: str, model: str) -> None:
@@ -135,16 +162,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from server.app import create_app
 
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        # pydantic never echoes SecretStr values, so the message is safe to print.
-        print(f"checknrun serve: invalid configuration:\n{exc}", file=sys.stderr)
-        return 1
+    settings = settings_from_args(args)
     logging.getLogger().setLevel(args.log_level.upper())
     if settings.admin_token is None:
         log.info("no admin token configured: admin endpoints disabled")
-    # Here rather than in the lifespan: uvicorn would turn it into a traceback and exit status 3.
+    # Here rather than in the lifespan: uvicorn would turn them into a traceback and exit 3.
+    check_bus_url(settings.bus, settings.bus_start)
     check_store_exists(settings.store, settings.model)
     # One process: the model lives in this process' memory; scale out with more replicas.
     uvicorn.run(
@@ -160,10 +183,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m server.cli serve ...` without the `checknrun` entry point."""
-    parser = argparse.ArgumentParser(prog="python -m server.cli")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser: argparse.ArgumentParser = CommandParser(prog="python -m server.cli")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register(sub)
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

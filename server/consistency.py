@@ -28,8 +28,9 @@ Measured (bench/serving.py, 1M x 64 int8 table, 2 busy cores; details in docs/SE
 With readers running, the worst wait of a prediction to borrow the model was 0.08 ms with the
 double buffer and 47 ms with the rwlock (100k-row deltas). Memory: 493 MiB of tensors vs 247 MiB.
 So the double buffer is the default (pauses do not grow with the delta; it costs one more model
-copy and ~1.5-2x apply time, spent off the request path); choose `rwlock` when the model does not
-fit twice in memory.
+copy and ~1.5-2x apply time, spent off the request path); choose `rwlock` to hold one copy
+between fulls. Both schemes peak at 2 copies (a full version, or a new architecture, is built
+beside the served copy), and that peak is what the memory budget is checked against.
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ def _now() -> datetime:
 class ModelSlot(ABC):
     """Holds the served model; readers borrow a buffer, one writer at a time updates it.
 
-    A new model is built only once `copies` of it fit the memory budget (checked on its
+    A new model is built only once `peak_copies` of it fit the memory budget (checked on its
     manifest, publisher/memory_budget.py): a forged manifest costs a rejection, not the
     allocation it declares.
     """
 
     scheme: ConsistencyScheme
-    #: model copies the scheme holds in steady state.
-    copies: int
+    #: most model copies the scheme holds at once, the one being built included. (Built beside
+    #: a model of another architecture, the old one counts as a copy of the new: old + new is
+    #: at most 2 x the larger, and both were checked.)
+    peak_copies: int
 
     def __init__(self, budget: MemoryBudget) -> None:
         self.budget = budget
@@ -125,7 +128,7 @@ def _build_fresh(
             f"cannot build a model from version {first.version}: it is a delta "
             f"(applies to {first.applies_to}); a rebuild starts from a full version"
         )
-    buffer = ModelBuffer.for_manifest(first, slot.budget, slot.copies)
+    buffer = ModelBuffer.for_manifest(first, slot.budget, slot.peak_copies)
     fetched_bytes = _write_plan(buffer, plan, fetch, Touched())
     return buffer, fetched_bytes
 
@@ -161,7 +164,7 @@ class DoubleBufferSlot(ModelSlot):
     """Live + standby copies; publish by pointer swap, then bring the old copy level."""
 
     scheme: ConsistencyScheme = "double-buffer"
-    copies = 2
+    peak_copies = 2
 
     def __init__(self, budget: MemoryBudget) -> None:
         super().__init__(budget)
@@ -215,9 +218,19 @@ class DoubleBufferSlot(ModelSlot):
     def update(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
         if not plan:
             raise ValueError("empty plan")
-        live, standby = self._live, self._standby
-        if live is None or standby is None or not standby.fits(plan[0].manifest):
+        first = plan[0].manifest
+        if self._standby is None and self._live is not None and self._live.fits(first):
+            # A failed rebuild dropped the standby (see _rebuild); a plan on top of the live
+            # model needs it back, not a rebuild from a full.
+            self._standby = self._live.clone()
+        if self._live is None or self._standby is None or not self._standby.fits(first):
+            # No reference to either copy may be held here: the rebuild frees the standby.
             return self._rebuild(plan, fetch)
+        return self._write_standby(plan, fetch)
+
+    def _write_standby(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
+        live, standby = self._live, self._standby
+        assert live is not None and standby is not None
         touched = Touched()
         try:
             fetched_bytes = _write_plan(standby, plan, fetch, touched)
@@ -236,18 +249,15 @@ class DoubleBufferSlot(ModelSlot):
         )
 
     def _rebuild(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
-        # Drop the standby first so that memory peaks at 2 copies, not 3.
-        previous_standby, self._standby = self._standby, None
-        try:
-            fresh, fetched_bytes = _build_fresh(self, plan, fetch)
-        except BaseException:
-            self._standby = previous_standby
-            raise
-        del previous_standby
+        # Free the standby before building, so that memory peaks at 2 copies (the live one and
+        # the new one), not 3: nothing else holds it (readers only borrow the live copy). Not
+        # kept for a failed build either: `update` clones the live copy when a plan needs it.
+        self._standby = None
+        fresh, fetched_bytes = _build_fresh(self, plan, fetch)
         old, pause = self._swap_in(fresh)
         if old is not None:
             self._drain(old)
-            del old
+            del old  # freed before the standby is cloned: 2 copies again, not 3
         self._standby = fresh.clone()
         assert fresh.served is not None
         return UpdateResult(
@@ -296,7 +306,8 @@ class ReaderWriterSlot(ModelSlot):
     """One copy; deltas are scattered in under a write lock, fulls are built beside and swapped."""
 
     scheme: ConsistencyScheme = "rwlock"
-    copies = 1
+    #: one copy between fulls, but a full is built beside the served copy before the swap.
+    peak_copies = 2
 
     def __init__(self, budget: MemoryBudget) -> None:
         super().__init__(budget)

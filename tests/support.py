@@ -1,4 +1,5 @@
-"""What the test suites share: polling for a condition, and reading scripts/services.sh's env file.
+"""What the test suites share: polling for a condition, reading scripts/services.sh's env file,
+and the memory a refused input cost.
 
 (Child `checknrun serve` processes come from bench/child_server.py, which the demo and the
 benchmarks use too.)
@@ -7,6 +8,7 @@ benchmarks use too.)
 from __future__ import annotations
 
 import time
+import tracemalloc
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -48,3 +50,17 @@ def parse_env_file(text: str) -> dict[str, str]:
             raise ValueError(f"env file line {raw!r}: expected 'export NAME=value'")
         values[name.strip()] = value.strip().strip("'\"")
     return values
+
+
+def peak_of_refusal(action: Callable[[], object], error: type[BaseException]) -> int:
+    """The peak bytes Python allocated while `action` failed with `error` (AssertionError if it
+    did not): what refusing a hostile input cost."""
+    tracemalloc.start()
+    try:
+        try:
+            action()
+        except error:
+            return tracemalloc.get_traced_memory()[1]
+        raise AssertionError(f"{action!r} did not raise {error.__name__}")
+    finally:
+        tracemalloc.stop()

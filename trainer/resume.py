@@ -64,17 +64,27 @@ def load_restored(
     _load_optimizers(state, optimizers)
 
 
+#: what interpreting the optimizer metadata (JSON from the store, hostile like any fetched
+#: data) and loading the state it describes raise when that metadata is malformed.
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
+
+
 def _load_optimizers(state: RestoredState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    held = len(state.optimizer_meta.get("optimizers", []))
-    if held != len(optimizers):
-        raise CheckpointError(
-            f"version {state.version} holds state of {held} optimizer(s), "
-            f"this trainer has {len(optimizers)}"
-        )
-    aux = {name: table.aux for name, table in state.tables.items()}
-    dicts = optimizer_state_dicts(state.optimizer, state.optimizer_meta, aux)
-    for optimizer, sd in zip(optimizers, dicts, strict=True):
-        try:
+    # The one place the trainer interprets that metadata: whatever it holds ends here as a
+    # CheckpointError (exit 1 for `train --resume`), never as an escaping KeyError.
+    try:
+        held = len(state.optimizer_meta.get("optimizers", []))
+        if held != len(optimizers):
+            raise CheckpointError(
+                f"version {state.version} holds state of {held} optimizer(s), "
+                f"this trainer has {len(optimizers)}"
+            )
+        aux = {name: table.aux for name, table in state.tables.items()}
+        dicts = optimizer_state_dicts(state.optimizer, state.optimizer_meta, aux)
+        for optimizer, sd in zip(optimizers, dicts, strict=True):
             optimizer.load_state_dict(sd)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"optimizer state does not fit: {exc}") from exc
+    except _MALFORMED as exc:
+        raise CheckpointError(
+            f"version {state.version}: optimizer state does not fit or is malformed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc

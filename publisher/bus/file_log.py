@@ -11,6 +11,10 @@ A writer that crashes mid-append leaves a torn last line. The next writer termin
 `\\n` before appending its own line, so the fragment becomes one bad line (which the follower
 drops and counts) instead of corrupting the next announcement.
 
+The log MUST be a regular file: it is opened without following a symbolic link and without
+blocking, and anything else at its path (a FIFO, which blocked `open` forever and hung the follow
+loop; a symlink; a directory) is refused with a BusError.
+
 The log is never truncated by checknrun; if an operator replaces or truncates it, readers notice
 (another inode, a size below their offset, or other bytes at its start than they read there) and
 start again from its beginning, like a Kafka consumer whose topic was recreated.
@@ -18,13 +22,15 @@ start again from its beginning, like a Kafka consumer whose topic was recreated.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 
-from publisher.bus.base import AnnouncementSource, Announcer, StartAt
+from publisher.bus.base import AnnouncementSource, Announcer, BusError, StartAt
 from schemas.announcement import Announcement
 
 log = logging.getLogger(__name__)
@@ -50,8 +56,9 @@ class FileLogAnnouncer(Announcer):
         line = announcement.to_json() + b"\n"
         try:
             self._append(line)
-        except OSError as exc:
-            # A full or read-only disk must not stop training; subscribers poll HEAD.
+        except (OSError, BusError) as exc:
+            # A full or read-only disk (or no regular file at the path) must not stop training;
+            # subscribers poll HEAD.
             self.dropped += 1
             log.warning(
                 "cannot append version %d of %s to %s: %s; subscribers will find it in the store",
@@ -67,7 +74,7 @@ class FileLogAnnouncer(Announcer):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         created = not self.path.exists()
         # Read-write so the lock holder can check the last byte through the same descriptor.
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = _open_log(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             size = os.fstat(fd).st_size
@@ -108,7 +115,7 @@ class FileLogSource(AnnouncementSource):
     def _end_offset(self) -> int:
         """The end of the log's complete lines: taken under a shared lock, so never mid-append."""
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = _open_log(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return 0
         except OSError as exc:
@@ -133,7 +140,7 @@ class FileLogSource(AnnouncementSource):
             try:
                 lines = self._read_lines()
                 self._error = None
-            except OSError as exc:
+            except (OSError, BusError) as exc:  # HEAD polls go on meanwhile
                 if str(exc) != self._error:  # once per distinct error, not once per 50 ms
                     log.warning("cannot read announcement log %s: %s", self.path, exc)
                     self._error = str(exc)
@@ -148,7 +155,7 @@ class FileLogSource(AnnouncementSource):
     def _open(self) -> int | None:
         """The log's fd, reopened when the file was replaced; None while it does not exist."""
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)  # a symlink put in the log's place is another inode
         except FileNotFoundError:
             self._close_fd()
             return None
@@ -159,7 +166,7 @@ class FileLogSource(AnnouncementSource):
                 )
                 self.offset = 0
             self._close_fd()
-            self._fd, self._inode = os.open(self.path, os.O_RDONLY), st.st_ino
+            self._fd, self._inode = _open_log(self.path, os.O_RDONLY), st.st_ino
             self._skipping, self._signature = False, b""
         if st.st_size < self.offset or (
             self._signature and os.pread(self._fd, len(self._signature), 0) != self._signature
@@ -208,6 +215,35 @@ class FileLogSource(AnnouncementSource):
 
     def close(self) -> None:
         self._close_fd()
+
+
+def _open_log(path: Path, flags: int) -> int:
+    """`path` opened with `flags` if it is a regular file; BusError if it is anything else.
+
+    O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer, forever. O_NOFOLLOW: a
+    symlink would point the log anywhere. Both are no-ops on the regular file expected here.
+    """
+    safe = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | safe, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BusError(
+                f"announcement log {path} is a symbolic link; expected a regular file"
+            ) from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise BusError(
+            f"announcement log {path} is not a regular file (mode {stat.filemode(mode)}); "
+            "remove what is there or point the bus URL at a file"
+        )
+    return fd
 
 
 def _write_all(fd: int, data: bytes) -> None:

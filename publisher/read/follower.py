@@ -20,11 +20,16 @@
   baseline, then the deltas its `applies_to` links lead through.
 - When no announcement of this model arrives for `poll_head_after_s` seconds, HEAD is polled
   directly, so a dead bus only delays updates. The first poll reads HEAD at once.
-- Gap reconciles are rate-limited: within `min_reconcile_interval_s` of the last one, a gap
-  announcement only marks a reconcile wanted (`stats.coalesced`), and one reconcile runs when the
-  interval ends. Anyone who can write to the bus can forge gaps, and each cost store reads
-  (2,000 junk messages made 2,002 reconciles); now a flood costs one reconcile per interval.
-  In-order announcements (parent == current) still take the fast path at once.
+- Store reads caused by announcements are rate-limited, since anyone who can write to the bus
+  can forge them (2,000 junk gaps made 2,002 reconciles; 2,000 junk in-order announcements
+  made 2,000 HEAD reads). Every reconcile (a gap, or HEAD ahead of an in-order announcement)
+  runs at most once per `min_reconcile_interval_s`: within it an announcement only marks a
+  reconcile wanted (`stats.coalesced`), and one reconcile runs when the interval ends. The fast
+  path reads HEAD for the first in-order announcement on top of each `current`; more on the
+  same `current` within the interval reuse that read (`stats.coalesced`). So a flood costs a
+  few reads per interval, and a genuine next version is applied at once unless a forgery on
+  top of the same version came first (then the HEAD retry poll, `retry_after_error_s`, or the
+  wanted reconcile brings it).
 
 Messages are hostile input (docs/FORMAT.md section 6): each is size-capped and validated, and a
 bad one is dropped, logged and counted in `stats.ignored` by reason; nothing about a message, and
@@ -86,7 +91,9 @@ class FollowerStats:
     received: int = 0  # raw messages taken from the source
     applied_candidates: int = 0  # versions returned by poll
     reconciles: int = 0  # catch-ups from the store because announcements had a gap
-    coalesced: int = 0  # gap announcements folded into a reconcile already made or wanted
+    #: announcements answered without a store read of their own: folded into a reconcile made
+    #: or wanted, or checked against a HEAD read reused from earlier in the interval.
+    coalesced: int = 0
     head_polls: int = 0  # HEAD reads on the timer (first poll, silence, retry after an error)
     store_errors: int = 0  # store reads that failed (retried later)
     ignored: dict[str, int] = field(default_factory=dict)  # by reason (see REASONS)
@@ -118,8 +125,9 @@ class VersionFollower:
         self.min_reconcile_interval_s = min_reconcile_interval_s
         self.stats = FollowerStats()
         self._next_head_poll = 0.0  # the first poll reads HEAD at once
-        self._reconciled_at = float("-inf")  # when the last gap reconcile started (monotonic)
-        self._reconcile_wanted = False  # a gap announcement came while reconciles were limited
+        self._reconciled_at = float("-inf")  # when the last reconcile started (monotonic)
+        self._reconcile_wanted = False  # an announcement came while reconciles were limited
+        self._fast_head: _HeadRead | None = None  # the fast path's last HEAD read
 
     def poll(self, current: int | None, timeout_s: float) -> list[VersionRef]:
         """Committed versions newer than `current` to apply, in order; [] after `timeout_s`.
@@ -228,15 +236,8 @@ class VersionFollower:
     def _follow(self, announcement: Announcement, current: int | None) -> list[VersionRef]:
         """The versions an announcement newer than `current` leads to."""
         if current is None or announcement.parent != current:
-            now = time.monotonic()
-            if now < self._reconcile_allowed_at():
-                self.stats.coalesced += 1
-                self._reconcile_wanted = True
-                return []
-            self.stats.reconciles += 1
-            self._reconciled_at = now
-            return self._reconcile(current)
-        head = self.catalog.head()
+            return self._gated_reconcile(current)
+        head = self._head_for(current)
         if head is None or head.version < announcement.version:
             # Announced before HEAD shows it (a lagging replica of the store) or never
             # committed at all: HEAD polls pick it up if and when it is.
@@ -250,8 +251,7 @@ class VersionFollower:
             # the committed one is read by the catch-up below.
             self._ignore(UNCOMMITTED, _describe(announcement, head))
         if head.version > announcement.version or head.manifest != announcement.manifest_key:
-            self.stats.reconciles += 1
-            return self._reconcile(current, head)
+            return self._gated_reconcile(current, head)
         manifest = self.catalog.manifest(announcement.manifest_key)
         if (
             manifest.version != announcement.version
@@ -268,8 +268,40 @@ class VersionFollower:
         # The announced version's parent is `current`: the planner settles this without a read.
         return plan_versions(self.catalog, current, VersionRef(manifest, announcement.manifest_key))
 
+    def _gated_reconcile(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
+        """`_reconcile`, or, within `min_reconcile_interval_s` of the last one, a reconcile
+        marked wanted (run by `_step` when the interval ends) and nothing read now."""
+        now = time.monotonic()
+        if now < self._reconcile_allowed_at():
+            self.stats.coalesced += 1
+            self._reconcile_wanted = True
+            return []
+        self.stats.reconciles += 1
+        self._reconciled_at = now
+        return self._reconcile(current, head)
+
     def _reconcile_allowed_at(self) -> float:
         return self._reconciled_at + self.min_reconcile_interval_s
+
+    def _head_for(self, current: int) -> Head | None:
+        """HEAD for an in-order announcement on top of `current`: read from the store, or the
+        fast path's read on top of the same `current` if it is younger than the interval.
+
+        Reads made by reconciles are not reused: the next version may have been committed
+        since a gap reconcile, and it must still be applied at once.
+        """
+        now = time.monotonic()
+        last = self._fast_head
+        if (
+            last is not None
+            and last.current == current
+            and now < last.read_at + self.min_reconcile_interval_s
+        ):
+            self.stats.coalesced += 1
+            return last.head
+        head = self.catalog.head()
+        self._fast_head = _HeadRead(now, current, head)
+        return head
 
     def _reconcile(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
         """The plan from `current` to HEAD (`head` if already read), read from the store."""
@@ -345,6 +377,15 @@ class VersionFollower:
                 count,
                 detail,
             )
+
+
+@dataclass(frozen=True)
+class _HeadRead:
+    """HEAD as the fast path read it, when (monotonic) and on top of which applied version."""
+
+    read_at: float
+    current: int
+    head: Head | None
 
 
 def _describe(announcement: Announcement, head: Head | None) -> str:

@@ -138,8 +138,15 @@ class ObjectStore(ABC):
     def get_verified(self, key: str, size: int, sha256: str) -> bytes:
         """The object, checked against the size and sha256 a manifest promises."""
         # Read at most one byte more than promised: an object swapped for a huge one is
-        # refused without downloading it.
-        data = self.get_range(key, 0, size + 1) if size > 0 else self.get(key)
+        # refused without downloading it. An empty object takes a capped get instead (a range
+        # read of no bytes is an error on S3), never an uncapped one.
+        if size > 0:
+            data = self.get_range(key, 0, size + 1)
+        else:
+            try:
+                data = self.get(key, max_bytes=0)
+            except ObjectTooLargeError as exc:
+                raise IntegrityError(f"{key}: not empty, the manifest says 0 bytes") from exc
         if len(data) != size:
             raise IntegrityError(f"{key}: {len(data)} bytes, the manifest says {size}")
         digest = hashlib.sha256(data).hexdigest()

@@ -27,6 +27,7 @@ from io import BufferedReader
 from pathlib import Path
 
 from publisher.store.base import (
+    BadKeyError,
     NotFoundError,
     ObjectInfo,
     ObjectStore,
@@ -37,6 +38,7 @@ from publisher.store.base import (
     read_capped,
 )
 from schemas.errors import BadDataError
+from schemas.store_keys import is_safe_prefix
 
 _LOCK_DIR = ".checknrun-locks"
 _TMP_PREFIX = ".tmp-"
@@ -221,6 +223,8 @@ class FileStore(ObjectStore):
             return f.read(length)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        if not is_safe_prefix(prefix):
+            raise BadKeyError(f"unsafe list prefix {prefix!r}")
         found: list[ObjectInfo] = []
         try:
             root_fd = os.open(self.root, _DIR_FLAGS)

@@ -53,6 +53,7 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from urllib3.util import Retry, Timeout
 
 from publisher.store.base import (
+    BadKeyError,
     NotFoundError,
     ObjectInfo,
     ObjectStore,
@@ -63,6 +64,7 @@ from publisher.store.base import (
     check_key,
     read_capped,
 )
+from schemas.store_keys import is_safe_prefix
 
 log = logging.getLogger(__name__)
 
@@ -466,8 +468,8 @@ class S3Store(ObjectStore):
         return self._call(f"get range {key}", op)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        if prefix and (prefix.startswith("/") or "\\" in prefix or ".." in prefix.split("/")):
-            raise StoreError(f"unsafe list prefix {prefix!r}")
+        if not is_safe_prefix(prefix):
+            raise BadKeyError(f"unsafe list prefix {prefix!r}")
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         # Pages of `_LIST_PAGE`, each fetched (and retried) on its own: a transient failure
         # mid-listing resumes after the last key yielded instead of starting over, which would

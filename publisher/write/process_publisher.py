@@ -37,14 +37,36 @@ import numpy as np
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
-from schemas.errors import CheckNRunError
+from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
 
 #: how long start-up (imports, lease) may take before the parent gives up.
 START_TIMEOUT_S = 120.0
 
 
 class PublisherProcessError(CheckNRunError, RuntimeError):
-    """The publisher process died or could not start."""
+    """The publisher process died or could not start, or failed with a checknrun error that
+    cannot cross the pipe as itself (its message then starts with that error's type name)."""
+
+
+class PublisherBadDataError(PublisherProcessError, BadDataError):
+    """The publisher process refused bad input, with an error that cannot cross as itself."""
+
+
+class PublisherUnavailableError(PublisherProcessError, UnavailableError):
+    """The publisher process could not reach a service, with an error that cannot cross as
+    itself (retried like any UnavailableError)."""
+
+
+class PublisherConflictError(PublisherProcessError, ConflictError):
+    """The publisher process met another writer, with an error that cannot cross as itself."""
+
+
+#: the stand-in of each branch, so that exit statuses and retries do not depend on the mode.
+_STAND_INS: tuple[tuple[type[CheckNRunError], type[PublisherProcessError]], ...] = (
+    (BadDataError, PublisherBadDataError),
+    (UnavailableError, PublisherUnavailableError),
+    (ConflictError, PublisherConflictError),
+)
 
 
 @dataclass(frozen=True)
@@ -177,12 +199,21 @@ def _serve(conn: Connection) -> None:
 
 
 def _picklable(exc: BaseException) -> BaseException:
-    """The exception itself when it survives pickling, else a RuntimeError carrying its text."""
+    """The exception itself when it survives pickling (same type, same message); else a stand-in
+    carrying its type name and message: a checknrun error becomes the `PublisherProcessError` of
+    its branch, so the parent reports it as thread mode would; anything else (a bug) becomes a
+    RuntimeError and keeps its traceback."""
     try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # any failure means: send text instead
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
+        again = pickle.loads(pickle.dumps(exc))
+        if type(again) is type(exc) and str(again) == str(exc):
+            return exc
+    except Exception:  # any failure means: send a stand-in instead
+        pass
+    text = f"{type(exc).__name__}: {exc}"
+    if not isinstance(exc, CheckNRunError):
+        return RuntimeError(text)
+    stand_in = next((s for branch, s in _STAND_INS if isinstance(exc, branch)), None)
+    return (stand_in or PublisherProcessError)(text)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from publisher.cli import EXIT_ERROR, main
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
 from publisher.store import (
+    BadKeyError,
     ConditionalWritesIgnoredError,
     IntegrityError,
     NotFoundError,
@@ -153,6 +154,9 @@ def test_put_get_range_list_delete(store: S3Store) -> None:
     assert listed[1].etag == etag and listed[1].modified > time.time() - 600
     assert [i.key for i in store.list("m/blobs/")] == ["m/blobs/a", "m/blobs/b"]
     assert len(list(store.list(""))) == 4
+    for hostile in ("/m/", "m//", "../", "m/./", "m\\"):  # schemas.store_keys.is_safe_prefix
+        with pytest.raises(BadKeyError, match="unsafe list prefix"):
+            list(store.list(hostile))
     assert store.exists("m/blobs/a") and not store.exists("m/blobs/zz")
     store.delete("m/blobs/a")
     store.delete("m/blobs/a")  # absent: not an error

@@ -8,8 +8,8 @@ import pickle
 import pytest
 
 from publisher.bus import BusError
-from publisher.cli import CommandError
-from publisher.codecs import CodecError, NonFiniteRowsError
+from publisher.cli import EXIT_ERROR, EXIT_UNAVAILABLE, CommandError, exit_status
+from publisher.codecs import CodecError, NonFiniteRowsError, OutOfRangeRowsError
 from publisher.dlrm import ArchitectureError
 from publisher.read.catalog import CatalogError, NoVersionError
 from publisher.read.restore import RestoreError
@@ -22,7 +22,13 @@ from publisher.store import (
     StoreUnavailableError,
 )
 from publisher.write.policies import PolicyError
-from publisher.write.process_publisher import PublisherProcessError
+from publisher.write.process_publisher import (
+    PublisherBadDataError,
+    PublisherConflictError,
+    PublisherProcessError,
+    PublisherUnavailableError,
+    _picklable,
+)
 from publisher.write.tracker import RowIdError, TrackerError
 from publisher.write.version_writer import HeadConflictError, LeaseHeldError, WriterError
 from schemas.errors import (
@@ -74,6 +80,9 @@ EXPECTED: list[tuple[type[CheckNRunError], type[CheckNRunError] | None]] = [
     (StoreError, None),  # a refused or misconfigured store: neither the data nor an outage
     (WriterError, None),
     (PublisherProcessError, None),
+    (PublisherBadDataError, BadDataError),
+    (PublisherUnavailableError, UnavailableError),
+    (PublisherConflictError, ConflictError),
 ]
 
 
@@ -101,3 +110,35 @@ def test_errors_survive_pickling(cls: type[CheckNRunError]) -> None:
     # The process publisher hands its child's errors to the parent by pickle.
     again = pickle.loads(pickle.dumps(cls("why")))
     assert type(again) is cls and str(again) == "why"
+
+
+def test_codec_errors_survive_pickling() -> None:
+    for exc in (NonFiniteRowsError(3), OutOfRangeRowsError(4, "int4", "|x| >= 65504")):
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and str(again) == str(exc) and again.row == exc.row
+
+
+class _TwoFields(StoreUnavailableError):
+    """An error whose constructor takes other arguments than its message: unpickling fails."""
+
+    def __init__(self, host: str, why: str) -> None:
+        super().__init__(f"{host}: {why}")
+
+
+class _TwoFieldsBug(LookupError):
+    def __init__(self, host: str, why: str) -> None:
+        super().__init__(f"{host}: {why}")
+
+
+def test_an_error_that_cannot_cross_the_pipe_keeps_its_branch() -> None:
+    # The process publisher sends `_picklable(exc)`: the stand-in keeps the branch, so the exit
+    # status (and the publisher's retry of UnavailableError) is thread mode's.
+    sent = _picklable(_TwoFields("minio:9000", "connection refused"))
+    assert isinstance(sent, PublisherUnavailableError) and exit_status(sent) == EXIT_UNAVAILABLE
+    assert str(sent) == "_TwoFields: minio:9000: connection refused"
+    assert type(pickle.loads(pickle.dumps(sent))) is PublisherUnavailableError
+    sent = _picklable(WriterError("a message only"))  # crosses as itself
+    assert type(sent) is WriterError and exit_status(sent) == EXIT_ERROR
+    # A bug is no checknrun error: it stays one (a traceback), as in thread mode.
+    bug = _picklable(_TwoFieldsBug("h", "why"))
+    assert type(bug) is RuntimeError and not isinstance(bug, CheckNRunError)

@@ -3,17 +3,19 @@ hostile object costs a reader the cap, not the object's size."""
 
 from __future__ import annotations
 
+import hashlib
 import tracemalloc
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from publisher.read.catalog import Catalog
-from publisher.store import FileStore, ObjectTooLargeError
+from publisher.store import FileStore, IntegrityError, ObjectTooLargeError
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.manifest import MAX_MANIFEST_BYTES, Head, Position
 from schemas.store_keys import head_key, lease_key, manifest_key
+from tests.support import peak_of_refusal
 
 MiB = 1024 * 1024
 #: a hostile object's size: sparse on disk, so it costs the test nothing to write.
@@ -23,17 +25,6 @@ HUGE = 256 * MiB
 def _huge(path: Path) -> None:
     with open(path, "wb") as f:
         f.truncate(HUGE)
-
-
-def _peak_of_refusal(action: Callable[[], object]) -> int:
-    """The peak bytes allocated while `action` raises ObjectTooLargeError."""
-    tracemalloc.start()
-    try:
-        with pytest.raises(ObjectTooLargeError):
-            action()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def _commit_one(store: FileStore) -> None:
@@ -60,11 +51,24 @@ def test_get_stops_at_the_cap(tmp_path: Path) -> None:
     assert store.get("m/x") == b"a" * 10  # no cap: the whole object
 
 
+def test_an_empty_blob_entry_costs_one_byte_not_the_objects_size(tmp_path: Path) -> None:
+    # A manifest entry of size 0 whose object was swapped for a huge one: read uncapped before.
+    store = FileStore(tmp_path)
+    _huge(tmp_path / "blob")
+    empty = hashlib.sha256(b"").hexdigest()
+    refuse = partial(store.get_verified, "blob", 0, empty)
+    assert peak_of_refusal(refuse, IntegrityError) < MiB
+    with pytest.raises(IntegrityError, match="not empty, the manifest says 0 bytes"):
+        refuse()
+    store.put("empty", b"")
+    assert store.get_verified("empty", 0, empty) == b""
+
+
 def test_a_huge_head_costs_the_cap_not_its_size(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     _commit_one(store)
     _huge(tmp_path / head_key("m"))
-    assert _peak_of_refusal(Catalog(store, "m").head) < MiB
+    assert peak_of_refusal(Catalog(store, "m").head, ObjectTooLargeError) < MiB
 
 
 def test_a_huge_manifest_costs_the_cap_not_its_size(tmp_path: Path) -> None:
@@ -73,14 +77,17 @@ def test_a_huge_manifest_costs_the_cap_not_its_size(tmp_path: Path) -> None:
     key = manifest_key("m", 2, "hostile")
     _huge(tmp_path / key)
     store.put(head_key("m"), Head(model="m", version=2, manifest=key).to_json())
-    assert _peak_of_refusal(Catalog(store, "m").latest) < MAX_MANIFEST_BYTES + 2 * MiB
+    assert (
+        peak_of_refusal(Catalog(store, "m").latest, ObjectTooLargeError)
+        < MAX_MANIFEST_BYTES + 2 * MiB
+    )
 
 
 def test_a_huge_lease_costs_the_writer_the_cap_not_its_size(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     (tmp_path / "m").mkdir()
     _huge(tmp_path / lease_key("m"))
-    assert _peak_of_refusal(lambda: VersionWriter(store, "m")) < MiB
+    assert peak_of_refusal(lambda: VersionWriter(store, "m"), ObjectTooLargeError) < MiB
 
 
 def test_a_huge_head_at_commit_costs_the_writer_the_cap(tmp_path: Path) -> None:
@@ -95,7 +102,7 @@ def test_a_huge_head_at_commit_costs_the_writer_the_cap(tmp_path: Path) -> None:
         tables=[TableBlob("t", 4, 2, "fp32", 4, 0, b"y" * 10)],
     )
     with VersionWriter(store, "m") as writer:
-        assert _peak_of_refusal(lambda: writer.commit(draft)) < MiB
+        assert peak_of_refusal(lambda: writer.commit(draft), ObjectTooLargeError) < MiB
 
 
 def test_a_small_object_read_under_a_large_cap_costs_its_size(tmp_path: Path) -> None:

@@ -148,3 +148,43 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFi
     error = json.loads(out)["error"]
     assert error["type"] == "UsageError" and error["exit_status"] == EXIT_USAGE
     assert "--model" in error["message"] and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("grace", ["-5", "nan", "inf", "-inf"])
+def test_gc_grace_is_a_finite_non_negative_number(
+    tmp_path: Path, grace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A negative grace would delete a publish in progress; nan would keep every orphan.
+    with pytest.raises(SystemExit) as info:
+        main(["gc", "--store", f"file://{tmp_path}", "--model", "m", f"--grace={grace}"])
+    assert info.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--grace: must be a finite number >= 0" in err
+
+
+def test_bench_json_names_a_file_not_the_error_document(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `bench --json OUT` writes its results to OUT: a usage error prints no JSON on stdout.
+    for argv in (["bench", "--json"], ["bench", "nosuchpart", "--json", "out.json"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == EXIT_USAGE
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("checknrun: ")
+
+
+def test_python_m_bench_cli_reports_like_checknrun(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.cli import main as bench_main
+
+    with pytest.raises(SystemExit) as info:
+        bench_main(["--json"])  # OUT is missing
+    assert info.value.code == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--json" in err
+    # A part's own options: a usage error of the part's parser, reported by run_command.
+    assert bench_main(["codec", "--no-such-option"]) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--no-such-option" in err
+    assert bench_main(["--quick", "report"]) == EXIT_ERROR
+    assert capsys.readouterr().err == "checknrun bench: report takes only --dir\n"

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from publisher.bus import BusError, open_announcer, open_source, parse_kafka_url
 from publisher.bus.file_log import FileLogAnnouncer, FileLogSource
 from schemas.announcement import Announcement
+
+_T = TypeVar("_T")
 
 
 def announcement(model: str, version: int) -> Announcement:
@@ -196,3 +201,52 @@ def test_bus_urls() -> None:
             open_announcer(bad, "m")
         with pytest.raises(BusError):
             open_source(bad)
+
+
+def _within(seconds: float, action: Callable[[], _T]) -> _T:
+    """`action()` run on a thread: its result or exception, or a failure if it blocks."""
+    outcome: list[_T] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(action())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still blocked after {seconds} s"
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_log_that_is_not_a_regular_file_is_refused_without_blocking(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a.log"
+    elsewhere = tmp_path / "elsewhere.log"
+    elsewhere.write_bytes(announcement("m", 1).to_json() + b"\n")
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it to read waited for a writer: the follow loop hung
+    else:
+        path.symlink_to(elsewhere)
+    try:
+        with pytest.raises(BusError, match=f"announcement log {path} is"):
+            _within(5.0, lambda: FileLogSource(path, start="latest"))
+        # While following: nothing is read, the error is logged, HEAD polls go on.
+        source = FileLogSource(path, start="earliest")
+        assert _within(5.0, lambda: source.poll(0.1)) == []
+        assert f"announcement log {path} is" in caplog.text
+        source.close()
+        announcer = FileLogAnnouncer(path, "m")
+        _within(5.0, lambda: announcer.announce(announcement("m", 2)))
+        assert (announcer.sent, announcer.dropped) == (0, 1)
+        assert elsewhere.read_bytes() == announcement("m", 1).to_json() + b"\n"
+    finally:
+        if kind == "fifo":  # let a reader still blocked in open() (the old code) go
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))

@@ -184,6 +184,18 @@ class CountingStore(FileStore):
         return super().get_with_etag(key, max_bytes)
 
 
+def forged_in_order(n: int, parent: int, first: int = 0) -> list[bytes]:
+    """Valid-looking announcements on top of `parent`, each naming a manifest never committed."""
+    return [
+        announcement_json(
+            version=parent + 1,
+            parent=parent,
+            manifest_key=f"{MODEL}/manifests/{parent + 1:012d}-forged{i}.json",
+        )
+        for i in range(first, first + n)
+    ]
+
+
 def forged_gaps(n: int, first: int = 100) -> list[bytes]:
     """Valid-looking announcements of never-committed versions whose parent is not current."""
     return [
@@ -199,7 +211,9 @@ def test_a_flood_of_gap_announcements_costs_a_bounded_number_of_reads(tmp_path: 
     with VersionWriter(store, MODEL) as writer:
         commit(writer, "full", "delta")
         source = ListSource()
-        f = follower(store, source, min_reconcile_interval_s=3600.0)
+        # No HEAD retry poll either (an uncommitted announcement schedules one): reads counted
+        # below are those the announcements cause.
+        f = follower(store, source, min_reconcile_interval_s=3600.0, retry_after_error_s=3600.0)
         f._next_head_poll = float("inf")
         reads = store.reads
         source.push(*forged_gaps(1000))
@@ -223,6 +237,30 @@ def test_a_flood_of_gap_announcements_costs_a_bounded_number_of_reads(tmp_path: 
         assert numbers(f.poll(3, 5.0)) == [4, 5]
         assert f.stats.reconciles == 2
         assert store.reads - reads <= 12, store.reads - reads
+
+        # In-order forgeries (parent == current) of versions HEAD does not reach: one HEAD read,
+        # reused for the rest of the interval.
+        f.min_reconcile_interval_s = 3600.0
+        reads, coalesced = store.reads, f.stats.coalesced
+        source.push(*forged_in_order(1000, parent=5))
+        assert f.poll(5, 0.3) == []
+        assert f.stats.ignored[UNCOMMITTED] == 1000
+        assert store.reads - reads <= 1, store.reads - reads
+        assert f.stats.coalesced - coalesced == 999
+
+        # In-order forgeries naming another manifest for HEAD's version, on top of a version the
+        # caller keeps failing to apply: one reconcile per interval, not one per poll.
+        for step in (6, 7):
+            writer.commit(draft("delta", step))
+        reads = store.reads
+        for i in range(100):
+            source.push(*forged_in_order(1, parent=6, first=i))
+            assert f.poll(6, 0.0) == []
+        assert store.reads - reads <= 1, store.reads - reads
+        assert f.stats.reconciles == 2
+        f.min_reconcile_interval_s = 0.05  # the reconcile wanted runs when the interval ends
+        assert numbers(f.poll(6, 5.0)) == [7]
+        assert f.stats.reconciles == 3
 
 
 def test_a_full_in_the_gap_starts_the_plan(store: FlakyStore, writer: VersionWriter) -> None:
@@ -343,7 +381,8 @@ def test_orphan_of_a_losing_writer_is_not_applied(tmp_path: Path) -> None:
     catalog = Catalog(store, MODEL)
     orphans.append(VersionRef(catalog.manifest(orphan_key), orphan_key))
     source = ListSource()
-    f = follower(store, source)
+    # No rate limit: the second message must read HEAD again, not reuse the first one's read.
+    f = follower(store, source, min_reconcile_interval_s=0.0)
     f._next_head_poll = float("inf")
     source.push(wire(orphans[0]))  # announced by mistake (or by an attacker)
     assert f.poll(1, 0.1) == []

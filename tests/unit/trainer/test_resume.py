@@ -3,8 +3,10 @@ uninterrupted run, and the reader continues with no sample trained twice or skip
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from publisher.read.catalog import Catalog, NoVersionError
 from publisher.read.restore import RestoreError
 from publisher.store import FileStore
 from publisher.tunables import Tunables
+from schemas.tensor_blob import decode_tensors, encode_tensors
 from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
 from trainer.streams.base import Batch, DataError
@@ -200,3 +203,55 @@ def test_resume_checks_the_memory_budget_before_allocating(tmp_path: Path) -> No
             with pytest.raises(RestoreError, match="over the memory budget"):
                 ckpt.resume()
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _forge_optimizer_meta(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the latest version's optimizer metadata; make its manifest agree (size, sha256)."""
+    ref = Catalog(FileStore(root), "resume").find()
+    doc = json.loads((root / ref.key).read_bytes())
+    entry = doc["optimizer"]
+    tensors, meta = decode_tensors((root / entry["key"]).read_bytes())
+    change(meta)
+    forged = encode_tensors(tensors, meta)
+    (root / entry["key"]).write_bytes(forged)
+    entry["size"], entry["sha256"] = len(forged), hashlib.sha256(forged).hexdigest()
+    (root / ref.key).write_text(json.dumps(doc))
+
+
+def _first_shape(meta: dict[str, Any], value: Any) -> None:
+    shapes = meta["optimizers"][1]["shapes"]
+    shapes[next(iter(shapes))] = value
+
+
+FORGED_META: dict[str, Callable[[dict[str, Any]], None]] = {
+    "optimizers not objects": lambda m: m.update(optimizers=["a", "b"]),
+    "no param_groups": lambda m: m["optimizers"][1].pop("param_groups"),
+    "shapes a list": lambda m: m["optimizers"][1].update(shapes=[1]),
+    "shape of text": lambda m: _first_shape(m, ["x"]),
+    "shape of another size": lambda m: _first_shape(m, [7, 7, 7]),
+    "huge shape": lambda m: _first_shape(m, [2**70]),
+    "row state of no table": lambda m: m.update(row_state={"nowhere": []}),
+    "row state of no optimizer": lambda m: m["row_state"][next(iter(m["row_state"]))][
+        0
+    ].__setitem__(0, 9),
+    "row state short": lambda m: m["row_state"][next(iter(m["row_state"]))][0].pop(),
+    "row state too wide": lambda m: m["row_state"][next(iter(m["row_state"]))][0].__setitem__(
+        3, [3, 5]
+    ),
+    "scalars not an object": lambda m: m["optimizers"][1].update(scalars=[1]),
+}
+
+
+@pytest.mark.parametrize("case", FORGED_META)
+def test_forged_optimizer_metadata_is_a_checkpoint_error(tmp_path: Path, case: str) -> None:
+    # The optimizer blob's metadata is store data like any other: a forged one (its manifest
+    # entry made to agree) is refused as a CheckpointError, never an escaping KeyError or
+    # ValueError, and `train --resume` reports it in one line.
+    store = FileStore(tmp_path)
+    model, opts, ckpt = trainer(seed=0, store=store, policy="consecutive")
+    with ckpt:
+        train_online(model, opts, stream(), batch_size=BATCH, stop=1500, checkpointer=ckpt)
+    _forge_optimizer_meta(tmp_path, FORGED_META[case])
+    model, opts, ckpt = trainer(seed=5, store=store, policy="consecutive")
+    with ckpt, pytest.raises(CheckpointError, match="optimizer state"):
+        ckpt.resume()

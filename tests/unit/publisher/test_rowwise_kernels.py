@@ -1,0 +1,229 @@
+"""Codecs on torch's row-wise kernels (publisher/rowwise_kernels.py): the kernel path and the
+codec's own code, used where a torch build lacks a kernel, write the same bytes and decode to
+the same floats, on random rows and on the edge cases of the uniform rule.
+
+`own_code` turns the kernels off the way a torch build without them would leave them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from bench.codec import embedding_like_rows
+from publisher import rowwise_kernels
+from publisher.codecs import (
+    NonFiniteRowsError,
+    OutOfRangeRowsError,
+    QuantizedRows,
+    decode_rows,
+    encode_rows,
+    max_abs_error_bound,
+)
+from schemas.codec_names import CODEC_BITS, row_bytes
+
+needs_kernels = pytest.mark.skipif(
+    not ({4, 2} <= rowwise_kernels.ENCODE_BITS and {4, 2} <= rowwise_kernels.DECODE_BITS),
+    reason="this torch build lacks torch.ops.quantized.embedding_bag_* kernels",
+)
+KERNEL_CODECS = ["int4", "int2"]
+PREPACK = {4: "embedding_bag_4bit_prepack", 2: "embedding_bag_2bit_prepack"}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def own_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+    monkeypatch.setattr(rowwise_kernels, "DECODE_BITS", frozenset())
+
+
+def edge_rows(dim: int) -> np.ndarray:
+    """Rows at the corners of the uniform rule, `dim` elements each."""
+    rng = np.random.default_rng(11)
+    ramp = np.linspace(0, 1, dim, dtype=np.float32)
+    rows = [np.full(dim, v, dtype=np.float32) for v in (0.0, -0.0, 0.1, 1.2345678, -3.0, 1e-30)]
+    rows += [np.full(dim, v, dtype=np.float32) for v in (65504.0, -65504.0, 3000.7, -40000.3)]
+    rows += [
+        ramp * 1e-9,  # the scale rounds to 0 in fp16: it becomes 1
+        ramp * 1e-6,  # subnormal fp16 scale
+        ramp * 1e-3 + 1000.0,  # fp16(min) far coarser than the range: scale from the bias
+        ramp * 3e-4 + 7.0,  # fp16(min) may round above max: negative scale
+        ramp * 131008.0 - 65504.0,  # the widest range whose bias fits
+        ramp * 160000.0 - 65504.0,  # a range past fp16 whose scale fits: int2 53333
+        np.where(np.arange(dim) % 2 == 0, -0.0, 0.0).astype(np.float32),  # signed zeros
+        np.where(np.arange(dim) % 3 == 0, 1e-40, -1e-40).astype(np.float32),  # fp32 subnormals
+    ]
+    rows += [rng.standard_normal(dim).astype(np.float32) * 10.0**e for e in range(-8, 5)]
+    return np.stack(rows).astype(np.float32)
+
+
+def encode_both(
+    codec: str, x: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> tuple[QuantizedRows, QuantizedRows]:
+    on_kernel = encode_rows(codec, x)
+    with monkeypatch.context() as m:
+        m.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+        own = encode_rows(codec, x)
+    return on_kernel, own
+
+
+def assert_same_bytes(a: QuantizedRows, b: QuantizedRows) -> None:
+    assert a.codes.tobytes() == b.codes.tobytes()
+    assert a.scale.tobytes() == b.scale.tobytes()
+    assert a.bias.tobytes() == b.bias.tobytes()
+
+
+@needs_kernels
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("dim", [64, 4, 8, 12, 100, 5, 63, 1])
+def test_kernel_and_own_code_agree_byte_for_byte(
+    codec: str, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = np.concatenate([embedding_like_rows(700, dim, seed=dim), edge_rows(dim)])
+    on_kernel, own = encode_both(codec, x, monkeypatch)
+    assert_same_bytes(on_kernel, own)
+    decoded = decode_rows(on_kernel)
+    with monkeypatch.context() as m:
+        m.setattr(rowwise_kernels, "DECODE_BITS", frozenset())
+        assert decode_rows(on_kernel).tobytes() == decoded.tobytes()
+    err = np.abs(decoded.astype(np.float64) - x).max(axis=1)
+    assert np.all(err <= max_abs_error_bound(on_kernel))
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dim", [64, 8, 12, 100])
+def test_own_code_writes_the_torch_kernels_fused_rows(bits: int, dim: int, own_code: None) -> None:
+    x = np.concatenate([embedding_like_rows(500, dim, seed=3), edge_rows(dim)])
+    q = encode_rows(f"int{bits}", x)
+    fused = getattr(torch.ops.quantized, PREPACK[bits])(torch.from_numpy(x)).numpy()
+    rb = row_bytes(f"int{bits}", dim)
+    assert fused.shape == (len(x), rb + 4)
+    assert fused[:, :rb].tobytes() == q.codes.tobytes()
+    fields = np.ascontiguousarray(fused[:, rb:]).view(np.float16)
+    assert fields[:, 0].tobytes() == q.scale.tobytes()
+    assert fields[:, 1].tobytes() == q.bias.tobytes()
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_own_code_writes_the_probe_bytes_a_kernel_must_match(bits: int, own_code: None) -> None:
+    q = encode_rows(f"int{bits}", rowwise_kernels.PROBE_ROWS)
+    fused = b"".join(
+        q.codes[i].tobytes() + q.scale[i : i + 1].tobytes() + q.bias[i : i + 1].tobytes()
+        for i in range(q.n_rows)
+    )
+    assert fused == rowwise_kernels.PROBE_FUSED[bits]
+
+
+def test_a_kernel_is_used_only_if_it_exists_and_passes_its_probe() -> None:
+    def fails(op: object) -> bool:
+        raise RuntimeError("no CPU kernel")
+
+    assert rowwise_kernels._op("no_such_kernel", lambda op: True) is None
+    assert rowwise_kernels._op("embedding_bag_4bit_prepack", fails) is None
+    # The 4-bit kernel does not write the 2-bit probe's bytes.
+    works_for_2 = rowwise_kernels._prepack_works(2)
+    assert rowwise_kernels._op("embedding_bag_4bit_prepack", works_for_2) is None
+    if 4 in rowwise_kernels.ENCODE_BITS:
+        works_for_4 = rowwise_kernels._prepack_works(4)
+        assert rowwise_kernels._op("embedding_bag_4bit_prepack", works_for_4) is not None
+
+
+@needs_kernels
+def test_the_kernels_run_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+    encode, decode = rowwise_kernels.encode_fused, rowwise_kernels.decode_fused
+
+    def counting_encode(x: torch.Tensor, bits: int) -> torch.Tensor:
+        calls.append(("encode", bits))
+        return encode(x, bits)
+
+    def counting_decode(fused: torch.Tensor, bits: int) -> torch.Tensor:
+        calls.append(("decode", bits))
+        return decode(fused, bits)
+
+    monkeypatch.setattr(rowwise_kernels, "encode_fused", counting_encode)
+    monkeypatch.setattr(rowwise_kernels, "decode_fused", counting_decode)
+    x = embedding_like_rows(10, 12)
+    for codec, expected in [
+        ("int4", [("encode", 4), ("decode", 4)]),
+        ("int2", [("encode", 2), ("decode", 2)]),
+        ("int8", []),  # see publisher/rowwise_kernels.py: the 8-bit kernels do not fit or pay
+        ("int3", []),
+        ("int4-adaptive", [("decode", 4)]),  # the search is the codec's own
+        ("fp16", []),
+    ]:
+        calls.clear()
+        decode_rows(encode_rows(codec, x))
+        assert calls == expected, codec
+    calls.clear()
+    decode_rows(encode_rows("int2", embedding_like_rows(10, 10)))  # 10 is not a multiple of 4
+    assert calls == [("decode", 2)]
+
+
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "own"])
+@pytest.mark.parametrize("column", [0, 5, 7, 8, 31, 56, 63])
+def test_nan_anywhere_in_a_row_is_rejected(
+    codec: str, kernels: bool, column: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FBGEMM's vectorised min/max drop a NaN in most lanes: the check must not rely on them.
+    if not kernels:
+        monkeypatch.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+    x = embedding_like_rows(50, 64)
+    x[37, column] = np.nan
+    with pytest.raises(NonFiniteRowsError, match="row 37"):
+        encode_rows(codec, x, chunk_rows=16)
+
+
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "own"])
+def test_out_of_range_rows_are_rejected_alike(
+    codec: str, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernels:
+        monkeypatch.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+    levels = (1 << CODEC_BITS[codec]) - 1
+    x = embedding_like_rows(40, 8)
+    x[21, 0] = -70000.0  # fp16(min) overflows
+    x[30, :2] = [0.0, 65504.0 * levels * 1.01]  # the scale overflows, the bias fits
+    with pytest.raises(OutOfRangeRowsError, match="row 21"):
+        encode_rows(codec, x, chunk_rows=8)
+    x[21, 0] = 0.0
+    with pytest.raises(OutOfRangeRowsError, match="row 30"):
+        encode_rows(codec, x, chunk_rows=8)
+    # Finite values whose chunk sum overflows float32 are out of range, not non-finite.
+    x[30, :] = 3e38
+    x[30, 0] = -3e38
+    with pytest.raises(OutOfRangeRowsError, match="row 30"):
+        encode_rows(codec, x, chunk_rows=8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("dim", [64, 7, 13, 1])
+def test_kernel_decode_of_any_finite_fields_matches_own_decode(
+    codec: str, dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hostile-looking but valid sections: random code bytes (padding bits set too, which a
+    # reader ignores) and every finite fp16 scale and bias, subnormals and negatives included.
+    rng = np.random.default_rng(dim)
+    n = 3000
+    codes = rng.integers(0, 256, size=(n, row_bytes(codec, dim)), dtype=np.uint8)
+    fields = rng.integers(0, 1 << 16, size=(2, n), dtype=np.uint16)
+    fields[(fields & 0x7C00) == 0x7C00] &= 0xBFFF  # drop inf/NaN: the decoder refuses them
+    sb = fields.view(np.float16)
+    q = QuantizedRows(codec=codec, dim=dim, codes=codes, scale=sb[0], bias=sb[1])
+    decoded = decode_rows(q)
+    monkeypatch.setattr(rowwise_kernels, "DECODE_BITS", frozenset())
+    assert decode_rows(q).tobytes() == decoded.tobytes()
