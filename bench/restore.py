@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from bench.machine import describe_machine
+from publisher.cli import CommandError
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
 from publisher.read.restore import restore_chain
@@ -129,7 +130,7 @@ def run(
 
     lengths = sorted(set(deltas if deltas else DELTAS[quick]))
     if lengths[0] < 0:
-        raise ValueError(f"--deltas must be >= 0, got {lengths[0]}")
+        raise CommandError(f"--deltas must be >= 0, got {lengths[0]}")
     shape = ChainShape(size("tables", tables), size("rows", rows), dim, lengths[-1], dirty, codec)
     doc = _measure(shape, lengths, size("repeats", repeats))
     for chain in doc["chains"]:
