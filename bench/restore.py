@@ -1,12 +1,14 @@
 """Part `restore`: baseline + chain, one thread vs one per core, next to `torch.load` of that state.
 
-    checknrun bench restore [--tables 26 --rows 160000 --dim 64 --deltas 6
+    checknrun bench restore [--tables 26 --rows 160000 --dim 64 --deltas 6 [19 ...]
                              --dirty 0.04 --codec int4 --repeats 3] [--quick] [--json OUT]
 
-Builds a chain in a temporary file store (a full baseline, then `--deltas` consecutive deltas
-touching `--dirty` of each table's rows), then times, side by side in one run: `restore()` with
-one worker, `restore()` with its default (one per core), and `torch.load` of the restored state
-saved as one full fp32 file. All reads come from the page cache. Medians of `--repeats`.
+Builds one chain in a temporary file store (a full baseline, then consecutive deltas touching
+`--dirty` of each table's rows), then times, side by side in one run, for each `--deltas` D
+(the version D deltas after the baseline, a chain of D + 1 versions): `restore()` with one
+worker, `restore()` with its default (one per core), and `torch.load` of that version's restored
+state saved as one full fp32 file. `--deltas 1 19` compares a 2-version and a 20-version chain
+in one run. All reads come from the page cache. Medians of `--repeats`, arms interleaved.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,8 @@ import numpy as np
 import torch
 
 from bench.machine import describe_machine
-from publisher.read.catalog import Catalog
+from publisher.cli import CommandError
+from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
 from publisher.read.restore import restore_chain
 from publisher.store import FileStore
@@ -36,14 +40,15 @@ from schemas.manifest import Position
 SIZES: dict[str, tuple[int, int]] = {
     "tables": (26, 4),
     "rows": (160_000, 10_000),
-    "deltas": (6, 2),
     "repeats": (3, 1),
 }
+#: the chains timed when `--deltas` is not given: (default, quick).
+DELTAS: tuple[tuple[int, ...], tuple[int, ...]] = ((6,), (2,))
 
 
 @dataclass(frozen=True)
 class ChainShape:
-    """The chain restored: `tables` tables of `rows` x `dim`, a baseline and `deltas` deltas."""
+    """The chain built: `tables` tables of `rows` x `dim`, a baseline and `deltas` deltas."""
 
     tables: int
     rows: int
@@ -91,8 +96,14 @@ def build_chain(root: Path, shape: ChainShape) -> FileStore:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The chain's shape and the repeats."""
     for name, (full, quick) in SIZES.items():
-        help = "deltas after the baseline" if name == "deltas" else name
-        parser.add_argument(f"--{name}", type=int, help=f"{help} (default {full}; --quick {quick})")
+        parser.add_argument(f"--{name}", type=int, help=f"{name} (default {full}; --quick {quick})")
+    parser.add_argument(
+        "--deltas",
+        type=int,
+        nargs="+",
+        help="restore the version this many deltas after the baseline; several values are timed "
+        f"side by side on one chain (default {DELTAS[0][0]}; --quick {DELTAS[1][0]})",
+    )
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument(
         "--dirty", type=float, default=0.04, help="fraction of each table's rows a delta touches"
@@ -106,55 +117,75 @@ def run(
     tables: int | None = None,
     rows: int | None = None,
     dim: int = 64,
-    deltas: int | None = None,
+    deltas: Sequence[int] | None = None,
     dirty: float = 0.04,
     codec: str = "int4",
     repeats: int | None = None,
 ) -> dict[str, Any]:
-    """Build the chain, time the three arms, print the medians; the part's document."""
+    """Build the chain, time the three arms per chain length, print the medians; the part's
+    document."""
 
     def size(name: str, given: int | None) -> int:
         return given if given is not None else SIZES[name][quick]
 
-    shape = ChainShape(
-        size("tables", tables), size("rows", rows), dim, size("deltas", deltas), dirty, codec
-    )
-    doc = _measure(shape, size("repeats", repeats))
-    print(
-        f"restore of {shape.tables} x {shape.rows:,} x {shape.dim} {codec}, "
-        f"{doc['chain_versions']} versions, median s: {doc['median_s']} "
-        f"(one worker / load {doc['one_worker_over_load']}x, "
-        f"default / load {doc['default_over_load']}x)"
-    )
+    lengths = sorted(set(deltas if deltas else DELTAS[quick]))
+    if lengths[0] < 0:
+        raise CommandError(f"--deltas must be >= 0, got {lengths[0]}")
+    shape = ChainShape(size("tables", tables), size("rows", rows), dim, lengths[-1], dirty, codec)
+    doc = _measure(shape, lengths, size("repeats", repeats))
+    for chain in doc["chains"]:
+        print(
+            f"restore of {shape.tables} x {shape.rows:,} x {shape.dim} {codec}, "
+            f"{chain['chain_versions']} versions, median s: {chain['median_s']} "
+            f"(one worker / load {chain['one_worker_over_load']}x, "
+            f"default / load {chain['default_over_load']}x)"
+        )
     return {"part": "restore", "quick": quick, **doc, "machine": describe_machine()}
 
 
-def _measure(shape: ChainShape, repeats: int) -> dict[str, Any]:
+def _measure(shape: ChainShape, lengths: list[int], repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         store = build_chain(Path(tmp) / "store", shape)
-        chain = restore_plan(Catalog(store, "bench"))
-        timings: dict[str, list[float]] = {"one_worker": [], "default_workers": [], "load": []}
-        state = restore_chain(store, chain)
-        full = {f"{n}.weight": torch.from_numpy(t.weights) for n, t in state.tables.items()}
-        full.update({f"{n}.aux": torch.from_numpy(t.aux) for n, t in state.tables.items()})
-        path = Path(tmp) / "full_fp32.pt"
-        torch.save(full, path)
+        catalog = Catalog(store, "bench")
+        chains: dict[int, list[VersionRef]] = {}
+        paths: dict[int, Path] = {}
+        bytes_read: dict[int, int] = {}
+        for d in lengths:
+            chains[d] = restore_plan(catalog, d + 1)
+            state = restore_chain(store, chains[d])
+            full = {f"{n}.weight": torch.from_numpy(t.weights) for n, t in state.tables.items()}
+            full.update({f"{n}.aux": torch.from_numpy(t.aux) for n, t in state.tables.items()})
+            paths[d] = Path(tmp) / f"v{d + 1}_fp32.pt"
+            torch.save(full, paths[d])
+            bytes_read[d] = state.bytes_read
+            del state, full
+        arms = ("one_worker", "default_workers", "load")
+        timings: dict[int, dict[str, list[float]]] = {d: {a: [] for a in arms} for d in lengths}
         for _ in range(repeats):  # interleaved, so load drifts hit every arm alike
-            timings["one_worker"].append(restore_chain(store, chain, workers=1).seconds)
-            timings["default_workers"].append(restore_chain(store, chain).seconds)
-            started = time.perf_counter()
-            torch.load(path, weights_only=True)
-            timings["load"].append(time.perf_counter() - started)
-        med = {k: statistics.median(v) for k, v in timings.items()}
+            for d in lengths:
+                timings[d]["one_worker"].append(restore_chain(store, chains[d], workers=1).seconds)
+                timings[d]["default_workers"].append(restore_chain(store, chains[d]).seconds)
+                started = time.perf_counter()
+                torch.load(paths[d], weights_only=True)
+                timings[d]["load"].append(time.perf_counter() - started)
+        results = []
+        for d in lengths:
+            med = {k: statistics.median(v) for k, v in timings[d].items()}
+            results.append(
+                {
+                    "chain_versions": len(chains[d]),
+                    "bytes_read": bytes_read[d],
+                    "median_s": {k: round(v, 4) for k, v in med.items()},
+                    "one_worker_over_load": round(med["one_worker"] / med["load"], 2),
+                    "default_over_load": round(med["default_workers"] / med["load"], 2),
+                }
+            )
         return {
             "tables": shape.tables,
             "rows": shape.rows,
             "dim": shape.dim,
             "codec": shape.codec,
-            "chain_versions": len(chain),
-            "fp32_bytes": path.stat().st_size,
-            "bytes_read": state.bytes_read,
-            "median_s": {k: round(v, 4) for k, v in med.items()},
-            "one_worker_over_load": round(med["one_worker"] / med["load"], 2),
-            "default_over_load": round(med["default_workers"] / med["load"], 2),
+            "dirty": shape.dirty,
+            "fp32_bytes": paths[lengths[0]].stat().st_size,
+            "chains": results,
         }

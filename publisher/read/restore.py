@@ -1,12 +1,14 @@
-"""Rebuild a model's state at any committed version: baseline, then each delta of its chain.
+"""Rebuild a model's state at any committed version: its chain's baseline and deltas.
 
 The chain is planned by `publisher.read.planner` and each blob is written into its table by
-`publisher.read.blob_rows`: the paths a following server uses too. Tables are restored one at a
-time and each blob is decoded straight into the table's array, so memory stays near one copy of
-the model plus one blob. The target's state is checked against the memory budget before
-anything is fetched (publisher/memory_budget.py), and every blob against the sha256 in its
-manifest before it is decoded. With the fp32 codec the result is bitwise equal to the trainer's
-state at that version; with a lossy codec each row is within its codec's error bound.
+`publisher.read.blob_rows`: the paths a following server uses too. A table's chain is read
+newest version first, and each row is decoded once, from the newest version that holds it: the
+result is bit for bit that of applying the chain oldest first, and memory stays near one copy
+of the model plus, per worker, one blob and one table's codes. The target's state
+is checked against the memory budget before anything is fetched (publisher/memory_budget.py),
+and every blob against the sha256 in its manifest before it is decoded. With the fp32 codec the
+result is bitwise equal to the trainer's state at that version; with a lossy codec each row is
+within its codec's error bound.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from publisher.memory_budget import MemoryBudget, MemoryBudgetError
-from publisher.read.blob_rows import write_blob
+from publisher.read.blob_rows import NewestRows
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
 from publisher.store import ObjectStore
@@ -93,42 +95,59 @@ def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
 def _restore_table(
     store: ObjectStore, chain: list[VersionRef], target_entry: TableEntry
 ) -> tuple[TableState, int]:
-    """One table at the chain's last version, and the blob bytes read for it."""
-    target = chain[-1].manifest
-    table: TableState | None = None
-    bytes_read = 0
-    for ref in chain:
-        try:
-            entry = ref.manifest.table(target_entry.name)
-        except KeyError as exc:
-            raise RestoreError(f"version {ref.version} lacks table {target_entry.name!r}") from exc
-        shape = (entry.rows, entry.dim, entry.aux_dim)
-        if shape != (target_entry.rows, target_entry.dim, target_entry.aux_dim):
-            # Before the fetch: the blob's decode caps come from its entry, so an entry of
-            # another shape (a forged baseline) must not get as far as inflating a blob.
-            raise RestoreError(
-                f"{ref.key}: table {entry.name!r} is {entry.rows}x{entry.dim} "
-                f"(+{entry.aux_dim}), version {target.version} says {target_entry.rows}x"
-                f"{target_entry.dim} (+{target_entry.aux_dim})"
-            )
-        try:
-            blob = read_blob(store, entry)  # it matches its entry, hence the target's shape
-        except FormatError as exc:
-            raise RestoreError(f"{entry.blob.key}: {exc}") from exc
-        if table is None:
-            # Sized from the target's entry, which the memory budget checked, and only once a
-            # verified blob agrees with it.
-            if blob.n_rows != blob.table_rows:
-                raise RestoreError(f"{entry.blob.key}: the chain must start with a full table")
-            table = TableState(
-                name=entry.name,
-                weights=np.empty((entry.rows, entry.dim), dtype=np.float32),
-                aux=np.empty((entry.rows, entry.aux_dim), dtype=np.float32),
-            )
-        write_blob(blob, table.weights, table.aux)
-        bytes_read += entry.blob.size
-    assert table is not None  # a chain is never empty
-    return table, bytes_read
+    """One table at the chain's last version, and the blob bytes read for it.
+
+    The chain is read newest version first and each row is decoded once, from the newest
+    version that holds it (`NewestRows`): a row a newer delta gave is neither decoded nor
+    written again, so a long chain costs about one table decode plus its blobs' reads.
+    """
+    entries = [_chain_entry(ref, target_entry, chain[-1].manifest) for ref in chain]
+    baseline = entries[0]
+    if baseline.rows_in_checkpoint != baseline.rows:
+        raise RestoreError(f"{baseline.blob.key}: the chain must start with a full table")
+    newest, *older = reversed(entries)
+    first = _read_entry(store, newest)
+    # Sized from the target's entry, which the memory budget checked, and only once a verified
+    # blob agrees with it.
+    table = TableState(
+        name=target_entry.name,
+        weights=np.empty((target_entry.rows, target_entry.dim), dtype=np.float32),
+        aux=np.empty((target_entry.rows, target_entry.aux_dim), dtype=np.float32),
+    )
+    rows = NewestRows(table.weights, table.aux)
+    rows.add(first)
+    for entry in older:
+        # Every blob is fetched and verified, even once newer ones gave every row: a chain
+        # restores only if all of it is sound, whatever order it is read in.
+        rows.add(_read_entry(store, entry))
+    rows.decode()
+    return table, sum(entry.blob.size for entry in entries)
+
+
+def _read_entry(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
+    """`read_blob`, a malformed blob raising RestoreError."""
+    try:
+        return read_blob(store, entry)  # it matches its entry, hence the target's shape
+    except FormatError as exc:
+        raise RestoreError(f"{entry.blob.key}: {exc}") from exc
+
+
+def _chain_entry(ref: VersionRef, target_entry: TableEntry, target: Manifest) -> TableEntry:
+    """`ref`'s entry for the target's table, checked to be the same shape."""
+    try:
+        entry = ref.manifest.table(target_entry.name)
+    except KeyError as exc:
+        raise RestoreError(f"version {ref.version} lacks table {target_entry.name!r}") from exc
+    shape = (entry.rows, entry.dim, entry.aux_dim)
+    if shape != (target_entry.rows, target_entry.dim, target_entry.aux_dim):
+        # Before any fetch: a blob's decode caps come from its entry, so an entry of another
+        # shape (a forged baseline) must not get as far as inflating a blob.
+        raise RestoreError(
+            f"{ref.key}: table {entry.name!r} is {entry.rows}x{entry.dim} "
+            f"(+{entry.aux_dim}), version {target.version} says {target_entry.rows}x"
+            f"{target_entry.dim} (+{target_entry.aux_dim})"
+        )
+    return entry
 
 
 def restore_chain(
@@ -142,10 +161,10 @@ def restore_chain(
     """Apply a chain (baseline first) and return the state at its last version.
 
     Tables are independent, so they are restored on `workers` threads (default: one per core):
-    sha256, zstd and the numpy scatter release the GIL. Each table still applies its chain in
-    order, and memory stays near one model copy plus one blob per worker. Before anything is
-    fetched the target's state must fit `budget` (default: the machine's), else RestoreError
-    (from a MemoryBudgetError).
+    sha256, zstd and the numpy scatter release the GIL. Each table reads its chain newest first
+    and decodes each row once, and memory stays near one model copy plus one blob and one
+    table's codes per worker. Before anything is fetched the target's state must fit `budget`
+    (default: the machine's), else RestoreError (from a MemoryBudgetError).
     """
     started = time.perf_counter()
     target = chain[-1].manifest

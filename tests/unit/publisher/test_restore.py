@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from publisher.cli import main
-from publisher.codecs import encode_rows, max_abs_error_bound
-from publisher.read.catalog import Catalog
+from publisher.codecs import QuantizedRows, decode_rows, encode_rows, max_abs_error_bound
+from publisher.read import blob_rows
+from publisher.read.blob_rows import write_blob
+from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
-from publisher.read.restore import RestoreError, restore
+from publisher.read.restore import RestoreError, read_blob, restore, restore_chain
 from publisher.store import FileStore, IntegrityError
 from publisher.write.policies import make_policy
 from publisher.write.publishing import BackgroundPublisher, CheckpointPublisher
 from publisher.write.snapshot import Snapshot, TableRows
+from schemas.codec_names import CODECS
 from schemas.manifest import Position
 
 TABLES = {"emb.a": (500, 8), "emb.b": (64, 4)}
@@ -35,11 +40,16 @@ class FakeTraining:
         self.dense = {"mlp.w": self.rng.normal(size=(3, 3)).astype(np.float32)}
         self.step = 0
 
-    def interval(self) -> dict[str, np.ndarray]:
+    def interval(self, fraction: float = 0.1) -> dict[str, np.ndarray]:
+        """Change about `fraction` of each table's rows (every row at 1, none at 0)."""
         self.step += 1
         dirty = {}
         for name, (rows, dim) in TABLES.items():
-            ids = np.unique(self.rng.integers(0, rows, size=rows // 10)).astype(np.int64)
+            if fraction >= 1:
+                ids = np.arange(rows, dtype=np.int64)
+            else:
+                draws = self.rng.integers(0, rows, size=int(rows * fraction))
+                ids = np.unique(draws).astype(np.int64)
             self.weights[name][ids] += self.rng.normal(size=(len(ids), dim)).astype(np.float32)
             self.aux[name][ids] += 1.0
             dirty[name] = ids
@@ -85,15 +95,20 @@ class FakeTraining:
 
 
 def run(
-    store: FileStore, policy_name: str, codec: str, intervals: int
+    store: FileStore,
+    policy_name: str,
+    codec: str,
+    intervals: int,
+    fractions: Sequence[float] | None = None,
 ) -> list[dict[str, np.ndarray]]:
+    """Publish `intervals` versions, each changing `fractions[i]` of the rows (default 0.1)."""
     training = FakeTraining()
     policy = make_policy(policy_name, {n: r for n, (r, _) in TABLES.items()})
     publisher = CheckpointPublisher(store, "m")
     states = []
     try:
-        for _ in range(intervals):
-            plan = policy.plan(training.interval())
+        for i in range(intervals):
+            plan = policy.plan(training.interval(0.1 if fractions is None else fractions[i]))
             publisher.publish(training.snapshot(plan.rows, plan.kind, plan.relative_to, codec))
             states.append(training.state())
     finally:
@@ -129,6 +144,87 @@ def test_lossy_restore_is_within_codec_bound(tmp_path: Path, codec: str) -> None
         assert np.all(err <= bound + 1e-6)
         # optimizer rows stay full precision
         np.testing.assert_array_equal(got.tables[name].aux, states[-1][name + ".aux"])
+
+
+def replay_oldest_first(store: FileStore, chain: list[VersionRef]) -> dict[str, np.ndarray]:
+    """Each table as applying its chain in order makes it: every blob written whole, the
+    baseline first (what restore did before it read chains newest first)."""
+    out = {}
+    for entry in chain[-1].manifest.tables:
+        weights = np.empty((entry.rows, entry.dim), dtype=np.float32)
+        aux = np.empty((entry.rows, entry.aux_dim), dtype=np.float32)
+        for ref in chain:
+            write_blob(read_blob(store, ref.manifest.table(entry.name)), weights, aux)
+        out[entry.name], out[entry.name + ".aux"] = weights, aux
+    return out
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("policy", ["consecutive", "one-shot", "intermittent"])
+def test_newest_first_restore_is_bitwise_the_oldest_first_replay(
+    tmp_path: Path, policy: str, codec: str
+) -> None:
+    # Random chains: deltas of no row, a few, most and every row, in a random order.
+    seed = CODECS.index(codec) * 3 + ["consecutive", "one-shot", "intermittent"].index(policy)
+    fractions = np.random.default_rng(seed).choice([0.0, 0.02, 0.1, 0.5, 1.0], size=12)
+    store = FileStore(tmp_path)
+    run(store, policy, codec, intervals=12, fractions=[1.0, *fractions[1:]])
+    catalog = Catalog(store, "m")
+    lengths = set()
+    for version in range(1, 13):
+        chain = restore_plan(catalog, version)
+        lengths.add(len(chain))
+        expected = replay_oldest_first(store, chain)
+        got = restore(store, "m", version)
+        for name, table in got.tables.items():
+            for key, array in ((name, table.weights), (name + ".aux", table.aux)):
+                assert array.shape == expected[key].shape, key
+                np.testing.assert_array_equal(array.view(np.uint32), expected[key].view(np.uint32))
+    assert max(lengths) > (2 if policy == "consecutive" else 1)  # deltas over a baseline
+
+
+def test_restore_decodes_each_row_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FileStore(tmp_path)
+    run(store, "consecutive", "int4", intervals=8, fractions=[1.0, 0.5, 0.9, 1.0, *[0.3] * 4])
+    chain = restore_plan(Catalog(store, "m"))
+    in_blobs = sum(e.rows_in_checkpoint for ref in chain for e in ref.manifest.tables)
+    decoded: list[int] = []
+
+    def counting(q: QuantizedRows, out: Any = None) -> np.ndarray:
+        decoded.append(q.n_rows)
+        return decode_rows(q, out=out)
+
+    monkeypatch.setattr(blob_rows, "decode_rows", counting)
+    got = restore_chain(store, chain)
+    table_rows = sum(rows for rows, _ in TABLES.values())
+    assert len(chain) == 8 and in_blobs > 3 * table_rows
+    assert sum(decoded) == table_rows  # each row once, from the newest version holding it
+    expected = replay_oldest_first(store, chain)
+    for name, table in got.tables.items():
+        np.testing.assert_array_equal(table.weights, expected[name], strict=True)
+
+
+def test_a_chain_not_starting_with_a_full_table_is_refused_before_any_fetch(
+    tmp_path: Path,
+) -> None:
+    fetched: list[str] = []
+
+    class CountingStore(FileStore):
+        def get_range(self, key: str, start: int, length: int) -> bytes:
+            fetched.append(key)
+            return super().get_range(key, start, length)
+
+        def get(self, key: str, max_bytes: int | None = None) -> bytes:
+            fetched.append(key)
+            return super().get(key, max_bytes)
+
+    store = CountingStore(tmp_path)
+    run(store, "consecutive", "int4", intervals=3)
+    chain = restore_plan(Catalog(store, "m"))
+    fetched.clear()
+    with pytest.raises(RestoreError, match="must start with a full table"):
+        restore_chain(store, chain[1:])
+    assert fetched == []
 
 
 def test_corrupt_blob_is_rejected(tmp_path: Path) -> None:
