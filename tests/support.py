@@ -1,5 +1,5 @@
 """What the test suites share: polling for a condition, reading scripts/services.sh's env file,
-and the memory a refused input cost.
+the memory a refused input cost, and a delta blob as a reader gets it.
 
 (Child `checknrun serve` processes come from bench/child_server.py, which the demo and the
 benchmarks use too.)
@@ -11,6 +11,11 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from typing import TypeVar
+
+import numpy as np
+
+from publisher.codecs import encode_rows
+from schemas.delta_blob import DeltaBlob, decode_delta_blob, encode_delta_blob
 
 T = TypeVar("T")
 
@@ -64,3 +69,24 @@ def peak_of_refusal(action: Callable[[], object], error: type[BaseException]) ->
         raise AssertionError(f"{action!r} did not raise {error.__name__}")
     finally:
         tracemalloc.stop()
+
+
+def delta_blob_of(
+    ids: np.ndarray, codec: str, *, table_rows: int, dim: int, aux_dim: int, seed: int = 0
+) -> DeltaBlob:
+    """A blob of random rows `ids` of table "t" as the store returns it: encoded, then decoded
+    (read-only views)."""
+    rng = np.random.default_rng(seed)
+    q = encode_rows(codec, rng.normal(size=(len(ids), dim)).astype(np.float32))
+    blob = DeltaBlob(
+        table="t",
+        codec=codec,
+        dim=dim,
+        table_rows=table_rows,
+        row_ids=ids.astype(np.int64),
+        codes=q.codes,
+        scale=q.scale,
+        bias=q.bias,
+        aux=rng.normal(size=(len(ids), aux_dim)).astype(np.float32),
+    )
+    return decode_delta_blob(encode_delta_blob(blob))

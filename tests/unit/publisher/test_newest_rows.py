@@ -8,31 +8,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from publisher.codecs import QuantizedRows, decode_rows, encode_rows
+from publisher.codecs import QuantizedRows, decode_rows
 from publisher.read import blob_rows
 from publisher.read.blob_rows import NewestRows, write_blob
 from schemas.codec_names import CODECS
-from schemas.delta_blob import DeltaBlob, decode_delta_blob, encode_delta_blob
+from schemas.delta_blob import DeltaBlob
+from tests.support import delta_blob_of
 
 ROWS, DIM, AUX = 300, 6, 2
 
 
 def blob_of(ids: np.ndarray, codec: str, seed: int = 0) -> DeltaBlob:
-    """A blob of rows `ids` as the store returns it: encoded, then decoded (read-only views)."""
-    rng = np.random.default_rng(seed)
-    q = encode_rows(codec, rng.normal(size=(len(ids), DIM)).astype(np.float32))
-    blob = DeltaBlob(
-        table="t",
-        codec=codec,
-        dim=DIM,
-        table_rows=ROWS,
-        row_ids=ids.astype(np.int64),
-        codes=q.codes,
-        scale=q.scale,
-        bias=q.bias,
-        aux=rng.normal(size=(len(ids), AUX)).astype(np.float32),
-    )
-    return decode_delta_blob(encode_delta_blob(blob))
+    """A blob of rows `ids` of this file's table shape, as the store returns it."""
+    return delta_blob_of(ids, codec, table_rows=ROWS, dim=DIM, aux_dim=AUX, seed=seed)
 
 
 def table() -> tuple[np.ndarray, np.ndarray]:
