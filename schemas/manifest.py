@@ -114,6 +114,9 @@ class TableEntry(_Frozen):
     rows_in_checkpoint: int = Field(ge=0)
     aux_dim: int = Field(ge=0, le=65536)
     blob: BlobRef
+    #: the id-map blob of the same rows (docs/FORMAT.md section 7); null for a table whose ids
+    #: are encoded by the client (no live id space) and in manifests written before it existed.
+    id_map: BlobRef | None = None
 
     @field_validator("codec")
     @classmethod
@@ -152,7 +155,9 @@ class Position(_Frozen):
 
     step: int = Field(ge=0)
     samples_seen: int = Field(ge=0)
-    reader: dict[str, int | str] = Field(default_factory=dict)
+    #: a file stream: {"source", "offset", "fingerprint"}; a Kafka stream also "topic" and
+    #: "offsets": {partition: next offset} (docs/FORMAT.md section 8.3).
+    reader: dict[str, int | str | dict[str, int]] = Field(default_factory=dict)
 
 
 class Manifest(_Frozen):
@@ -227,6 +232,7 @@ class Manifest(_Frozen):
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
         keys = [t.blob.key for t in self.tables]
+        keys += [t.id_map.key for t in self.tables if t.id_map is not None]
         keys += [b.key for b in (self.dense, self.optimizer) if b is not None]
         if self.parent_manifest is not None:
             keys.append(self.parent_manifest)
@@ -247,8 +253,9 @@ class Manifest(_Frozen):
 
     @property
     def blobs(self) -> tuple[BlobRef, ...]:
-        """Every blob this version references, tables first."""
+        """Every blob this version references, tables (and their id maps) first."""
         refs = [t.blob for t in self.tables]
+        refs += [t.id_map for t in self.tables if t.id_map is not None]
         refs += [b for b in (self.dense, self.optimizer) if b is not None]
         return tuple(refs)
 

@@ -69,7 +69,7 @@ __all__ = ["CheckpointError", "CheckpointRecord", "IncrementalCheckpointer"]
 
 Metrics = Mapping[str, float] | Callable[[], Mapping[str, float]]
 PublishIn = Literal["thread", "process"]
-Reader = Mapping[str, int | str]
+Reader = Mapping[str, int | str | dict[str, int]]
 
 
 class IncrementalCheckpointer:

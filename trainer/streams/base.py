@@ -95,11 +95,11 @@ class InteractionStream(ABC):
     def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
         """Batches of `batch_size` samples (the last may be smaller) covering [start, stop)."""
 
-    def reader_state(self, offset: int) -> dict[str, int | str]:
+    def reader_state(self, offset: int) -> dict[str, int | str | dict[str, int]]:
         """The manifest's `position.reader` for a stream consumed up to `offset`."""
         return {"source": self.source, "offset": offset, "fingerprint": self.fingerprint}
 
-    def resume_offset(self, reader: Mapping[str, int | str]) -> int:
+    def resume_offset(self, reader: Mapping[str, int | str | dict[str, int]]) -> int:
         """The offset a checkpoint's reader position says to continue from; DataError if the
         position belongs to another stream."""
         if reader.get("source") != self.source or reader.get("fingerprint") != self.fingerprint:
@@ -217,19 +217,6 @@ def bag_column(text: pa.Array, separator: str) -> tuple[IdColumn, int]:
     np.cumsum(np.bincount(owner, minlength=len(lengths)), out=splits[1:])
     ids, rows = encode_categories(pc.filter(flat, keep))
     return IdColumn(ids, splits), rows
-
-
-def time_features(seconds: np.ndarray) -> dict[str, np.ndarray]:
-    """Hour-of-day and day-of-week as sin/cos pairs, from unix seconds (UTC)."""
-    day = 86_400.0
-    hour_angle = 2 * np.pi * (np.mod(seconds, day) / day)
-    week_angle = 2 * np.pi * (np.mod(seconds / day + 3.0, 7.0) / 7.0)  # 1970-01-01 was Thursday
-    return {
-        "hour_sin": np.sin(hour_angle),
-        "hour_cos": np.cos(hour_angle),
-        "dow_sin": np.sin(week_angle),
-        "dow_cos": np.cos(week_angle),
-    }
 
 
 def prior_count_log(ids: np.ndarray) -> np.ndarray:

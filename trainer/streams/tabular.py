@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from pyarrow import csv
 
 from publisher.dlrm import SparseFeature
+from publisher.live_features import time_features
 from trainer.streams.base import (
     ColumnarStream,
     DataError,
@@ -37,7 +38,6 @@ from trainer.streams.base import (
     bag_column,
     encode_categories,
     prior_count_log,
-    time_features,
 )
 
 CSV_SUFFIXES = (".csv", ".tsv")
