@@ -5,6 +5,7 @@ IdMap objects."""
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -16,9 +17,11 @@ import pytest
 import torch
 from torch import nn
 
+from publisher.cli import main as store_main
 from publisher.id_map import IDS_HELD_METRIC, IdMap
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
+from publisher.read.retention import plan_gc, run_gc
 from publisher.store import FileStore
 from publisher.write.snapshot import Snapshot
 from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
@@ -286,3 +289,68 @@ def test_id_maps_must_match_the_tables(id_maps: dict[str, IdMap], message: str) 
         IncrementalCheckpointer(
             model, optimizers, store="file:///nonexistent-unused", model_name="m", id_maps=id_maps
         )
+
+
+def test_inspect_and_ls_show_the_id_maps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = Trainer(f"file://{tmp_path}")
+    with t.ckpt:
+        t.train(range(9))
+    url = f"file://{tmp_path}"
+    versions = Catalog(FileStore(tmp_path), "live").versions()
+    assert store_main(["inspect", "--store", url, "--model", "live", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    entry = versions[-1].manifest.table("users")
+    assert entry.id_map is not None
+    (table,) = doc["tables"]
+    assert table["id_map_bytes"] == entry.id_map.size == doc["id_map_bytes"]
+    assert table["id_map_key"] == entry.id_map.key
+    assert table["ids_held"] == len(t.id_map) > 0
+    assert store_main(["inspect", "--store", url, "--model", "live"]) == 0
+    text = capsys.readouterr().out
+    assert f"({entry.id_map.size:,} in id maps)" in text
+    assert "ids held" in text and f" {len(t.id_map):>10}" in text.splitlines()[-2]
+    assert store_main(["ls", "--store", url, "--model", "live", "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)["versions"]
+    assert [v["id_map_bytes"] for v in listing] == [
+        v.manifest.table("users").id_map.size  # type: ignore[union-attr]
+        for v in versions
+    ]
+    assert store_main(["ls", "--store", url, "--model", "live"]) == 0
+    assert "id maps" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_gc_deletes_the_id_maps_of_dropped_versions_and_keeps_the_others(
+    tmp_path: Path,
+) -> None:
+    store = FileStore(tmp_path)
+    t = Trainer(f"file://{tmp_path}")
+    with t.ckpt:
+        t.train(range(9))
+        t.ckpt.checkpoint_now(reader={"offset": 9}, force_full=True)
+        t.expected[t.ckpt.records[-1].index] = t.id_map.copy()
+        t.train(range(9, 15))
+        expected = t.versions()
+    versions = Catalog(store, "live").versions()
+    assert [v.manifest.kind for v in versions] == [
+        "full",
+        "delta",
+        "delta",
+        "full",
+        "delta",
+        "delta",
+    ]
+    # A crashed publish's leftover id-map blob.
+    orphan = versions[0].manifest.table("users").id_map.key.replace("0000-", "0009-")  # type: ignore[union-attr]
+    store.put(orphan, b"left over")
+    plan = plan_gc(store, "live", keep_baselines=1, grace_s=0.0, now=time.time() + 10)
+    assert plan.deleted_versions == [1, 2, 3] and orphan in plan.orphan_keys
+    dropped = [v.manifest.table("users").id_map.key for v in versions[:3]]  # type: ignore[union-attr]
+    assert set(dropped) <= set(plan.delete_keys)
+    run_gc(store, plan)
+    keys = {info.key for info in store.list("live/")}
+    assert not set(dropped) & keys and orphan not in keys
+    for v in versions[3:]:
+        assert v.manifest.table("users").id_map.key in keys  # type: ignore[union-attr]
+        assert same_map(restore(store, "live", v.version).id_maps["users"], expected[v.version])
