@@ -242,7 +242,7 @@ def test_nbytes_grows_with_the_ids_held() -> None:
     empty = m.nbytes
     for row in range(1, 51):
         m.assign(f"user-{row}", row)
-    assert m.nbytes == empty + 50 * 100 and empty >= 100 * (8 + 8 + 8 + 1)
+    assert m.nbytes == empty + 50 * 130 and empty >= 100 * (8 + 8 + 8 + 1)
 
 
 def same_entries(a: IdEntries, b: IdEntries) -> bool:
