@@ -132,8 +132,10 @@ class IncrementalCheckpointer:
                 (an open id space). Each snapshot copies the maps' entries of the rows it
                 copies, so every change to a map must touch a row marked dirty (docs/FORMAT.md
                 section 7: admissions and counts come with a lookup of the row, an eviction
-                re-initialises the row and `tracked.tracker.mark`s it). `resume` and
-                `load_state` load the restored maps into these objects, in place.
+                re-initialises the row and `tracked.tracker.mark`s it), and the maps must be
+                at the state of the samples counted when `maybe_checkpoint` runs (map the next
+                batch's ids after it). `resume` and `load_state` load the restored maps into
+                these objects, in place.
         """
         self.clock = CheckpointClock(interval_samples, interval_seconds)
         self.model = model
