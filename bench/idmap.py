@@ -13,8 +13,8 @@ row-wise Adagrad's one optimizer column per row. Measured side by side in one ru
   full snapshot (every row), over fewer repeats. Beside it, the id-map part alone: what the
   stall does (`IdMap.capture`: counts and last_seen copied, keys gathered later off the
   training thread) against copying the keys too (`IdMap.entries`), alternating, same rows.
-- bytes: the id-map blob of the dirty rows next to their table blob (`--codec`), per row, and
-  what zstd (level 3) would make of the id-map blob (the format stores it uncompressed).
+- bytes: the id-map blob of the dirty rows (zstd-framed, as stored) next to their table blob
+  (`--codec`), per row.
 - encode / decode: the id-map blob of the dirty rows (the publisher's and a reader's cost).
 - restore: rebuilding the whole map from a full's entries (`NewestIdEntries.build`: one
   checked `IdMap.apply`), next to `IdEntries` of the same rows taken off a live map.
@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import zstandard
 from torch import nn
 
 from bench.machine import describe_machine, log
@@ -165,7 +164,6 @@ def run(
     decode_s, _ = _timed(lambda: decode_id_entries(blob, n_rows=n_dirty, hashed=False), n_repeats)
     rows_copy = captures["without"].rows("users", last_ids)
     table_blob = encode_table(rows_copy).data
-    zstd_bytes = len(zstandard.ZstdCompressor(level=3).compress(blob))
     whole = id_map.entries()
     restore_s, rebuilt = _timed(lambda: _rebuild(n_rows, whole), min(n_repeats, 3))
     assert isinstance(rebuilt, IdMap) and len(rebuilt) == len(id_map)
@@ -202,7 +200,6 @@ def run(
         "table_blob_bytes": len(table_blob),
         "table_bytes_per_row": round(len(table_blob) / n_dirty, 2),
         "id_map_over_table": round(len(blob) / len(table_blob), 3),
-        "id_map_zstd3_bytes": zstd_bytes,
     }
     timings = {
         "encode_ms_median": _median_ms(encode_s),
@@ -275,8 +272,7 @@ def _print_table(
     )
     print(
         f"bytes per dirty row: id map {sizes['id_map_bytes_per_row']}, table "
-        f"{sizes['table_bytes_per_row']} ({codec}); id map {sizes['id_map_blob_bytes']:,} B, "
-        f"zstd -3 would make it {sizes['id_map_zstd3_bytes']:,} B"
+        f"{sizes['table_bytes_per_row']} ({codec}); id map {sizes['id_map_blob_bytes']:,} B"
     )
     print(
         f"id-map blob of {dirty:,} rows: encode {timings['encode_ms_median']} ms, decode "

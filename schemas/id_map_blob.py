@@ -1,13 +1,15 @@
 """The id-map blob: which raw id owns each row a table blob carries (docs/FORMAT.md section 7).
 
-A tensor blob (section 5) with five tensors, one entry per row of the table blob it sits beside,
-in that blob's row order: `assigned` u8 (n,) 0 or 1; `counts` i64 (n,) >= 0; `last_seen` f64 (n,)
-finite; `key_ends` i64 (n,) the end offset of each row's key in `key_bytes`, non-decreasing;
-`key_bytes` u8 (m,) the UTF-8 keys concatenated. An unassigned row has an empty key. Metadata:
+One zstd frame (content size declared) holding a tensor blob (section 5) with five tensors, one
+entry per row of the table blob it sits beside, in that blob's row order: `assigned` u8 (n,) 0
+or 1; `counts` i64 (n,) >= 0; `last_seen` f64 (n,) finite; `key_ends` i64 (n,) the end offset
+of each row's key in `key_bytes`, non-decreasing; `key_bytes` u8 (m,) the UTF-8 keys
+concatenated. An unassigned row has an empty key. Metadata:
 `{"format": "checknrun-idmap", "version": 1, "hashed": bool}`.
 
 The decoder treats the bytes as hostile: a size cap from n (`max_id_map_blob_bytes`, checked
-before anything is parsed), the tensor blob's own checks, then exact names, dtypes
+on the stored bytes and on the frame's declared content size before anything is inflated or
+parsed), exactly one frame, the tensor blob's own checks, then exact names, dtypes
 and shapes, n equal to what the manifest entry says (`rows_in_checkpoint`), offsets in range,
 every key valid UTF-8 of at most MAX_KEY_BYTES, assigned keys non-empty and unassigned ones empty.
 Whether the keys are consistent with the map they are applied to is `publisher.id_map.IdMap`'s
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import zstandard
 
 from schemas.errors import FormatError
 from schemas.tensor_blob import decode_tensors, encode_tensors
@@ -33,6 +36,7 @@ MAX_KEY_BYTES = 256
 MAX_ID_MAP_HEADER_BYTES = 4096
 #: the most bytes one row may take: assigned, counts, last_seen, key_ends and a longest key.
 MAX_ID_MAP_ROW_BYTES = 1 + 8 + 8 + 8 + MAX_KEY_BYTES
+ZSTD_LEVEL = 3
 _NAMES: dict[str, type[np.generic]] = {
     "assigned": np.uint8,
     "counts": np.int64,
@@ -105,7 +109,10 @@ def encode_id_entries(entries: IdEntries, *, hashed: bool) -> bytes:
         "key_bytes": np.frombuffer(b"".join(encoded), dtype=np.uint8),
     }
     meta = {"format": ID_MAP_FORMAT, "version": ID_MAP_VERSION, "hashed": hashed}
-    return encode_tensors(tensors, meta)
+    # Counts, times and key offsets of neighbouring rows share their high bytes: zstd takes
+    # the blob from ~37 to ~15 bytes a row on MovieLens (the int4 row itself is ~12).
+    raw = encode_tensors(tensors, meta)
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(raw)
 
 
 def max_id_map_blob_bytes(n_rows: int) -> int:
@@ -136,7 +143,7 @@ def decode_id_map_blob(data: bytes, *, n_rows: int) -> tuple[IdEntries, bool]:
             f"id-map blob of {n_rows} rows is {len(data)} bytes; the cap is "
             f"{max_id_map_blob_bytes(n_rows)}"
         )
-    tensors, meta = decode_tensors(data)
+    tensors, meta = decode_tensors(_inflate(data, max_id_map_blob_bytes(n_rows)))
     if set(meta) != {"format", "version", "hashed"} or (
         meta["format"] != ID_MAP_FORMAT
         or type(meta["version"]) is not int
@@ -187,3 +194,27 @@ def decode_id_map_blob(data: bytes, *, n_rows: int) -> tuple[IdEntries, bool]:
     except UnicodeDecodeError as exc:
         raise IdMapBlobError(f"an id-map key is not valid UTF-8: {exc.reason}") from exc
     return IdEntries(assigned, counts.copy(), last_seen.copy(), keys), hashed
+
+
+def _inflate(data: bytes, cap: int) -> bytes:
+    """The tensor blob inside the zstd frame, refusing (before allocating) a frame that does
+    not declare its content size or declares more than `cap`, and anything after the frame."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise IdMapBlobError(f"id-map blob is not a zstd frame: {exc}") from exc
+    if declared < 0:
+        raise IdMapBlobError("id-map blob's zstd frame does not declare its content size")
+    if declared > cap:
+        raise IdMapBlobError(f"id-map blob inflates to {declared} bytes; the cap is {cap}")
+    if declared == 0:
+        raise IdMapBlobError("id-map blob's zstd frame is empty (a tensor blob is never empty)")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(
+            data, max_output_size=declared, allow_extra_data=False
+        )
+    except zstandard.ZstdError as exc:
+        raise IdMapBlobError(f"id-map blob holds invalid zstd data: {exc}") from exc
+    if len(out) != declared:
+        raise IdMapBlobError(f"id-map blob inflated to {len(out)} bytes, declared {declared}")
+    return out

@@ -36,8 +36,8 @@ def test_the_idmap_part_reports_its_arms(
     assert part["capture_ms_median"] > 0 and part["entries_ms_median"] > 0
     sizes = doc["bytes"]
     # assigned 1 + counts 8 + last_seen 8 + key_ends 8 + a 12-byte key, plus the header.
-    assert 37 < sizes["id_map_bytes_per_row"] < 37 + 1000 / 200
+    # zstd: under the 37 bytes a row of the uncompressed tensors (synthetic keys compress well)
+    assert 0 < sizes["id_map_bytes_per_row"] < 37
     assert sizes["id_map_blob_bytes"] == round(sizes["id_map_bytes_per_row"] * 200)
-    assert 0 < sizes["id_map_zstd3_bytes"] < sizes["id_map_blob_bytes"]
     assert doc["times"]["rebuild_whole_map_s_median"] > 0
     assert "id-map part of a 200-row stall" in capsys.readouterr().out

@@ -162,7 +162,7 @@ FORGED: dict[str, tuple[Callable[[dict[str, Any]], bytes | None], str]] = {
         lambda e: encode_id_entries(_entries(["d", "b"], counts=[-1, 0]), hashed=False),
         "counts must be >= 0",
     ),
-    "garbage": (lambda e: b"\x00" * 64, "tensor blob"),
+    "garbage": (lambda e: b"\x00" * 64, "not a zstd frame"),
     "no id map in one version": (lambda e: e.pop("id_map") and None, "carry no id map"),
     "a declared size past the cap": (
         lambda e: e["id_map"].update(size=4096 + 2 * 281 + 1) or None,

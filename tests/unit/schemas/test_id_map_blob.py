@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,14 +39,23 @@ def entries(keys: list[str], counts: list[int] | None = None) -> IdEntries:
     )
 
 
+def inner(data: bytes) -> bytes:
+    """The tensor blob inside an id-map blob's zstd frame."""
+    return zstandard.ZstdDecompressor().decompress(data)
+
+
+def framed(raw: bytes) -> bytes:
+    return zstandard.ZstdCompressor(write_content_size=True).compress(raw)
+
+
 def tensors_of(keys: list[str]) -> dict[str, np.ndarray]:
     """The five tensors of a valid blob of `keys` (to break one at a time)."""
-    tensors, _ = decode_tensors(encode_id_entries(entries(keys), hashed=False))
+    tensors, _ = decode_tensors(inner(encode_id_entries(entries(keys), hashed=False)))
     return {name: array.copy() for name, array in tensors.items()}
 
 
 def blob(tensors: dict[str, np.ndarray], meta: dict[str, Any] | None = None) -> bytes:
-    return encode_tensors(tensors, META if meta is None else meta)
+    return framed(encode_tensors(tensors, META if meta is None else meta))
 
 
 def same(a: IdEntries, b: IdEntries) -> bool:
@@ -91,7 +101,8 @@ def test_the_layout_is_pinned() -> None:
         ),
         hashed=False,
     )
-    tensors, meta = decode_tensors(data)
+    raw = inner(data)
+    tensors, meta = decode_tensors(raw)
     assert meta == META
     assert {k: (v.dtype.str, v.shape) for k, v in tensors.items()} == {
         "assigned": ("|u1", (2,)),
@@ -101,10 +112,12 @@ def test_the_layout_is_pinned() -> None:
         "key_bytes": ("|u1", (2,)),
     }
     assert tensors["key_ends"].tolist() == [0, 2] and tensors["key_bytes"].tobytes() == b"ab"
-    # The bytes themselves (safetensors' length prefix and header, then the tensors, the 8-byte
-    # ones first): a change here is a format change every reader has to follow.
-    assert len(data) == 468
-    assert hashlib.sha256(data).hexdigest() == GOLDEN_SHA256
+    # The tensor blob's bytes (safetensors' length prefix and header, then the tensors, the
+    # 8-byte ones first): a change here is a format change every reader has to follow. The
+    # zstd frame around them may differ between zstd versions; its content may not.
+    assert len(raw) == 468
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN_SHA256
+    assert zstandard.frame_content_size(data) == 468
 
 
 GOLDEN_SHA256 = "12608cce74f4377e5651fe53e2cc73897179eaf049c628a4621ab7ae6d43ce8a"
@@ -195,9 +208,29 @@ def test_a_blob_over_the_size_cap_is_refused_before_it_is_parsed() -> None:
     data = b"\x00" * (max_id_map_blob_bytes(2) + 1)
     with pytest.raises(IdMapBlobError, match="the cap is"):
         decode_id_entries(data, n_rows=2, hashed=False)
-    # Within the cap, the same junk is the tensor blob's error.
-    with pytest.raises(TensorBlobError):
+    # Within the cap, the same junk is not a zstd frame; a frame of junk is the tensor blob's.
+    with pytest.raises(IdMapBlobError, match="not a zstd frame"):
         decode_id_entries(data[:100], n_rows=2, hashed=False)
+    with pytest.raises(TensorBlobError):
+        decode_id_entries(framed(data[:100]), n_rows=2, hashed=False)
+
+
+def test_a_frame_that_would_inflate_past_the_cap_is_refused_before_inflating() -> None:
+    bomb = framed(b"\x00" * (max_id_map_blob_bytes(2) + 1))
+    assert len(bomb) < 100
+    with pytest.raises(IdMapBlobError, match=r"inflates to .* the cap is"):
+        decode_id_entries(bomb, n_rows=2, hashed=False)
+
+
+def test_a_frame_must_declare_its_size_and_stand_alone() -> None:
+    raw = inner(encode_id_entries(entries(["", "a"]), hashed=False))
+    undeclared = zstandard.ZstdCompressor(write_content_size=False).compress(raw)
+    with pytest.raises(IdMapBlobError, match="does not declare its content size"):
+        decode_id_entries(undeclared, n_rows=2, hashed=False)
+    with pytest.raises(IdMapBlobError, match="invalid zstd data"):
+        decode_id_entries(framed(raw) + b"\x00" * 8, n_rows=2, hashed=False)
+    with pytest.raises(IdMapBlobError, match="empty"):
+        decode_id_entries(framed(b""), n_rows=2, hashed=False)
 
 
 @pytest.mark.parametrize("data", [b"", b"\x01" * 7, b"\xff" * 64, b"{}" * 40])
@@ -230,7 +263,7 @@ def test_take_copies_the_entries_at_positions() -> None:
     assert original.counts[3] == 3
 
 
-VALID = encode_id_entries(entries(["", "u1", "ключ", "", "42"]), hashed=False)
+VALID = inner(encode_id_entries(entries(["", "u1", "ключ", "", "42"]), hashed=False))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -244,6 +277,11 @@ VALID = encode_id_entries(entries(["", "u1", "ключ", "", "42"]), hashed=Fals
     )
 )
 def test_mutated_bytes_decode_or_raise_a_format_error(data: bytes) -> None:
+    for candidate in (data, framed(data)):  # the frame's bytes, and the tensor blob's
+        _decodes_or_refuses(candidate)
+
+
+def _decodes_or_refuses(data: bytes) -> None:
     try:
         decoded, hashed = decode_id_map_blob(data, n_rows=5)
     except FormatError:
