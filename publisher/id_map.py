@@ -168,9 +168,34 @@ class IdMap:
         )
 
     def apply(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> None:
-        """Set the state of `row_ids` to `entries` (restore, follow). Checked first, so on
-        IdMapError the map is unchanged: rows in range and unique, keys canonical, no key on
-        two rows, nothing assigned in a hashed map or to UNKNOWN_ROW."""
+        """Set the state of `row_ids` to `entries` (restore, follow). Checked first (`check`),
+        so on IdMapError the map is unchanged."""
+        rows, incoming = self._checked(row_ids, entries)
+        for row in rows:
+            old = self._key_of[row]
+            if old and self._row_of.get(old) == row:
+                del self._row_of[old]
+        index = np.asarray(rows, dtype=np.int64)
+        self._key_of[index] = ""
+        self._held[index] = False
+        for key, row in incoming.items():
+            self._row_of[key] = row
+            self._key_of[row] = key
+            self._held[row] = True
+        self.counts[index] = entries.counts
+        self.last_seen[index] = entries.last_seen
+
+    def check(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> None:
+        """IdMapError unless `apply(row_ids, entries)` would succeed: rows in range and unique,
+        keys canonical, no key on two rows, nothing assigned in a hashed map or to UNKNOWN_ROW.
+        It only reads the map: a server checks a version's entries while predictions still
+        read the map, then applies them under its write lock (server/consistency.py)."""
+        self._checked(row_ids, entries)
+
+    def _checked(
+        self, row_ids: npt.NDArray[np.int64], entries: IdEntries
+    ) -> tuple[list[int], dict[str, int]]:
+        """`check`, returning the rows as ints and the incoming key -> row."""
         rows = [int(r) for r in row_ids]
         shapes = {a.shape for a in (entries.assigned, entries.counts, entries.last_seen)}
         if shapes != {(len(rows),)} or len(entries.keys) != len(rows):
@@ -196,19 +221,7 @@ class IdMap:
             if held is not None and held not in changed:
                 raise IdMapError(f"id {key!r} already holds row {held}")
             incoming[key] = row
-        for row in rows:
-            old = self._key_of[row]
-            if old and self._row_of.get(old) == row:
-                del self._row_of[old]
-        index = np.asarray(rows, dtype=np.int64)
-        self._key_of[index] = ""
-        self._held[index] = False
-        for key, row in incoming.items():
-            self._row_of[key] = row
-            self._key_of[row] = key
-            self._held[row] = True
-        self.counts[index] = entries.counts
-        self.last_seen[index] = entries.last_seen
+        return rows, incoming
 
     def copy(self) -> IdMap:
         clone = IdMap(self.rows, hashed=self.hashed)

@@ -188,12 +188,26 @@ def entries_of(*keys: str, counts: list[int] | None = None) -> IdEntries:
         ),
     ],
 )
-def test_apply_is_checked_and_atomic(rows: list[int], entries: IdEntries, message: str) -> None:
+@pytest.mark.parametrize("method", ["apply", "check"])
+def test_apply_is_checked_and_atomic(
+    rows: list[int], entries: IdEntries, message: str, method: str
+) -> None:
+    # `check` refuses what `apply` refuses, and neither changes the map.
     m = filled()
     before = state(m)
     with pytest.raises(IdMapError, match=message):
-        m.apply(np.array(rows, dtype=np.int64), entries)
+        getattr(m, method)(np.array(rows, dtype=np.int64), entries)
     assert state(m) == before
+
+
+def test_check_changes_nothing_and_passes_what_apply_applies() -> None:
+    m = filled()
+    before = state(m)
+    moved = IdEntries(np.array([False, True]), np.array([0, 1]), np.array([0.0, 2.0]), ("", "a"))
+    m.check(np.array([1, 4]), moved)
+    assert state(m) == before
+    m.apply(np.array([1, 4]), moved)
+    assert m.row_of("a") == 4
 
 
 def test_a_hashed_map_applies_counts_but_no_keys() -> None:
