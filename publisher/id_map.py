@@ -20,7 +20,8 @@ Rules:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +66,20 @@ def hashed_rows(keys: Iterable[str], rows: int) -> npt.NDArray[np.int64]:
         for k in keys
     ]
     return np.asarray(out, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class IdMapWrite:
+    """A checked `IdMap.apply`: the rows it sets, the ids they take, their counts and last-seen
+    times. `IdMap.check` makes one; `IdMap.write` makes the write without checking it again."""
+
+    rows: npt.NDArray[np.int64]
+    #: the rows whose id changes (their current id, if any, lets go of them).
+    released: npt.NDArray[np.int64]
+    #: id -> the row it takes, for the ids that change rows (new ids included).
+    moved: Mapping[str, int]
+    counts: npt.NDArray[np.int64]  # of every row of `rows`
+    last_seen: npt.NDArray[np.float64]
 
 
 class IdMap:
@@ -170,43 +185,32 @@ class IdMap:
     def apply(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> None:
         """Set the state of `row_ids` to `entries` (restore, follow). Checked first (`check`),
         so on IdMapError the map is unchanged."""
-        rows, incoming = self._checked(row_ids, entries)
-        for row in rows:
-            old = self._key_of[row]
-            if old and self._row_of.get(old) == row:
-                del self._row_of[old]
-        index = np.asarray(rows, dtype=np.int64)
-        self._key_of[index] = ""
-        self._held[index] = False
-        for key, row in incoming.items():
-            self._row_of[key] = row
-            self._key_of[row] = key
-            self._held[row] = True
-        self.counts[index] = entries.counts
-        self.last_seen[index] = entries.last_seen
+        self.write(self.check(row_ids, entries))
 
-    def check(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> None:
-        """IdMapError unless `apply(row_ids, entries)` would succeed: rows in range and unique,
-        keys canonical, no key on two rows, nothing assigned in a hashed map or to UNKNOWN_ROW.
-        It only reads the map: a server checks a version's entries while predictions still
-        read the map, then applies them under its write lock (server/consistency.py)."""
-        self._checked(row_ids, entries)
-
-    def _checked(
-        self, row_ids: npt.NDArray[np.int64], entries: IdEntries
-    ) -> tuple[list[int], dict[str, int]]:
-        """`check`, returning the rows as ints and the incoming key -> row."""
-        rows = [int(r) for r in row_ids]
+    def check(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> IdMapWrite:
+        """The write `apply(row_ids, entries)` makes, checked (IdMapError otherwise): rows in
+        range and unique, keys canonical, no key on two rows, nothing assigned in a hashed map
+        or to UNKNOWN_ROW. It only reads the map: a server checks a version's entries while
+        predictions still read the map, then `write`s them under its write lock."""
+        index = np.array(row_ids, dtype=np.int64).reshape(-1)
+        n = index.shape[0]
         shapes = {a.shape for a in (entries.assigned, entries.counts, entries.last_seen)}
-        if shapes != {(len(rows),)} or len(entries.keys) != len(rows):
-            raise IdMapError(f"{len(rows)} rows but {entries.n} id-map entries")
-        if len(set(rows)) != len(rows) or any(not 0 <= r < self.rows for r in rows):
+        if shapes != {(n,)} or len(entries.keys) != n:
+            raise IdMapError(f"{n} rows but {entries.n} id-map entries")
+        if n and (
+            int(index.min()) < 0 or int(index.max()) >= self.rows or np.unique(index).size != n
+        ):
             raise IdMapError(f"id-map rows must be unique and within [0, {self.rows})")
         if bool(np.any(entries.counts < 0)) or not bool(np.all(np.isfinite(entries.last_seen))):
             raise IdMapError("id-map counts must be >= 0 and last_seen finite")
+        rows = index.tolist()
         changed = set(rows)
         incoming: dict[str, int] = {}
-        for row, on, key in zip(rows, entries.assigned.tolist(), entries.keys, strict=True):
+        current = self._key_of[index].tolist()
+        moved: dict[str, int] = {}  # the ids that get another row than they hold now
+        for row, on, key, now in zip(
+            rows, entries.assigned.tolist(), entries.keys, current, strict=True
+        ):
             if not on:
                 if key:
                     raise IdMapError(f"row {row} is not assigned but names id {key!r}")
@@ -221,7 +225,38 @@ class IdMap:
             if held is not None and held not in changed:
                 raise IdMapError(f"id {key!r} already holds row {held}")
             incoming[key] = row
-        return rows, incoming
+            if key != now:
+                moved[key] = row
+        keys = np.empty(n, dtype=object)
+        keys[:] = entries.keys
+        # Rows whose id changes (freed, or given to another id): a version mostly moves counts,
+        # so `write` touches the dict for these rows only.
+        released = index[keys != self._key_of[index]]
+        counts = np.array(entries.counts, dtype=np.int64)
+        last_seen = np.array(entries.last_seen, dtype=np.float64)
+        return IdMapWrite(index, released, moved, counts, last_seen)
+
+    def write(self, checked: IdMapWrite) -> None:
+        """Make a write `check` returned, without checking again: only on the map it checked,
+        or a copy equal to it, with nothing written to either since (a server replays a
+        version's writes on its second copy of the model). Costs O(rows) array work plus a
+        dict operation per id that changes row."""
+        row_of = self._row_of
+        released = checked.released
+        for row, old in zip(released.tolist(), self._key_of[released].tolist(), strict=True):
+            if old and row_of.get(old) == row:
+                del row_of[old]
+        self._key_of[released] = ""
+        self._held[released] = False
+        if checked.moved:
+            keys = np.empty(len(checked.moved), dtype=object)
+            keys[:] = list(checked.moved)
+            rows = np.fromiter(checked.moved.values(), dtype=np.int64, count=keys.shape[0])
+            row_of.update(checked.moved)
+            self._key_of[rows] = keys
+            self._held[rows] = True
+        self.counts[checked.rows] = checked.counts
+        self.last_seen[checked.rows] = checked.last_seen
 
     def copy(self) -> IdMap:
         clone = IdMap(self.rows, hashed=self.hashed)

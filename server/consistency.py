@@ -375,15 +375,14 @@ class ReaderWriterSlot(ModelSlot):
             fetched_all.append(fetched)
         decoded = [(f.decode_rows(), f.dense or {}) for f in fetched_all]
         # The plan's id-map writes as one per table, checked while readers still run: under
-        # the lock they are applied, and cannot fail half-way.
-        id_updates = merge_id_rows(fetched_all)
-        buffer.check_id_rows(id_updates)
+        # the lock they are only made, and cannot fail half-way.
+        id_writes = buffer.check_id_rows(merge_id_rows(fetched_all))
         served = ServedVersion(plan[-1], _now())
 
         def scatter() -> None:
             for rows, dense in decoded:
                 buffer.assign_rows(rows, dense)
-            buffer.assign_id_rows(id_updates)
+            buffer.write_id_maps(id_writes)
             buffer.served = served
 
         pause = self._locked(scatter)

@@ -36,7 +36,7 @@ import numpy.typing as npt
 import torch
 
 from publisher.dlrm import DLRM, DLRMConfig, table_weight_names
-from publisher.id_map import IdMap
+from publisher.id_map import IdMap, IdMapWrite
 from publisher.live_features import LiveSpec
 from publisher.memory_budget import MemoryBudget
 from publisher.read.blob_rows import BlobRows, decode_blob, write_blob
@@ -207,28 +207,28 @@ class Touched:
 
     whole: set[str] = field(default_factory=set)
     rows: dict[str, list[BlobRows]] = field(default_factory=dict)
-    id_rows: dict[str, list[IdMapRows]] = field(default_factory=dict)
+    id_writes: dict[str, list[IdMapWrite]] = field(default_factory=dict)
     dense: bool = False
 
     def add_whole(self, name: str) -> None:
         self.whole.add(name)
         # The whole table (and map) is copied; earlier row writes are moot.
         self.rows.pop(name, None)
-        self.id_rows.pop(name, None)
+        self.id_writes.pop(name, None)
 
     def add_rows(self, name: str, rows: BlobRows) -> None:
         if rows.ids.size:
             self.rows.setdefault(name, []).append(rows)
 
-    def add_id_rows(self, name: str, rows: IdMapRows) -> None:
-        if rows.ids.size and name not in self.whole:
-            self.id_rows.setdefault(name, []).append(rows)
+    def add_id_write(self, name: str, write: IdMapWrite) -> None:
+        if write.rows.size and name not in self.whole:
+            self.id_writes.setdefault(name, []).append(write)
 
     def row_ids(self, name: str) -> np.ndarray:
         return _union(rows.ids for rows in self.rows[name])
 
     def id_row_ids(self, name: str) -> np.ndarray:
-        return _union(rows.ids for rows in self.id_rows[name])
+        return _union(write.rows for write in self.id_writes[name])
 
 
 def _union(parts_iter: Iterable[np.ndarray]) -> np.ndarray:
@@ -382,8 +382,10 @@ class ModelBuffer:
             if id_rows is not None:
                 # IdMapError leaves the map as it was; the rows just written are repaired
                 # with the rest of `touched` by the caller.
-                self.id_maps[table.name].apply(id_rows.ids, id_rows.entries)
-                touched.add_id_rows(table.name, id_rows)
+                id_map = self.id_maps[table.name]
+                checked = id_map.check(id_rows.ids, id_rows.entries)
+                id_map.write(checked)
+                touched.add_id_write(table.name, checked)
         if fetched.dense is not None:
             for name, value in fetched.dense.items():
                 self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
@@ -396,17 +398,16 @@ class ModelBuffer:
         for name, value in dense.items():
             self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
 
-    def check_id_rows(self, updates: Mapping[str, IdMapRows]) -> None:
-        """IdMapError unless every id-map write of `updates` applies to this buffer's maps.
-        It reads them only: the reader-writer scheme checks before taking its write lock."""
-        for name, rows in updates.items():
-            self.id_maps[name].check(rows.ids, rows.entries)
+    def check_id_rows(self, updates: Mapping[str, IdMapRows]) -> dict[str, IdMapWrite]:
+        """The checked writes of `updates` to this buffer's maps (IdMapError if one does not
+        apply). It reads the maps only: the reader-writer scheme checks before its write lock."""
+        return {n: self.id_maps[n].check(rows.ids, rows.entries) for n, rows in updates.items()}
 
-    def assign_id_rows(self, updates: Mapping[str, IdMapRows]) -> None:
-        """Apply id-map writes passed by `check_id_rows` (the reader-writer scheme's critical
-        section: nothing else writes the maps in between, so none fails half-way)."""
-        for name, rows in updates.items():
-            self.id_maps[name].apply(rows.ids, rows.entries)
+    def write_id_maps(self, writes: Mapping[str, IdMapWrite]) -> None:
+        """Make writes `check_id_rows` returned (the reader-writer scheme's critical section:
+        nothing else writes the maps in between, so none fails half-way or is checked twice)."""
+        for name, checked in writes.items():
+            self.id_maps[name].write(checked)
 
     def copy_from(self, source: ModelBuffer, touched: Touched) -> None:
         """Make the `touched` parts of this buffer bitwise equal to `source`'s, by gathering
@@ -418,7 +419,7 @@ class ModelBuffer:
                 continue
             ids = touched.row_ids(name)
             self.tables[name].numpy()[ids] = source.tables[name].numpy()[ids]
-        for name in touched.id_rows:
+        for name in touched.id_writes:
             ids = touched.id_row_ids(name)
             self.id_maps[name].apply(ids, source.id_maps[name].entries(ids))
         self._level_maps(source, touched)
@@ -433,9 +434,10 @@ class ModelBuffer:
         for name, writes in touched.rows.items():
             for rows in writes:
                 rows.scatter(self.tables[name].numpy())
-        for name, id_writes in touched.id_rows.items():
-            for id_rows in id_writes:
-                self.id_maps[name].apply(id_rows.ids, id_rows.entries)
+        # The writes were checked on `source`'s maps, equal to these before them.
+        for name, id_writes in touched.id_writes.items():
+            for checked in id_writes:
+                self.id_maps[name].write(checked)
         self._level_maps(source, touched)
         self._level_dense(source, touched)
 

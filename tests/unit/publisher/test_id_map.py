@@ -200,14 +200,19 @@ def test_apply_is_checked_and_atomic(
     assert state(m) == before
 
 
-def test_check_changes_nothing_and_passes_what_apply_applies() -> None:
+def test_a_checked_write_is_what_apply_does_on_the_map_or_an_equal_copy() -> None:
     m = filled()
     before = state(m)
     moved = IdEntries(np.array([False, True]), np.array([0, 1]), np.array([0.0, 2.0]), ("", "a"))
-    m.check(np.array([1, 4]), moved)
-    assert state(m) == before
-    m.apply(np.array([1, 4]), moved)
-    assert m.row_of("a") == 4
+    checked = m.check(np.array([1, 4]), moved)
+    assert state(m) == before  # check only reads
+    twin = m.copy()
+    m.write(checked)
+    twin.write(checked)  # a server's second copy of the model replays the same write
+    applied = filled()
+    applied.apply(np.array([1, 4]), moved)
+    assert state(m) == state(twin) == state(applied)
+    assert m.row_of("a") == 4 and m.key_of(1) is None
 
 
 def test_a_hashed_map_applies_counts_but_no_keys() -> None:
