@@ -44,11 +44,12 @@ _CGROUP_LIMITS = (
 )
 
 
-#: what an id map rebuilt by restore holds per row besides its keys' characters: counts,
-#: last_seen, the key and held arrays (25 bytes), and per held id a dict slot, a str object and
-#: a row int (~106 bytes: 131 bytes per id of 12-character keys, measured with tracemalloc),
-#: with the rebuild's transient entries (~25 bytes) on top.
-ID_MAP_ROW_BYTES = 160
+#: what rebuilding an id map in a restore allocates per row at its peak, besides the keys'
+#: characters: the map (counts, last_seen, key and held arrays; per held id a dict slot, a str
+#: object and a row int) and the rebuild's transient entries, arrays and second dict. Measured
+#: with tracemalloc: 287 bytes per row at the peak for a 200k-row map of 12-byte keys (156
+#: retained once rebuilt).
+ID_MAP_ROW_BYTES = 288
 #: what a hashed id map holds per row: its arrays only (it holds no keys).
 HASHED_ID_MAP_ROW_BYTES = 25
 
@@ -123,8 +124,9 @@ def id_map_restore_bytes(manifest: Manifest, id_map_blob_bytes: int) -> int:
 def served_id_maps_bytes(config: DLRMConfig) -> int:
     """What the id maps of one served copy of `config` may hold: none for a model of encoded
     ids; for a model trained from raw events (`extra["live"]`) one map per table, counted with
-    an id on every row (`ID_MAP_ROW_BYTES`; hashed: `HASHED_ID_MAP_ROW_BYTES`), since the
-    versions that follow fill it."""
+    an id on every row, since the versions that follow fill it, at the peak of writing a full
+    version's map (`ID_MAP_ROW_BYTES`, as a restore's rebuild; hashed: its arrays,
+    `HASHED_ID_MAP_ROW_BYTES`). Keys longer than ~12 bytes take more."""
     spec = LiveSpec.of_config(config.extra)
     if spec is None:
         return 0

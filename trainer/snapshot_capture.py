@@ -12,8 +12,10 @@ Why the id-map entries of the copied rows only, and why now: every change to an 
 a row the tracker marks dirty (docs/FORMAT.md section 7), so the entries of the rows a version
 carries are exactly what changed in the map since the version its rows are relative to; and
 they must be the map's state at the same instant as the rows, so the capture runs here, after
-the optimizer step and before the next batch's ids are mapped (`IdMap.entries`: vectorised
-gathers, ~3 ms for 50k rows of a 1M-row map, `checknrun bench idmap`).
+the optimizer step and before the next batch's ids are mapped. Only the counts and last_seen
+are copied now (`IdMap.capture`: vectorised gathers); the keys, Python objects, are gathered
+by the publisher, which undoes from the map's log the few changed since (admissions and
+evictions), so the training thread never copies keys (`checknrun bench idmap`).
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ class SnapshotCapture:
         id_entries = None
         if id_map is not None:
             gather_started = time.perf_counter()
-            id_entries = id_map.entries(None if ids is None else row_ids)
+            id_entries = id_map.capture(None if ids is None else row_ids)
             self._id_map_s += time.perf_counter() - gather_started
         return TableRows(
             name=name,

@@ -77,6 +77,7 @@ def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> Tabl
     """Quantize and encode one table's copied rows as a delta blob, and their id-map entries
     (if the table has an id map) as an id-map blob."""
     q = encode_rows(rows.codec, rows.values)
+    id_entries = rows.id_map_entries()
     blob = DeltaBlob(
         table=rows.name,
         codec=rows.codec,
@@ -97,8 +98,8 @@ def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> Tabl
         aux_dim=int(rows.aux.shape[1]),
         data=encode_delta_blob(blob, zstd_level=tunables.zstd_level),
         id_map=None
-        if rows.id_entries is None
-        else encode_id_entries(rows.id_entries, hashed=rows.id_map_hashed),
+        if id_entries is None
+        else encode_id_entries(id_entries, hashed=rows.id_map_hashed),
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from publisher.id_map import IdCapture
 from schemas.errors import BadDataError
 from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position
@@ -42,8 +43,10 @@ class TableRows:
     row_ids: np.ndarray  # int64 (n,), strictly increasing
     values: np.ndarray  # float32 (n, dim)
     aux: np.ndarray  # float32 (n, aux_dim)
-    #: the id map's state of exactly `row_ids`, in their order (docs/FORMAT.md section 7).
-    id_entries: IdEntries | None = None
+    #: the id map's state of exactly `row_ids`, in their order (docs/FORMAT.md section 7): as
+    #: the stall took it (an IdCapture, whose keys are gathered off the training thread), or
+    #: resolved. Read it with `id_map_entries()`.
+    id_entries: IdEntries | IdCapture | None = None
     #: whether that map is hashed (publisher/id_map.py); written in the id-map blob.
     id_map_hashed: bool = False
 
@@ -61,8 +64,15 @@ class TableRows:
         e = self.id_entries
         if e is None:
             return arrays
+        if isinstance(e, IdCapture):
+            return arrays + e.nbytes
         # The keys are shared with the live map (str objects are immutable): a tuple slot each.
         return arrays + e.assigned.nbytes + e.counts.nbytes + e.last_seen.nbytes + 8 * e.n
+
+    def id_map_entries(self) -> IdEntries | None:
+        """The id-map entries of these rows (resolving a capture: not on the training thread)."""
+        e = self.id_entries
+        return e.entries() if isinstance(e, IdCapture) else e
 
     def merge(self, newer: TableRows) -> TableRows:
         """Union of both row sets; rows present in `newer` take its values (and id entries)."""
@@ -83,9 +93,10 @@ class TableRows:
         values[new_pos] = newer.values
         aux[new_pos] = newer.aux
         entries = None
-        if self.id_entries is not None and newer.id_entries is not None:
+        older_entries, newer_entries = self.id_map_entries(), newer.id_map_entries()
+        if older_entries is not None and newer_entries is not None:
             entries = IdEntries.merge(
-                ids, self.id_entries, self.row_ids, newer.id_entries, newer.row_ids
+                ids, older_entries, self.row_ids, newer_entries, newer.row_ids
             )
         return replace(newer, row_ids=ids, values=values, aux=aux, id_entries=entries)
 

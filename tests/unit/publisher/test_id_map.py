@@ -4,6 +4,10 @@ checked and atomic on every refusal, copies and in-place loads."""
 from __future__ import annotations
 
 import hashlib
+import pickle
+import queue
+import sys
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -11,6 +15,7 @@ import pytest
 
 from publisher.id_map import (
     UNKNOWN_ROW,
+    IdCapture,
     IdMap,
     IdMapError,
     canonical_key,
@@ -256,4 +261,87 @@ def test_nbytes_grows_with_the_ids_held() -> None:
     empty = m.nbytes
     for row in range(1, 51):
         m.assign(f"user-{row}", row)
-    assert m.nbytes == empty + 50 * 100 and empty >= 100 * (8 + 8 + 8 + 1)
+    assert m.nbytes == empty + 50 * 130 and empty >= 100 * (8 + 8 + 8 + 1)
+
+
+def same_entries(a: IdEntries, b: IdEntries) -> bool:
+    return (
+        a.keys == b.keys
+        and a.assigned.tolist() == b.assigned.tolist()
+        and a.counts.tolist() == b.counts.tolist()
+        and a.last_seen.tolist() == b.last_seen.tolist()
+    )
+
+
+def test_a_capture_resolves_to_the_entries_when_it_was_taken() -> None:
+    m = filled(12)
+    rows = np.array([1, 2, 4, 5, 9], dtype=np.int64)
+    expected, expected_all = m.entries(rows), m.entries()
+    some, everything = m.capture(rows), m.capture()
+    # Every way keys change afterwards: eviction, admission into a freed row, apply, load_from.
+    m.release(1)
+    m.assign("a2", 1)
+    m.assign("d", 4)
+    m.counts[[2, 5]] += 7
+    m.apply(np.array([5, 9]), entries_of("", "c", counts=[1, 1]))
+    other = filled(12)
+    other.assign("z", 11)
+    m.load_from(other)
+    m.release(2)
+    assert same_entries(some.entries(), expected) and same_entries(
+        everything.entries(), expected_all
+    )
+    assert some.entries() is some.entries()  # resolved once
+    assert m._capture_logs == {}  # resolved captures stop the logging
+
+
+def test_a_dropped_capture_stops_the_logging() -> None:
+    m = filled()
+    capture = m.capture(np.array([1], dtype=np.int64))
+    assert len(m._capture_logs) == 1
+    del capture
+    assert m._capture_logs == {}
+    m.release(1)  # nothing to log into
+
+
+def test_a_capture_pickles_as_its_entries() -> None:
+    m = filled()
+    capture = m.capture(np.array([1, 3], dtype=np.int64))
+    m.release(1)
+    again = pickle.loads(pickle.dumps(capture, protocol=5))
+    assert isinstance(again, IdEntries) and again.keys == ("a", "")
+
+
+def test_captures_resolve_on_another_thread_while_the_map_changes() -> None:
+    m = IdMap(400)
+    rng = np.random.default_rng(0)
+    taken: queue.Queue[tuple[IdCapture, IdEntries] | None] = queue.Queue()
+    resolved: list[tuple[IdEntries, IdEntries]] = []
+
+    def resolver() -> None:
+        while (item := taken.get()) is not None:
+            resolved.append((item[0].entries(), item[1]))
+
+    thread = threading.Thread(target=resolver)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the two threads as finely as CPython can
+    try:
+        thread.start()
+        serial = 0
+        for step in range(300):
+            # Evict and admit as a trainer would, as fast as possible.
+            for row in rng.integers(1, 400, 20).tolist():
+                m.release(row)
+                m.assign(f"id-{serial}", row)
+                m.counts[row] += 1
+                serial += 1
+            rows = np.unique(rng.integers(0, 400, 50)).astype(np.int64)
+            chosen = rows if step % 5 else None
+            taken.put((m.capture(chosen), m.entries(chosen)))
+        taken.put(None)
+        thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert len(resolved) == 300
+    assert all(same_entries(got, expected) for got, expected in resolved)
+    assert m._capture_logs == {}

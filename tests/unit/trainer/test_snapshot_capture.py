@@ -91,9 +91,9 @@ def test_take_copies_the_id_map_entries_of_the_copied_rows() -> None:
 
     train([1])
     first = capture.take(tracked.tracker, policy, Position(step=1, samples_seen=1), {}, sequence=1)
-    full = first.snapshot.tables[0]
-    assert first.snapshot.kind == "full" and full.id_entries is not None
-    assert full.id_entries.keys == ("", *(f"u{r}" for r in range(1, 20)))
+    full = first.snapshot.tables[0].id_map_entries()
+    assert first.snapshot.kind == "full" and full is not None
+    assert full.keys == ("", *(f"u{r}" for r in range(1, 20)))
     assert first.snapshot.tables[1].id_entries is None  # a table without a map
     assert "id_maps" in first.breakdown_ms and first.breakdown_ms["id_maps"] >= 0.0
 
@@ -105,13 +105,16 @@ def test_take_copies_the_id_map_entries_of_the_copied_rows() -> None:
     id_map.release(12)
     taken = capture.take(tracked.tracker, policy, Position(step=2, samples_seen=2), {}, sequence=2)
     rows = taken.snapshot.tables[0]
-    assert rows.row_ids.tolist() == [3, 7, 12] and rows.id_entries is not None
-    assert rows.id_entries.keys == ("new", "u7", "")
-    assert rows.id_entries.counts.tolist() == [1, 7, 0]
-    assert rows.id_entries.assigned.tolist() == [True, True, False]
-    # A copy: the map changing on does not reach into the snapshot.
+    assert rows.row_ids.tolist() == [3, 7, 12]
+    # The map changing on (an eviction, an admission, counts) does not reach into the
+    # snapshot, whose keys are gathered only now.
     id_map.counts[7] = 100
     id_map.release(3)
-    assert rows.id_entries.counts.tolist() == [1, 7, 0] and rows.id_entries.keys[0] == "new"
+    id_map.assign("newer", 12)
+    entries = rows.id_map_entries()
+    assert entries is not None
+    assert entries.keys == ("new", "u7", "")
+    assert entries.counts.tolist() == [1, 7, 0]
+    assert entries.assigned.tolist() == [True, True, False]
     tracked.detach()
     capture.close()
