@@ -239,13 +239,22 @@ class IdMap:
         on = np.asarray(entries.assigned, dtype=np.bool_)
         self._incoming(index, on, keys)
         # The rows whose id changes (freed, or given to another id) and the ids that take a
-        # row they do not hold: a version mostly moves counts, so `write` touches the dict
-        # for these only.
+        # row they do not hold: a version mostly moves counts, so the rest is done for these
+        # only, and `write` touches the dict for these only.
         key_array = np.empty(n, dtype=object)
         key_array[:] = keys
         differs = key_array != self._key_of[index]
         moving = np.flatnonzero(differs & on)
         moved = dict(zip(key_array[moving].tolist(), index[moving].tolist(), strict=True))
+        # An id that stays on its row holds a row that changes; one that moves must leave a
+        # row that changes too, or it would hold two.
+        clash = moved.keys() & self._row_of.keys()
+        if clash:
+            changed = set(index.tolist())
+            for key in sorted(clash, key=moved.__getitem__):
+                held = self._row_of[key]
+                if held not in changed:
+                    raise IdMapError(f"id {key!r} already holds row {held}")
         return IdMapWrite(
             index,
             index[differs],
@@ -313,13 +322,6 @@ class IdMap:
                 if key in first:
                     raise IdMapError(f"id {key!r} is assigned to rows {first[key]} and {row}")
                 first[key] = row
-        clash = incoming.keys() & self._row_of.keys()
-        if clash:
-            changed = set(index.tolist())
-            for key in sorted(clash, key=incoming.__getitem__):
-                held = self._row_of[key]
-                if held not in changed:
-                    raise IdMapError(f"id {key!r} already holds row {held}")
         return incoming
 
     def copy(self) -> IdMap:
