@@ -23,7 +23,8 @@ import hashlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +69,20 @@ def hashed_rows(keys: Iterable[str], rows: int) -> npt.NDArray[np.int64]:
         for k in keys
     ]
     return np.asarray(out, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class IdMapWrite:
+    """A checked `IdMap.apply`: the rows it sets, the ids they take, their counts and last-seen
+    times. `IdMap.check` makes one; `IdMap.write` makes the write without checking it again."""
+
+    rows: npt.NDArray[np.int64]
+    #: the rows whose id changes (their current id, if any, lets go of them).
+    released: npt.NDArray[np.int64]
+    #: id -> the row it takes, for the ids that change rows (new ids included).
+    moved: Mapping[str, int]
+    counts: npt.NDArray[np.int64]  # of every row of `rows`
+    last_seen: npt.NDArray[np.float64]
 
 
 class IdMap:
@@ -198,14 +213,20 @@ class IdMap:
         )
 
     def apply(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> None:
-        """Set the state of `row_ids` to `entries` (restore, follow). Checked first, so on
-        IdMapError the map is unchanged: rows in range and unique, keys canonical, no key on
-        two rows, nothing assigned in a hashed map or to UNKNOWN_ROW.
+        """Set the state of `row_ids` to `entries` (restore, follow). Checked first (`check`),
+        so on IdMapError the map is unchanged."""
+        self.write(self.check(row_ids, entries))
+
+    def check(self, row_ids: npt.NDArray[np.int64], entries: IdEntries) -> IdMapWrite:
+        """The write `apply(row_ids, entries)` makes, checked (IdMapError otherwise): rows in
+        range and unique, keys canonical, no key on two rows, nothing assigned in a hashed map
+        or to UNKNOWN_ROW. It only reads the map: a server checks a version's entries while
+        predictions still read the map, then `write`s them under its write lock.
 
         The checks run over whole arrays and sets, not a Python loop over the rows: a restore
         applies every row of a table at once (1M rows: 1.6-2.0 s on a loaded 2-core machine,
         against 2.8-3.3 s for the loop; most of what is left is building the key dict)."""
-        index = np.asarray(row_ids, dtype=np.int64).reshape(-1)
+        index = np.array(row_ids, dtype=np.int64).reshape(-1)  # a copy: the write keeps it
         n = len(index)
         shapes = {np.shape(a) for a in (entries.assigned, entries.counts, entries.last_seen)}
         keys = entries.keys
@@ -215,27 +236,58 @@ class IdMap:
             raise IdMapError(f"id-map rows must be unique and within [0, {self.rows})")
         if bool(np.any(entries.counts < 0)) or not bool(np.all(np.isfinite(entries.last_seen))):
             raise IdMapError("id-map counts must be >= 0 and last_seen finite")
-        incoming = self._incoming(index, np.asarray(entries.assigned, dtype=np.bool_), keys)
-        self._log_keys(index)
-        olds = self._key_of[index]
-        named = olds.astype(np.bool_)
-        for old, row in zip(olds[named].tolist(), index[named].tolist(), strict=True):
-            if self._row_of.get(old) == row:
-                del self._row_of[old]
-        self._key_of[index] = ""
-        self._held[index] = False
-        if incoming:
-            new_rows = np.fromiter(incoming.values(), dtype=np.int64, count=len(incoming))
-            self._row_of.update(incoming)
-            self._key_of[new_rows] = np.fromiter(incoming, dtype=object, count=len(incoming))
-            self._held[new_rows] = True
-        self.counts[index] = entries.counts
-        self.last_seen[index] = entries.last_seen
+        on = np.asarray(entries.assigned, dtype=np.bool_)
+        self._incoming(index, on, keys)
+        # The rows whose id changes (freed, or given to another id) and the ids that take a
+        # row they do not hold: a version mostly moves counts, so the rest is done for these
+        # only, and `write` touches the dict for these only.
+        key_array = np.empty(n, dtype=object)
+        key_array[:] = keys
+        differs = key_array != self._key_of[index]
+        moving = np.flatnonzero(differs & on)
+        moved = dict(zip(key_array[moving].tolist(), index[moving].tolist(), strict=True))
+        # An id that stays on its row holds a row that changes; one that moves must leave a
+        # row that changes too, or it would hold two.
+        clash = moved.keys() & self._row_of.keys()
+        if clash:
+            changed = set(index.tolist())
+            for key in sorted(clash, key=moved.__getitem__):
+                held = self._row_of[key]
+                if held not in changed:
+                    raise IdMapError(f"id {key!r} already holds row {held}")
+        return IdMapWrite(
+            index,
+            index[differs],
+            moved,
+            np.array(entries.counts, dtype=np.int64),
+            np.array(entries.last_seen, dtype=np.float64),
+        )
+
+    def write(self, checked: IdMapWrite) -> None:
+        """Make a write `check` returned, without checking again: only on the map it checked,
+        or a copy equal to it, with nothing written to either since (a server replays a
+        version's writes on its second copy of the model). Costs O(rows) array work plus a
+        dict operation per id that changes row."""
+        row_of = self._row_of
+        released = checked.released
+        self._log_keys(released.tolist())
+        for row, old in zip(released.tolist(), self._key_of[released].tolist(), strict=True):
+            if old and row_of.get(old) == row:
+                del row_of[old]
+        self._key_of[released] = ""
+        self._held[released] = False
+        if checked.moved:
+            rows = np.fromiter(checked.moved.values(), dtype=np.int64, count=len(checked.moved))
+            row_of.update(checked.moved)
+            self._key_of[rows] = np.fromiter(checked.moved, dtype=object, count=len(rows))
+            self._held[rows] = True
+        self.counts[checked.rows] = checked.counts
+        self.last_seen[checked.rows] = checked.last_seen
 
     def _incoming(
         self, index: npt.NDArray[np.int64], on: npt.NDArray[np.bool_], keys: Sequence[str]
     ) -> dict[str, int]:
-        """key -> row of the entries `apply` is given, checked (see `apply`)."""
+        """key -> row of the entries `check` is given, checked (see `check`)."""
         if set(map(type, keys)) - {str}:
             row, key = next(
                 (r, k) for r, k in zip(index.tolist(), keys, strict=True) if type(k) is not str
@@ -270,13 +322,6 @@ class IdMap:
                 if key in first:
                     raise IdMapError(f"id {key!r} is assigned to rows {first[key]} and {row}")
                 first[key] = row
-        clash = incoming.keys() & self._row_of.keys()
-        if clash:
-            changed = set(index.tolist())
-            for key in sorted(clash, key=incoming.__getitem__):
-                held = self._row_of[key]
-                if held not in changed:
-                    raise IdMapError(f"id {key!r} already holds row {held}")
         return incoming
 
     def copy(self) -> IdMap:

@@ -11,9 +11,11 @@ Every reader that allocates from a manifest checks it here first, against one bu
   `ID_MAP_ROW_BYTES` per row, plus its keys, which come from the chain's id-map blobs, so at
   most the sum of their sizes (`id_map_restore_bytes`).
 - a server (`server.model_buffer`) allocates the model its `model_config` builds,
-  `DLRMConfig.nbytes`, once per copy its consistency scheme holds at its peak (a new model is
-  built beside the served one: 2 copies, `server.consistency`); a version's tables must then
-  match that model before any blob is fetched.
+  `DLRMConfig.nbytes`, plus for a model trained from raw events an id map per table counted
+  full (`served_id_maps_bytes`: later versions fill it), once per copy its consistency scheme
+  holds at its peak (a new model is built beside the served one: 2 copies,
+  `server.consistency`); a version's tables must then match that model before any blob is
+  fetched.
 
 Not counted: what a reader holds while it works (the blobs of one version being fetched and
 decoded, each capped by its manifest entry, schemas.delta_blob.BlobLimits.for_table), and the
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from publisher.dlrm import DLRMConfig
+from publisher.live_features import LiveSpec
 from schemas.errors import BadDataError
 from schemas.manifest import Manifest
 
@@ -47,6 +50,8 @@ _CGROUP_LIMITS = (
 #: with tracemalloc: 287 bytes per row at the peak for a 200k-row map of 12-byte keys (156
 #: retained once rebuilt).
 ID_MAP_ROW_BYTES = 288
+#: what a hashed id map holds per row: its arrays only (it holds no keys).
+HASHED_ID_MAP_ROW_BYTES = 25
 
 
 class MemoryBudgetError(BadDataError):
@@ -93,9 +98,11 @@ class MemoryBudget:
         self._check(f"restoring version {manifest.version}", needed)
 
     def check_model(self, manifest: Manifest, config: DLRMConfig, copies: int) -> None:
-        """Raise MemoryBudgetError unless `copies` models of `config` (`manifest`'s) fit."""
+        """Raise MemoryBudgetError unless `copies` models of `config` (`manifest`'s), with
+        their id maps, fit (LiveSpecError if `config` carries an invalid live spec)."""
         copies_text = "1 model copy" if copies == 1 else f"{copies} model copies"
-        self._check(f"serving version {manifest.version} ({copies_text})", copies * config.nbytes)
+        needed = copies * (config.nbytes + served_id_maps_bytes(config))
+        self._check(f"serving version {manifest.version} ({copies_text})", needed)
 
     def _check(self, what: str, needed: int) -> None:
         if needed > self.limit_bytes:
@@ -112,3 +119,16 @@ def id_map_restore_bytes(manifest: Manifest, id_map_blob_bytes: int) -> int:
     of the id-map blobs read: every key comes from one)."""
     rows = sum(t.rows for t in manifest.tables if t.id_map is not None)
     return rows * ID_MAP_ROW_BYTES + id_map_blob_bytes if rows else 0
+
+
+def served_id_maps_bytes(config: DLRMConfig) -> int:
+    """What the id maps of one served copy of `config` may hold: none for a model of encoded
+    ids; for a model trained from raw events (`extra["live"]`) one map per table, counted with
+    an id on every row, since the versions that follow fill it, at the peak of writing a full
+    version's map (`ID_MAP_ROW_BYTES`, as a restore's rebuild; hashed: its arrays,
+    `HASHED_ID_MAP_ROW_BYTES`). Keys longer than ~12 bytes take more."""
+    spec = LiveSpec.of_config(config.extra)
+    if spec is None:
+        return 0
+    per_row = HASHED_ID_MAP_ROW_BYTES if spec.id_space == "hash" else ID_MAP_ROW_BYTES
+    return per_row * sum(f.rows for f in config.sparse)

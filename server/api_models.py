@@ -16,6 +16,7 @@ from pydantic import (
     SkipValidation,
     StrictFloat,
     StrictInt,
+    StrictStr,
     model_validator,
 )
 from pydantic.config import JsonDict
@@ -23,16 +24,25 @@ from pydantic.config import JsonDict
 from server.errors import shown_input
 
 FeatureValue = Annotated[
-    StrictInt | StrictFloat | list[StrictInt],
+    StrictInt | StrictFloat | StrictStr | list[StrictInt | StrictStr] | None,
     Field(
-        description="a dense feature: a number; a single-valued sparse feature: an integer id; "
-        "a bag feature: a list of integer ids"
+        description="A model of encoded ids: a dense feature a number, a single-valued sparse "
+        "feature an integer id, a bag feature a list of integer ids. A model trained from raw "
+        "events (GET /v1/model `id_space` not null): a single-valued feature one raw id (string "
+        "or integer), a bag a list of raw ids, null or absent for none; `ts` optional unix "
+        "seconds."
     ),
 ]
 
 _EXAMPLE: JsonDict = {
     "examples": [
         {"user": 12, "item": 345, "genres": [1, 7], "hour_sin": 0.3, "hour_cos": -0.95},
+    ]
+}
+_RAW_EXAMPLE: JsonDict = {
+    "examples": [
+        {"user": "u1", "item": 42, "genres": ["Drama", "Comedy"], "ts": 1700000000},
+        {"user": "new-user", "item": 7},
     ]
 }
 
@@ -47,16 +57,25 @@ class PredictRequest(BaseModel):
     one 770 KB body of bad values).
     """
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [_EXAMPLE]})
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [_EXAMPLE, _RAW_EXAMPLE]}
+    )
 
     examples: list[SkipValidation[dict[str, FeatureValue]]] = Field(
         min_length=1,
-        description="Each example maps every feature of the model config (GET /v1/model, "
-        "`features`) to a value: dense features a finite number, single-valued sparse features "
-        "an integer id in [0, rows), bag features a list of such ids. Ids outside a table are a "
-        "422 unless the model declares hashing (then ids are folded in by modulo). Unknown or "
-        "missing features are a 422; more examples than the server's cap, or a body above its "
-        "byte cap, a 413.",
+        description="A model of encoded ids (GET /v1/model `id_space` null): each example maps "
+        "every feature of the model config (GET /v1/model, `features`) to a value: dense "
+        "features a finite number, single-valued sparse features an integer id in [0, rows), "
+        "bag features a list of such ids. Ids outside a table are a 422 unless the model "
+        "declares hashing (then ids are folded in by modulo). Unknown or missing features are "
+        "a 422. A model trained from raw events (`id_space` not null): each example maps its "
+        "sparse and bag features to raw ids as the events carry them (a string or an integer, "
+        '`42` and `"42"` being one id; a list of them for a bag; null or absent: none, read '
+        "as row 0 or an empty bag) and optionally `ts`, the example's unix time (default: the "
+        "request time); the dense features are derived by the server (kind `derived`), never "
+        "sent; ids the served version does not know are served by row 0 and counted in "
+        "`unknown_ids`; unknown names are a 422. More examples than the server's cap, or a "
+        "body above its byte cap, are a 413.",
     )
 
     @model_validator(mode="before")
@@ -78,14 +97,51 @@ class PredictResponse(BaseModel):
     model: str = Field(description="model name")
     version: int = Field(description="the one version every score was computed with")
     scores: list[float] = Field(description="click/like probability per example (sigmoid)")
+    unknown_ids: dict[str, int] | None = Field(
+        default=None,
+        description="a model trained from raw events: per feature, the ids of this request "
+        "the served version does not know, each served by row 0 (the unknown row of a dynamic "
+        "id space; always 0 in a hashed one). Absent for a model of encoded ids.",
+    )
 
 
 class FeatureInfo(BaseModel):
     """One input feature of the served model."""
 
     name: str
-    kind: Literal["dense", "sparse", "bag"]
+    kind: Literal["dense", "sparse", "bag", "derived"] = Field(
+        description="`derived`: a dense input the server computes (a model trained from raw "
+        "events), never sent"
+    )
     rows: int | None = Field(default=None, description="table size of a sparse/bag feature")
+
+
+class IdTableInfo(BaseModel):
+    """The id map of one table of a model trained from raw events, at the served version."""
+
+    feature: str
+    table: str = Field(description="the table (module) name in manifests")
+    rows: int
+    ids_held: int | None = Field(description="ids holding a row (null in a hashed id space)")
+    capacity: int | None = Field(
+        description="most ids that can hold a row at once: every row but the unknown row 0 "
+        "(null in a hashed id space)"
+    )
+
+
+class IdSpaceInfo(BaseModel):
+    """How the server maps the raw ids of a model trained from raw events."""
+
+    mode: Literal["dynamic", "hash"] = Field(
+        description="`dynamic`: a collision-free id map, unknown ids served by row 0; `hash`: "
+        "blake2b-64 of the id modulo the table's rows"
+    )
+    unknown_row: int | None = Field(description="the row unknown ids read (null when hashed)")
+    count_features: list[str] = Field(
+        description="features whose prior count (from the id map) is a derived input"
+    )
+    time_features: bool = Field(description="hour and day-of-week of `ts` are derived inputs")
+    tables: list[IdTableInfo]
 
 
 class ModelInfo(BaseModel):
@@ -121,6 +177,11 @@ class ModelInfo(BaseModel):
     model_memory_bytes: int = Field(description="bytes of model tensors held, every copy")
     hashing: bool = Field(description="ids outside a table are folded in by modulo")
     features: list[FeatureInfo]
+    id_space: IdSpaceInfo | None = Field(
+        default=None,
+        description="a model trained from raw events: how raw ids are mapped (predict takes "
+        "raw ids); null for a model of encoded ids",
+    )
     metrics: dict[str, float] = Field(description="online metrics the trainer recorded")
 
 

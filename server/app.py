@@ -28,7 +28,7 @@ from publisher.read.follower import VersionFollower
 from publisher.store import StoreUnavailableError, open_store
 from server.dependencies import ServerState
 from server.errors import NotBootstrappedError, shown_input
-from server.feature_batch import MAX_REPORTED_ERRORS, FeatureValidationError
+from server.feature_problems import MAX_REPORTED_ERRORS, FeatureValidationError
 from server.follow_loop import FollowLoop
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics

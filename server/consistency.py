@@ -11,10 +11,10 @@ reader may wait for and in memory:
   copying only the rows the plan touched from the new live copy. Readers never wait for a write.
   Memory: 2 x the model, plus the decoded rows of one delta while it is written.
 
-``rwlock``: one copy behind a writer-preferring reader-writer lock. Rows are decoded outside the
-  lock; the lock is then taken for writing and the rows are scattered in (one vectorised
-  assignment per table), so new predictions wait for in-flight ones to finish plus the scatter,
-  which grows with the delta.
+``rwlock``: one copy behind a writer-preferring reader-writer lock. Rows are decoded and id-map
+  entries checked against the maps outside the lock; the lock is then taken for writing and the
+  rows are scattered in (one vectorised assignment per table) and the entries applied, so new
+  predictions wait for in-flight ones to finish plus the scatter, which grows with the delta.
   A full version (or a new architecture) is built as a new copy beside the old one and swapped in
   by pointer under the lock. Memory: 1 x the model in steady state, 2 x while a full is built.
 
@@ -47,7 +47,14 @@ from datetime import UTC, datetime
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import VersionRef
 from server.errors import ApplyError, NotBootstrappedError
-from server.model_buffer import FetchedVersion, FetchFn, ModelBuffer, ServedVersion, Touched
+from server.model_buffer import (
+    FetchedVersion,
+    FetchFn,
+    ModelBuffer,
+    ServedVersion,
+    Touched,
+    merge_id_rows,
+)
 from server.settings import ConsistencyScheme
 
 log = logging.getLogger(__name__)
@@ -367,11 +374,15 @@ class ReaderWriterSlot(ModelSlot):
             buffer.check(fetched)
             fetched_all.append(fetched)
         decoded = [(f.decode_rows(), f.dense or {}) for f in fetched_all]
+        # The plan's id-map writes as one per table, checked while readers still run: under
+        # the lock they are only made, and cannot fail half-way.
+        id_writes = buffer.check_id_rows(merge_id_rows(fetched_all))
         served = ServedVersion(plan[-1], _now())
 
         def scatter() -> None:
             for rows, dense in decoded:
                 buffer.assign_rows(rows, dense)
+            buffer.write_id_maps(id_writes)
             buffer.served = served
 
         pause = self._locked(scatter)

@@ -9,8 +9,9 @@ Each example maps every feature of the model config to a value:
 
 Ids must lie in `[0, rows)` of the feature's table, unless the config declares `hashing`, in
 which case any int64 is folded in by modulo. Every problem found is reported (up to a cap), each
-with its location `["body", "examples", i, feature]`, in FastAPI's validation-error shape, so a
-client sees all its mistakes in one 422.
+with its location `["body", "examples", i, feature]` (server/feature_problems.py), so a client
+sees all its mistakes in one 422. (A model trained from raw events takes raw ids instead:
+server/raw_ids.py.)
 
 This is the only check of what an example holds (the request model leaves its items to it), so the
 work stays bounded by the body size: names are looked up, and messages built only for the
@@ -23,44 +24,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from publisher.dlrm import DLRMConfig, SparseBatch
-from schemas.errors import BadDataError
-from server.errors import shown_input
+from server.feature_problems import Problems
 
-#: problems reported per request; the rest are summarised in one last entry.
-MAX_REPORTED_ERRORS = 50
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-@dataclass(frozen=True)
-class FeatureProblem:
-    """One invalid value: where, what and a machine-readable type."""
-
-    example: int | None
-    feature: str | None
-    message: str
-    type: str
-
-    def as_detail(self) -> dict[str, Any]:
-        loc: list[str | int] = ["body", "examples"]
-        if self.example is not None:
-            loc.append(self.example)
-        if self.feature is not None:
-            loc.append(self.feature)
-        return {"loc": loc, "msg": self.message, "type": self.type}
-
-
-class FeatureValidationError(BadDataError, ValueError):
-    """The examples do not match the served model's features; `.problems` says where."""
-
-    def __init__(self, problems: list[FeatureProblem]) -> None:
-        super().__init__(f"{len(problems)} invalid feature value(s): {problems[0].message}")
-        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -75,54 +46,9 @@ class FeatureBatch:
         return int(self.dense.shape[0])
 
 
-class _Problems:
-    def __init__(self) -> None:
-        self.items: list[FeatureProblem] = []
-        self.dropped = 0
-
-    def add(self, example: int | None, feature: str | None, message: str, kind: str) -> None:
-        if len(self.items) < MAX_REPORTED_ERRORS:
-            self.items.append(FeatureProblem(example, feature, message, kind))
-        else:
-            self.dropped += 1
-
-    def room(self) -> int:
-        """Problems that will still be reported one by one."""
-        return MAX_REPORTED_ERRORS - len(self.items)
-
-    def add_unreported(self, count: int) -> None:
-        self.dropped += count
-
-    def raise_if_any(self) -> None:
-        if not self.items:
-            return
-        if self.dropped:
-            self.items.append(
-                FeatureProblem(None, None, f"... and {self.dropped} more problems", "too_many")
-            )
-        raise FeatureValidationError(self.items)
-
-
 def _is_int(value: object) -> bool:
     # bool is an int subclass in Python, but `true` is not an id.
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_names(
-    i: int, example: Mapping[str, object], known: set[str], problems: _Problems
-) -> None:
-    unknown = [k for k in example if k not in known]
-    shown = unknown[: max(0, problems.room())]
-    for name in shown:
-        problems.add(
-            i,
-            shown_input(name),
-            f"unknown feature '{shown_input(name)}'; the model takes {sorted(known)}",
-            "unknown_feature",
-        )
-    problems.add_unreported(len(unknown) - len(shown))
-    for name in sorted(known - example.keys()):
-        problems.add(i, name, f"missing feature {name!r}", "missing_feature")
 
 
 def build_batch(
@@ -136,12 +62,12 @@ def build_batch(
 
     Raises FeatureValidationError listing every invalid, unknown or missing feature.
     """
-    problems = _Problems()
+    problems = Problems()
     known = {*config.dense, *(f.name for f in config.sparse)}
     checked: list[Mapping[str, object]] = []
     for i, example in enumerate(examples):
         if isinstance(example, Mapping):
-            _check_names(i, example, known, problems)
+            problems.check_names(i, example, known, required=known)
             checked.append(example)
         else:
             problems.add(
@@ -156,9 +82,9 @@ def build_batch(
     dense = np.zeros((n, len(config.dense)), dtype=np.float32)
     for j, name in enumerate(config.dense):
         for i, example in enumerate(checked):
-            value = example.get(name)
-            if value is None:
+            if name not in example:
                 continue  # reported as missing
+            value = example[name]  # null is a wrong type, not a 0
             if isinstance(value, bool) or not isinstance(value, int | float):
                 problems.add(
                     i,
@@ -183,9 +109,9 @@ def build_batch(
         lengths = np.zeros(n, dtype=np.int64)
         flat: list[int] = []
         for i, example in enumerate(checked):
-            value = example.get(name)
-            if value is None:
-                continue
+            if name not in example:
+                continue  # reported as missing
+            value = example[name]  # null is a wrong type, not an empty bag
             if feature.bag:
                 if not isinstance(value, list):
                     problems.add(
@@ -267,7 +193,7 @@ def check_scores(scores: torch.Tensor, version: int) -> None:
     bad = torch.nonzero(~torch.isfinite(scores)).flatten().tolist()
     if not bad:
         return
-    problems = _Problems()
+    problems = Problems()
     for i in bad[: problems.room()]:
         problems.add(
             i,

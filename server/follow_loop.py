@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from publisher.codecs import CodecError
+from publisher.id_map import IdMapError
 from publisher.memory_budget import MemoryBudgetError
 from publisher.read.follower import VersionFollower
 from publisher.store import IntegrityError, StoreError
@@ -57,6 +58,8 @@ def rejection_reason(exc: BadDataError) -> str:
         return "non_finite"
     if isinstance(exc, ApplyError):
         return "layout"
+    if isinstance(exc, IdMapError):  # id-map entries that break the served map's rules
+        return "id_map"
     return "restore"
 
 

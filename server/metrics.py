@@ -256,6 +256,20 @@ class ServerMetrics:
             Histogram(f"{p}predict_seconds", "Seconds per predict request (validation + model).")
         )
         self.predict_examples = self._add(Counter(f"{p}predict_examples_total", "Examples scored."))
+        self.raw_ids = self._add(
+            Counter(
+                f"{p}raw_ids_total",
+                "Raw ids mapped in predict requests (models trained from raw events), by feature.",
+                ["feature"],
+            )
+        )
+        self.unknown_ids = self._add(
+            Counter(
+                f"{p}unknown_ids_total",
+                "Raw ids the served version did not know (served by row 0), by feature.",
+                ["feature"],
+            )
+        )
         self.requests = self._add(
             Counter(
                 f"{p}http_requests_total",

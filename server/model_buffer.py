@@ -6,50 +6,92 @@ and the dense tensor blob through `get_verified` + `decode_tensors`, so a follow
 exactly what a restore verifies. Nothing is written to a model before every blob of the version
 has passed.
 
+A model trained from raw events (`extra["live"]`) also carries an id-map blob beside each table
+blob (docs/FORMAT.md section 7); it is fetched, verified and decoded with the table's, by the
+restore path's own `publisher.read.id_map_rows.read_id_entries`, and a bad one rejects the
+version like a bad table blob.
+
 A `ModelBuffer` is a `DLRM` with its weights reachable by table name and dense state name, plus
-the version it holds. Writing a version decodes rows straight into the buffer's tensors through
+the version it holds, and for a model trained from raw events one `IdMap` per table: each copy
+of the model holds its own maps, written with its rows, so that swapping a copy in swaps rows
+and maps together and a prediction maps its ids with the version whose rows it reads.
+
+Writing a version decodes rows straight into the buffer's tensors through
 `publisher.read.blob_rows`, the restore path's own blob-to-rows code (a full table decodes in
-place, a delta's rows are scattered in by one vectorised assignment per table), and records what
-it touched, so a second buffer can be brought level by repeating only those writes
-(server/consistency.py).
+place, a delta's rows are scattered in by one vectorised assignment per table), applies the
+id-map entries of those rows (`IdMap.apply`, checked and atomic), and records what it touched,
+so a second buffer can be brought level by repeating only those writes (server/consistency.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from datetime import datetime
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from publisher.dlrm import DLRM, DLRMConfig, table_weight_names
+from publisher.id_map import IdMap, IdMapWrite
+from publisher.live_features import LiveSpec
 from publisher.memory_budget import MemoryBudget
 from publisher.read.blob_rows import BlobRows, decode_blob, write_blob
 from publisher.read.catalog import VersionRef
+from publisher.read.id_map_rows import read_id_entries
 from publisher.read.restore import read_blob
 from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob
+from schemas.id_map_blob import IdEntries
 from schemas.manifest import Manifest, TableEntry
 from schemas.tensor_blob import decode_tensors
 from server.errors import ApplyError, NonFiniteError
+from server.raw_ids import live_spec_of, new_id_maps
 
 #: blobs of one version fetched at once (network-bound on S3; hashing releases the GIL).
 FETCH_CONCURRENCY = 4
 
 
 @dataclass(frozen=True)
+class IdMapRows:
+    """Id-map entries of some rows of one table, in row order: what a version writes to the
+    table's map, kept so that the write can be repeated on the second copy or made later."""
+
+    ids: npt.NDArray[np.int64]  # (n,), strictly increasing
+    entries: IdEntries
+
+    @staticmethod
+    def merge(older: IdMapRows, newer: IdMapRows) -> IdMapRows:
+        """The entries of both row sets, `newer`'s where both hold a row (a later version)."""
+        ids = np.union1d(older.ids, newer.ids)
+        entries = IdEntries.merge(ids, older.entries, older.ids, newer.entries, newer.ids)
+        return IdMapRows(ids, entries)
+
+
+@dataclass(frozen=True)
 class FetchedTable:
-    """One table's verified, parsed blob (codes still encoded)."""
+    """One table's verified, parsed blob (codes still encoded), and its id-map entries (a
+    model trained from raw events)."""
 
     entry: TableEntry
     blob: DeltaBlob
+    id_entries: IdEntries | None = None
+    #: whether the id-map blob says its map is hashed (checked against the served model).
+    id_map_hashed: bool = False
 
     @property
     def name(self) -> str:
         return self.entry.name
+
+    def id_rows(self) -> IdMapRows | None:
+        """The id-map write of this table (its blob's rows), if it carries one."""
+        if self.id_entries is None:
+            return None
+        # The blob's ids are a view of the fetched bytes: an own copy does not keep them alive.
+        return IdMapRows(self.blob.row_ids.copy(), self.id_entries)
 
 
 @dataclass(frozen=True)
@@ -74,6 +116,20 @@ class FetchedVersion:
         return decoded
 
 
+def merge_id_rows(versions: Sequence[FetchedVersion]) -> dict[str, IdMapRows]:
+    """Per table, the id-map entries `versions` (in order) leave on the rows they carry: what
+    applying them one after the other writes to a map."""
+    merged: dict[str, IdMapRows] = {}
+    for fetched in versions:
+        for table in fetched.tables:
+            rows = table.id_rows()
+            if rows is None or not rows.ids.size:
+                continue
+            older = merged.get(table.name)
+            merged[table.name] = rows if older is None else IdMapRows.merge(older, rows)
+    return merged
+
+
 def check_finite(manifest: Manifest, what: str, values: np.ndarray) -> None:
     """NonFiniteError unless every value of `values` is finite.
 
@@ -96,21 +152,30 @@ def fetch_version(
 
     Raises IntegrityError, FormatError (and its subclasses) or RestoreError on the first blob
     that fails; nothing is returned half-verified. The optimizer blob is not fetched: serving
-    needs no optimizer state.
+    needs no optimizer state. A table's id-map blob is fetched when its entry names one (the
+    buffer's `check_manifest` has checked that the model expects it; its `check` that the
+    blob's mode is the model's).
     """
     manifest = ref.manifest
     entries = list(manifest.tables)
+
+    def read(entry: TableEntry) -> FetchedTable:
+        blob = read_blob(store, entry)
+        if entry.id_map is None:
+            return FetchedTable(entry, blob)
+        id_entries, hashed = read_id_entries(store, entry)
+        return FetchedTable(entry, blob, id_entries, hashed)
+
     if pool is not None and len(entries) > 1:
-        blobs = list(pool.map(lambda e: read_blob(store, e), entries))
+        tables = tuple(pool.map(read, entries))
     else:
-        blobs = [read_blob(store, e) for e in entries]
-    fetched = sum(e.blob.size for e in entries)
+        tables = tuple(read(e) for e in entries)
+    fetched = sum(e.blob.size + (0 if e.id_map is None else e.id_map.size) for e in entries)
     dense: dict[str, np.ndarray] | None = None
     if manifest.dense is not None:
         d = manifest.dense
         dense, _ = decode_tensors(store.get_verified(d.key, d.size, d.sha256))
         fetched += d.size
-    tables = tuple(FetchedTable(e, b) for e, b in zip(entries, blobs, strict=True))
     return FetchedVersion(ref=ref, tables=tables, dense=dense, bytes_fetched=fetched)
 
 
@@ -132,28 +197,43 @@ class ServedVersion:
 
 @dataclass
 class Touched:
-    """What writing a plan changed in a buffer: whole tables, and per table the row writes
-    (ids and the decoded values, in order) after the last whole-table write; dense or not.
+    """What writing a plan changed in a buffer: whole tables (with their id maps), and per
+    table the row writes (ids and the decoded values, in order) and the id-map writes after the
+    last whole-table write; dense or not.
 
-    Keeping the decoded values lets the second copy of a double buffer replay the same writes
-    (no gather from the live copy, no second allocation of the rows).
+    Keeping the decoded values and entries lets the second copy of a double buffer replay the
+    same writes (no gather from the live copy, no second allocation of the rows).
     """
 
     whole: set[str] = field(default_factory=set)
     rows: dict[str, list[BlobRows]] = field(default_factory=dict)
+    id_writes: dict[str, list[IdMapWrite]] = field(default_factory=dict)
     dense: bool = False
 
     def add_whole(self, name: str) -> None:
         self.whole.add(name)
-        self.rows.pop(name, None)  # the whole table is copied; earlier row writes are moot
+        # The whole table (and map) is copied; earlier row writes are moot.
+        self.rows.pop(name, None)
+        self.id_writes.pop(name, None)
 
     def add_rows(self, name: str, rows: BlobRows) -> None:
         if rows.ids.size:
             self.rows.setdefault(name, []).append(rows)
 
+    def add_id_write(self, name: str, write: IdMapWrite) -> None:
+        if write.rows.size and name not in self.whole:
+            self.id_writes.setdefault(name, []).append(write)
+
     def row_ids(self, name: str) -> np.ndarray:
-        parts = [rows.ids for rows in self.rows[name]]
-        return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+        return _union(rows.ids for rows in self.rows[name])
+
+    def id_row_ids(self, name: str) -> np.ndarray:
+        return _union(write.rows for write in self.id_writes[name])
+
+
+def _union(parts_iter: Iterable[np.ndarray]) -> np.ndarray:
+    parts = list(parts_iter)
+    return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
 
 
 def model_state_names(model: DLRM) -> tuple[dict[str, str], list[str]]:
@@ -174,6 +254,10 @@ class ModelBuffer:
 
     def __init__(self, config: DLRMConfig, model: DLRM | None = None) -> None:
         self.config = config
+        #: the inputs of a model trained from raw events (None: the client sends encoded ids),
+        #: and then its id maps by table name, written with the rows of each version.
+        self.live: LiveSpec | None = live_spec_of(config)
+        self.id_maps: dict[str, IdMap] = {} if self.live is None else new_id_maps(config, self.live)
         self.model = model if model is not None else DLRM(config)
         self.model.eval()
         self.model.requires_grad_(False)  # in-place writes on leaves need no autograd
@@ -191,15 +275,18 @@ class ModelBuffer:
         `copies` models of it fit `budget` (MemoryBudgetError before anything is allocated)."""
         try:
             config = DLRMConfig.from_json(manifest.model_config_)
-        except ValueError as exc:
+            live_spec_of(config)
+        except ValueError as exc:  # ArchitectureError, LiveSpecError
             raise ApplyError(f"version {manifest.version}: {exc}") from exc
         budget.check_model(manifest, config, copies)
         return cls(config)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the model's tensors and (approximately) its id maps."""
         tensors = [*self.tables.values(), *self.dense.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        maps = sum(m.nbytes for m in self.id_maps.values())
+        return sum(t.numel() * t.element_size() for t in tensors) + maps
 
     def forward(self, dense: torch.Tensor, sparse: Mapping[str, object]) -> torch.Tensor:
         """Logits of a batch (callers hold a reader on this buffer)."""
@@ -223,13 +310,22 @@ class ModelBuffer:
         )
 
     def check_manifest(self, m: Manifest) -> None:
-        """Raise ApplyError unless `m` describes this buffer's architecture and table shapes:
-        checked before its blobs are fetched, whose decode caps come from those shapes."""
+        """Raise ApplyError unless `m` describes this buffer's architecture and table shapes,
+        and carries an id-map blob for every table exactly when the model was trained from raw
+        events: checked before its blobs are fetched, whose decode caps come from those shapes."""
         if not self.fits(m):
             raise ApplyError(
                 f"version {m.version} ({m.kind}) has another architecture or table shapes than "
                 f"the served model: tables {[(e.name, e.rows, e.dim) for e in m.tables]}, "
                 f"served {[(n, *t.shape) for n, t in self.tables.items()]}"
+            )
+        wrong = [e.name for e in m.tables if (e.id_map is None) == (self.live is not None)]
+        if wrong:
+            expected = "an id-map blob" if self.live is not None else "no id-map blob"
+            raise ApplyError(
+                f"version {m.version}: tables {wrong} of a model "
+                f"{'trained from raw events' if self.live is not None else 'of encoded ids'} "
+                f"must each carry {expected} (docs/FORMAT.md section 7)"
             )
 
     def check(self, fetched: FetchedVersion) -> None:
@@ -245,6 +341,14 @@ class ModelBuffer:
             absent = set(self.dense) - set(fetched.dense)
             if absent:
                 raise ApplyError(f"full version {m.version} lacks dense tensors {sorted(absent)}")
+        hashed = self.live is not None and self.live.id_space == "hash"
+        for table in fetched.tables:
+            if table.id_entries is not None and table.id_map_hashed != hashed:
+                raise ApplyError(
+                    f"version {m.version}: the id-map blob of table {table.name!r} is of a "
+                    f"{'hashed' if table.id_map_hashed else 'dynamic'} map; the model's id "
+                    f"space is {'hash' if hashed else 'dynamic'}"
+                )
         if fetched.dense is not None:
             for name, value in fetched.dense.items():
                 target = self.dense.get(name)
@@ -274,6 +378,14 @@ class ModelBuffer:
                 touched.add_rows(table.name, rows)
             what = f"rows of table {table.name!r}"
             check_finite(fetched.manifest, what, weights if rows is None else rows.values)
+            id_rows = table.id_rows()
+            if id_rows is not None:
+                # IdMapError leaves the map as it was; the rows just written are repaired
+                # with the rest of `touched` by the caller.
+                id_map = self.id_maps[table.name]
+                checked = id_map.check(id_rows.ids, id_rows.entries)
+                id_map.write(checked)
+                touched.add_id_write(table.name, checked)
         if fetched.dense is not None:
             for name, value in fetched.dense.items():
                 self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
@@ -286,6 +398,17 @@ class ModelBuffer:
         for name, value in dense.items():
             self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
 
+    def check_id_rows(self, updates: Mapping[str, IdMapRows]) -> dict[str, IdMapWrite]:
+        """The checked writes of `updates` to this buffer's maps (IdMapError if one does not
+        apply). It reads the maps only: the reader-writer scheme checks before its write lock."""
+        return {n: self.id_maps[n].check(rows.ids, rows.entries) for n, rows in updates.items()}
+
+    def write_id_maps(self, writes: Mapping[str, IdMapWrite]) -> None:
+        """Make writes `check_id_rows` returned (the reader-writer scheme's critical section:
+        nothing else writes the maps in between, so none fails half-way or is checked twice)."""
+        for name, checked in writes.items():
+            self.id_maps[name].write(checked)
+
     def copy_from(self, source: ModelBuffer, touched: Touched) -> None:
         """Make the `touched` parts of this buffer bitwise equal to `source`'s, by gathering
         them from `source` (repairs a buffer whose write failed half-way)."""
@@ -296,6 +419,10 @@ class ModelBuffer:
                 continue
             ids = touched.row_ids(name)
             self.tables[name].numpy()[ids] = source.tables[name].numpy()[ids]
+        for name in touched.id_writes:
+            ids = touched.id_row_ids(name)
+            self.id_maps[name].apply(ids, source.id_maps[name].entries(ids))
+        self._level_maps(source, touched)
         self._level_dense(source, touched)
 
     def replay(self, source: ModelBuffer, touched: Touched) -> None:
@@ -307,7 +434,19 @@ class ModelBuffer:
         for name, writes in touched.rows.items():
             for rows in writes:
                 rows.scatter(self.tables[name].numpy())
+        # The writes were checked on `source`'s maps, equal to these before them.
+        for name, id_writes in touched.id_writes.items():
+            for checked in id_writes:
+                self.id_maps[name].write(checked)
+        self._level_maps(source, touched)
         self._level_dense(source, touched)
+
+    def _level_maps(self, source: ModelBuffer, touched: Touched) -> None:
+        # A whole table's map is copied in place (array copies and one dict copy), not
+        # re-applied row by row.
+        for name in touched.whole:
+            if name in self.id_maps:
+                self.id_maps[name].load_from(source.id_maps[name])
 
     def _level_dense(self, source: ModelBuffer, touched: Touched) -> None:
         if touched.dense:
@@ -323,12 +462,28 @@ class ModelBuffer:
         return other
 
     def digest(self) -> dict[str, str]:
-        """sha256 of every table's and dense tensor's bytes (fleet consistency checks)."""
+        """sha256 of every table's and dense tensor's bytes and of every id map (as
+        `<table>.id_map`: its rows' ids, counts and last-seen times), for fleet checks."""
         out: dict[str, str] = {}
         for name, tensor in [*sorted(self.tables.items()), *sorted(self.dense.items())]:
             # hashlib reads the array's buffer directly (no copy) and releases the GIL.
             out[name] = hashlib.sha256(np.ascontiguousarray(tensor.numpy()).data).hexdigest()
+        for name, id_map in sorted(self.id_maps.items()):
+            out[f"{name}.id_map"] = id_map_digest(id_map)
         return out
+
+
+def id_map_digest(id_map: IdMap) -> str:
+    """sha256 of a map's state: every row's key (UTF-8, length-prefixed: a key may hold any
+    character), then the counts and last-seen times."""
+    digest = hashlib.sha256()
+    entries = id_map.entries(np.arange(id_map.rows, dtype=np.int64))
+    for key in entries.keys:
+        data = key.encode("utf-8")
+        digest.update(len(data).to_bytes(2, "little") + data)
+    digest.update(np.ascontiguousarray(entries.counts).data)
+    digest.update(np.ascontiguousarray(entries.last_seen).data)
+    return digest.hexdigest()
 
 
 FetchFn = Callable[[VersionRef], FetchedVersion]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, status
 
+from publisher.id_map import UNKNOWN_ROW
 from publisher.read.catalog import NoVersionError
 from publisher.store import StoreError
 from schemas.errors import BadDataError
@@ -13,6 +14,8 @@ from server.api_models import (
     DigestResponse,
     ErrorResponse,
     FeatureInfo,
+    IdSpaceInfo,
+    IdTableInfo,
     ModelInfo,
     PinRequest,
     UnpinResponse,
@@ -20,6 +23,7 @@ from server.api_models import (
 from server.dependencies import AdminDep, LiveModelDep, StateDep
 from server.errors import NotBootstrappedError
 from server.live_model import LiveModel
+from server.model_buffer import ModelBuffer
 
 router = APIRouter(prefix="/v1/model", tags=["model"])
 
@@ -36,15 +40,48 @@ _ADMIN: dict[int | str, dict[str, Any]] = {
 }
 
 
+def id_space_info(buffer: ModelBuffer) -> IdSpaceInfo | None:
+    """How `buffer` maps raw ids (None for a model of encoded ids); O(tables)."""
+    spec = buffer.live
+    if spec is None:
+        return None
+    hashed = spec.id_space == "hash"
+    tables = []
+    for feature, table in buffer.config.table_names.items():
+        id_map = buffer.id_maps[table]
+        tables.append(
+            IdTableInfo(
+                feature=feature,
+                table=table,
+                rows=id_map.rows,
+                ids_held=None if hashed else len(id_map),
+                capacity=None if hashed else id_map.capacity,
+            )
+        )
+    return IdSpaceInfo(
+        mode="hash" if hashed else "dynamic",
+        unknown_row=None if hashed else UNKNOWN_ROW,
+        count_features=list(spec.count_features),
+        time_features=spec.time_features,
+        tables=tables,
+    )
+
+
 def model_info(live: LiveModel, rejected: int) -> ModelInfo:
-    """The /v1/model document of the served version."""
-    buffer = live.slot.current()
-    if buffer is None or buffer.served is None:
+    """The /v1/model document of the served version (read under one reader, so the id maps
+    described are the served version's)."""
+    with live.reader() as buffer:
+        return _model_info(live, buffer, rejected)
+
+
+def _model_info(live: LiveModel, buffer: ModelBuffer, rejected: int) -> ModelInfo:
+    if buffer.served is None:
         raise NotBootstrappedError("no version is served yet")
     served = buffer.served
     m = served.manifest
     config = buffer.config
-    features = [FeatureInfo(name=d, kind="dense") for d in config.dense]
+    dense_kind: Literal["dense", "derived"] = "dense" if buffer.live is None else "derived"
+    features = [FeatureInfo(name=d, kind=dense_kind) for d in config.dense]
     features += [
         FeatureInfo(name=f.name, kind="bag" if f.bag else "sparse", rows=f.rows)
         for f in config.sparse
@@ -73,6 +110,7 @@ def model_info(live: LiveModel, rejected: int) -> ModelInfo:
         model_memory_bytes=live.nbytes(),
         hashing=config.hashing,
         features=features,
+        id_space=id_space_info(buffer),
         metrics=dict(m.metrics),
     )
 

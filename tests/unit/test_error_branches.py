@@ -41,7 +41,7 @@ from schemas.errors import (
 )
 from schemas.tensor_blob import TensorBlobError
 from server.errors import ApplyError, NotBootstrappedError, PinnedError, ShuttingDownError
-from server.feature_batch import FeatureValidationError
+from server.feature_problems import FeatureValidationError
 from trainer.checkpointer import CheckpointError
 from trainer.streams.base import DataError
 

@@ -193,12 +193,31 @@ def entries_of(*keys: str, counts: list[int] | None = None) -> IdEntries:
         ),
     ],
 )
-def test_apply_is_checked_and_atomic(rows: list[int], entries: IdEntries, message: str) -> None:
+@pytest.mark.parametrize("method", ["apply", "check"])
+def test_apply_is_checked_and_atomic(
+    rows: list[int], entries: IdEntries, message: str, method: str
+) -> None:
+    # `check` refuses what `apply` refuses, and neither changes the map.
     m = filled()
     before = state(m)
     with pytest.raises(IdMapError, match=message):
-        m.apply(np.array(rows, dtype=np.int64), entries)
+        getattr(m, method)(np.array(rows, dtype=np.int64), entries)
     assert state(m) == before
+
+
+def test_a_checked_write_is_what_apply_does_on_the_map_or_an_equal_copy() -> None:
+    m = filled()
+    before = state(m)
+    moved = IdEntries(np.array([False, True]), np.array([0, 1]), np.array([0.0, 2.0]), ("", "a"))
+    checked = m.check(np.array([1, 4]), moved)
+    assert state(m) == before  # check only reads
+    twin = m.copy()
+    m.write(checked)
+    twin.write(checked)  # a server's second copy of the model replays the same write
+    applied = filled()
+    applied.apply(np.array([1, 4]), moved)
+    assert state(m) == state(twin) == state(applied)
+    assert m.row_of("a") == 4 and m.key_of(1) is None
 
 
 def test_a_hashed_map_applies_counts_but_no_keys() -> None:

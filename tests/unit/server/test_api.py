@@ -170,6 +170,7 @@ def test_model_info(served: Served) -> None:
     assert info["consistency"] == "double-buffer"
     kinds = {f["name"]: f["kind"] for f in info["features"]}
     assert kinds == {"d0": "dense", "d1": "dense", "f0": "sparse", "f1": "sparse", "tags": "bag"}
+    assert info["id_space"] is None  # the client sends encoded ids
 
 
 def test_openapi_documents_the_api(served: Served) -> None:
@@ -211,6 +212,7 @@ def test_follows_announced_versions_and_scores_match_the_trainer(served: Served)
     r = served.client.post("/v1/predict", json={"examples": batch})
     assert r.status_code == 200
     body = r.json()
+    assert set(body) == {"model", "version", "scores"}  # no `unknown_ids`: encoded ids
     assert body["model"] == "m" and body["version"] == v3
     np.testing.assert_allclose(body["scores"], model_scores(served.run.model, batch), atol=1e-6)
 

@@ -8,12 +8,8 @@ import pytest
 import torch
 
 from bench.synthetic_run import small_config
-from server.feature_batch import (
-    MAX_REPORTED_ERRORS,
-    FeatureProblem,
-    FeatureValidationError,
-    build_batch,
-)
+from server.feature_batch import build_batch
+from server.feature_problems import MAX_REPORTED_ERRORS, FeatureProblem, FeatureValidationError
 
 CONFIG = small_config(rows=(10, 5), bag_rows=4)
 
@@ -68,6 +64,14 @@ def test_hashing_folds_any_int64() -> None:
     assert batch.sparse["tags"].values.tolist() == [3]
     with pytest.raises(FeatureValidationError):
         build_batch([ex(f0=2**63)], hashed)
+
+
+def test_nulls_are_wrong_types_not_zeros() -> None:
+    # null was read as 0 (dense) or an empty bag (sparse) and scored without a word.
+    with pytest.raises(FeatureValidationError) as info:
+        build_batch([ex(d0=None, f0=None, tags=None)], CONFIG)
+    found = {(p.feature, p.type) for p in info.value.problems}
+    assert found == {("d0", "wrong_type"), ("f0", "wrong_type"), ("tags", "wrong_type")}
 
 
 def test_bools_are_not_numbers_or_ids() -> None:

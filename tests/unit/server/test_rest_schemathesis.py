@@ -3,6 +3,7 @@
 A real server (create_app under uvicorn on loopback) serves a small synthetic model from a file
 store, with an admin token configured, so the generated requests reach every route: predict with
 arbitrary bodies, admin endpoints without a token or with a wrong one (401), metrics and probes.
+Run twice: a model of encoded ids, and a model trained from raw events (raw-id predictions).
 Bounded: a fixed number of examples per operation and no hypothesis deadline (a shared 2-core
 machine makes per-example timings meaningless); the whole module takes well under a minute.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
+from bench.synthetic_live import SyntheticLiveRun  # noqa: E402
 from bench.synthetic_run import SyntheticRun, small_config  # noqa: E402
 from publisher.store import FileStore  # noqa: E402
 from server.app import create_app  # noqa: E402
@@ -33,15 +35,31 @@ TOKEN = "schemathesis-admin-token-4b1d"
 MAX_EXAMPLES = 60
 
 
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root: Path = tmp_path_factory.mktemp("schemathesis")
-    store = FileStore(root / "store")
+def _publish_encoded(store: FileStore) -> Callable[[], None]:
     run = SyntheticRun(store, "m", small_config())
     run.train(2)
     run.publish("full")
     run.train(2)
     run.publish("delta")
+    return run.close
+
+
+def _publish_live(store: FileStore) -> Callable[[], None]:
+    run = SyntheticLiveRun(store, "m")
+    run.train([{"user": f"u{i}", "item": i, "genres": ["a"], "ts": 1e9 + i} for i in range(8)])
+    run.publish()
+    run.train([{"user": "u1", "item": "new", "ts": 1e9 + 60}])
+    run.publish()
+    return run.close
+
+
+@pytest.fixture(scope="module", params=["encoded", "live"])
+def base_url(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    root: Path = tmp_path_factory.mktemp("schemathesis")
+    store = FileStore(root / "store")
+    close_run = (_publish_live if request.param == "live" else _publish_encoded)(store)
     app = create_app(
         ServerSettings(
             store=f"file://{root / 'store'}",
@@ -72,7 +90,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        run.close()
+        close_run()
 
 
 ADMIN_PATHS = ("/v1/model/pin", "/v1/model/unpin", "/v1/model/digest")
