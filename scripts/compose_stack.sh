@@ -43,6 +43,7 @@ readonly STACK_DIR=$CACHE/compose-stack
 readonly ENV_FILE=$STACK_DIR/env
 readonly ENGINE_TIMEOUT=${CHECKNRUN_ENGINE_TIMEOUT:-60}
 readonly PROJECT=checknrun-ci
+readonly BUILD_CACHE_KEEP=10GB
 
 readonly COMPOSE_VERSION=v2.40.3
 readonly COMPOSE_BIN=$CACHE/compose-cli/$COMPOSE_VERSION/docker-compose
@@ -102,7 +103,7 @@ go_binary() {
   local gomod=$CACHE/go/mod dir
   mkdir -p "$(dirname "$dest")"
   log "building $module@$version with Go (first run only)..."
-  dir=$(GOMODCACHE=$gomod GOFLAGS= go mod download -json "$module@$version" |
+  dir=$(GOMODCACHE=$gomod GOFLAGS='' go mod download -json "$module@$version" |
     sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
   [[ -d $dir ]] || die "go mod download $module@$version gave no source directory"
   # -mod=readonly: the module's go.sum is the lock file. The module cache is
@@ -184,6 +185,11 @@ cmd_engine_down() {
     log "engine: still running after 30s, sending SIGKILL"
     kill -KILL "$pid" 2>/dev/null || true
   fi
+  # dockerd leaves its namespace mount (exec-root/netns/default) behind on exit;
+  # nothing of the engine should outlive it.
+  local mountpoint
+  awk -v root="$ENGINE_DIR/" 'index($5, root) == 1 { print $5 }' /proc/self/mountinfo |
+    sort -r | while IFS= read -r mountpoint; do umount "$mountpoint" || true; done
   log "engine: stopped"
 }
 
@@ -241,8 +247,11 @@ stage_contexts() {
 build_images() {
   compose --progress plain build >"$STACK_DIR/build.log" 2>&1 ||
     { tail -n 40 "$STACK_DIR/build.log" >&2; die "compose build failed (log: $STACK_DIR/build.log)"; }
-  # A rebuilt image leaves its predecessor untagged; its layers would pile up run after run.
+  # A rebuilt image leaves its predecessor untagged, and the build cache keeps its
+  # steps: run after run they would fill the disk. The last build's steps (about
+  # 6 GB, most of it torch and CUDA) are the newest used, so they stay.
   docker_cmd image prune --force >/dev/null
+  docker_cmd builder prune --force --keep-storage "$BUILD_CACHE_KEEP" >>"$STACK_DIR/build.log" 2>&1
 }
 
 # --- the env file ----------------------------------------------------------------------
@@ -290,20 +299,21 @@ random_hex() { head -c "$1" /dev/urandom | od -An -tx1 | tr -d ' \n'; }
 # Fresh ports and secrets on every prepare: the stack is down then, and a port
 # some other program took since the last run is simply not picked again.
 write_env_file() {
-  local ports=() name
+  local -A port
+  local name
   for name in KAFKA KAFKA_CONTROLLER MINIO MINIO_CONSOLE SERVER_1 SERVER_2; do
-    ports+=("$(pick_port "${ports[@]}")")
+    port[$name]=$(pick_port "${port[@]}")
   done
   cat >"$ENV_FILE.tmp" <<EOF
 # Written by scripts/compose_stack.sh prepare; read by its compose command.
 export DOCKER_HOST=unix://$SOCKET
 export CHECKNRUN_COMPOSE=$COMPOSE_BIN
-export CHECKNRUN_CI_KAFKA_PORT=${ports[0]}
-export CHECKNRUN_CI_KAFKA_CONTROLLER_PORT=${ports[1]}
-export CHECKNRUN_CI_MINIO_PORT=${ports[2]}
-export CHECKNRUN_CI_MINIO_CONSOLE_PORT=${ports[3]}
-export CHECKNRUN_CI_SERVER_1_PORT=${ports[4]}
-export CHECKNRUN_CI_SERVER_2_PORT=${ports[5]}
+export CHECKNRUN_CI_KAFKA_PORT=${port[KAFKA]}
+export CHECKNRUN_CI_KAFKA_CONTROLLER_PORT=${port[KAFKA_CONTROLLER]}
+export CHECKNRUN_CI_MINIO_PORT=${port[MINIO]}
+export CHECKNRUN_CI_MINIO_CONSOLE_PORT=${port[MINIO_CONSOLE]}
+export CHECKNRUN_CI_SERVER_1_PORT=${port[SERVER_1]}
+export CHECKNRUN_CI_SERVER_2_PORT=${port[SERVER_2]}
 export CHECKNRUN_CI_KAFKA_CONTEXT=$STACK_DIR/context/kafka
 export CHECKNRUN_CI_MINIO_CONTEXT=$STACK_DIR/context/minio
 export CHECKNRUN_CI_PIP_CERT=$(pip_cert)

@@ -14,7 +14,7 @@ env | sort | while IFS='=' read -r name value; do
     # JVM options, not broker properties (as in the official image).
     KAFKA_HEAP_OPTS | KAFKA_OPTS | KAFKA_JVM_PERFORMANCE_OPTS | KAFKA_LOG4J_OPTS | KAFKA_JMX_OPTS) ;;
     KAFKA_*)
-      key=$(printf '%s' "${name#KAFKA_}" | tr 'A-Z' 'a-z' | sed 's/___/-/g; s/__/@/g; s/_/./g; s/@/_/g')
+      key=$(printf '%s' "${name#KAFKA_}" | tr '[:upper:]' '[:lower:]' | sed 's/___/-/g; s/__/@/g; s/_/./g; s/@/_/g')
       printf '%s=%s\n' "$key" "$value"
       ;;
   esac
