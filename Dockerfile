@@ -4,7 +4,7 @@
 #   docker run --rm checknrun:local --help
 #
 # Build arguments, for machines that cannot reach Docker Hub or the PyTorch index
-# (scripts/compose_stack.sh sets them for CI; the defaults are what a user runs):
+# (compose.ci.yaml sets them for CI; the defaults are what a user runs):
 #   BASE_IMAGE   a Debian-based image with Python 3.11 and `python`/`pip` on PATH
 #   TORCH_INDEX  the package index torch comes from
 # A machine whose pip needs its own CA bundle passes it as the build secret
