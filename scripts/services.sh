@@ -7,6 +7,7 @@
 #   scripts/services.sh status [kafka|minio]...   exit 0 only if all are running
 #   scripts/services.sh logs   [kafka|minio]...   tail the logs (LINES=50)
 #   scripts/services.sh env                       print the env file
+#   scripts/services.sh fetch                     fetch/build only; print KAFKA_LIBS= and MINIO_BIN=
 #   scripts/services.sh purge                     down, then delete ports, secrets and data
 #
 # Typical use:  eval "$(scripts/services.sh up)"
@@ -472,6 +473,15 @@ cmd_env() {
   cat "$ENV_FILE"
 }
 
+# For scripts/compose_stack.sh, which builds its images from the same artifacts.
+cmd_fetch() {
+  take_lock
+  mkdir -p "$LOG_DIR"
+  ensure_kafka_libs
+  ensure_minio_binary
+  printf 'KAFKA_LIBS=%s\nMINIO_BIN=%s\n' "$KAFKA_LIBS" "$MINIO_BIN"
+}
+
 cmd_purge() {
   cmd_down kafka minio
   log "deleting $DIR (ports, secrets, data, logs)"
@@ -483,12 +493,12 @@ main() {
   (($# > 0)) && shift
   case $cmd in
     up | down | status | logs) "cmd_$cmd" "$@" ;;
-    env | purge)
+    env | purge | fetch)
       (($# == 0)) || die "'$cmd' takes no arguments"
       "cmd_$cmd"
       ;;
     *)
-      sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+      sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
       exit 2
       ;;
   esac

@@ -1,0 +1,216 @@
+"""compose.yaml run for real: the images built, the stack up, versions published and served.
+
+scripts/compose_stack.sh starts a private Docker engine and builds the images (the first run
+on a new machine builds them all, see its header); compose.ci.yaml swaps in local images and
+host networking on loopback ports. Then, against the running stack:
+
+* the trainer publishes at least three versions and exits cleanly;
+* a server replica killed while the trainer publishes, and started again once HEAD moved on,
+  catches up to HEAD;
+* both replicas answer GET /v1/model with HEAD's version and POST /v1/predict with 200;
+* `down -v` leaves no container, volume or network behind, and the engine is stopped again
+  if this test started it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from publisher.read.catalog import Catalog
+from publisher.store import open_store
+from tests.support import parse_env_file, wait_for
+
+pytestmark = [pytest.mark.compose, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "compose_stack.sh"
+CACHE = Path(os.environ.get("CHECKNRUN_CACHE", Path.home() / ".cache" / "checknrun"))
+STORE_URL = "s3://checknrun/models"
+MODEL = "movielens"
+# A new machine debootstraps the base image, builds Compose, mc (and MinIO, if the suite has
+# not yet) from Go source and downloads torch into the project image; see the README for the
+# times measured.
+PREPARE_TIMEOUT_S = 60 * 60
+STACK_TIMEOUT_S = 10 * 60
+SERVERS = ("server-1", "server-2")
+
+if os.geteuid() != 0:
+    pytest.skip("the private Docker engine runs as root", allow_module_level=True)
+
+
+class Stack:
+    """The stack compose.ci.yaml describes, driven through scripts/compose_stack.sh."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.ports = {
+            "server-1": int(env["CHECKNRUN_CI_SERVER_1_PORT"]),
+            "server-2": int(env["CHECKNRUN_CI_SERVER_2_PORT"]),
+        }
+
+    def compose(self, *args: str, timeout_s: float = 300) -> str:
+        done = subprocess.run(
+            ["bash", str(SCRIPT), "compose", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"compose {' '.join(args)} failed:\n{done.stderr[-4000:]}")
+        return done.stdout
+
+    def docker(self, *args: str) -> str:
+        done = subprocess.run(
+            ["docker", "-H", self.env["DOCKER_HOST"], *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout
+
+    def state(self, service: str) -> dict[str, str]:
+        """`{"status": ..., "exit": ..., "health": ...}` of the service's container."""
+        container = self.compose("ps", "--all", "-q", service).strip()
+        if not container:
+            return {}
+        fmt = (
+            "{{.State.Status}} {{.State.ExitCode}} "
+            "{{if .State.Health}}{{.State.Health.Status}}{{end}}"
+        )
+        status, code, *health = self.docker("inspect", "-f", fmt, container).split()
+        return {"status": status, "exit": code, "health": health[0] if health else ""}
+
+    def head(self) -> int:
+        """HEAD's version in the stack's MinIO, as the servers' read-only user sees it (0: none)."""
+        head = Catalog(open_store(STORE_URL, create=False), MODEL).head()
+        return 0 if head is None else head.version
+
+    def client(self, server: str) -> httpx.Client:
+        return httpx.Client(base_url=f"http://127.0.0.1:{self.ports[server]}", timeout=10)
+
+    def served(self, server: str) -> int | None:
+        """The version the replica serves, or None while it is down or not ready."""
+        try:
+            with self.client(server) as http:
+                r = http.get("/v1/model")
+        except httpx.TransportError:
+            return None
+        version: int | None = r.json()["version"] if r.status_code == 200 else None
+        return version
+
+    def describe(self) -> str:
+        return self.compose("ps", "--all") + self.compose("logs", "--tail", "40", timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def stack(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Stack]:
+    # One compose test per machine at a time: two would share the engine and the env file.
+    lock_dir = CACHE / "compose-stack"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with (lock_dir / ".test-lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        engine_was_up = (
+            subprocess.run(["bash", str(SCRIPT), "engine-status"], check=False).returncode == 0
+        )
+        try:
+            prepared = subprocess.run(
+                ["bash", str(SCRIPT), "prepare"],
+                capture_output=True,
+                text=True,
+                timeout=PREPARE_TIMEOUT_S,
+                check=False,
+            )
+            print(prepared.stderr)  # the step times, shown with -s or on failure
+            assert prepared.returncode == 0, prepared.stderr[-4000:]
+            env = parse_env_file(prepared.stdout)
+            for name, value in {
+                "CHECKNRUN_S3_ENDPOINT": f"127.0.0.1:{env['CHECKNRUN_CI_MINIO_PORT']}",
+                "CHECKNRUN_S3_ACCESS_KEY": env["CHECKNRUN_S3_READER_ACCESS_KEY"],
+                "CHECKNRUN_S3_SECRET_KEY": env["CHECKNRUN_S3_READER_SECRET_KEY"],
+                "CHECKNRUN_S3_SECURE": "0",
+                "CHECKNRUN_S3_REGION": "us-east-1",
+            }.items():
+                monkeypatch_module.setenv(name, value)
+            stack = Stack(env)
+            try:
+                yield stack
+            finally:
+                stack.compose("down", "-v", "--remove-orphans", "--timeout", "20")
+        finally:
+            if not engine_was_up:
+                subprocess.run(["bash", str(SCRIPT), "engine-down"], check=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def wait_stack(stack: Stack, probe: Any, what: str, timeout_s: float = STACK_TIMEOUT_S) -> Any:
+    """wait_for with the stack's containers and logs in the failure message."""
+    return wait_for(probe, timeout_s, lambda: f"{what}\n{stack.describe()}", poll_s=1.0)
+
+
+def example(features: list[dict[str, Any]]) -> dict[str, Any]:
+    """One valid example for the served model: id 0 in every table, 0.0 for every dense input."""
+    values = {"dense": 0.0, "sparse": 0, "bag": [0]}
+    return {f["name"]: values[f["kind"]] for f in features}
+
+
+@pytest.mark.timeout(PREPARE_TIMEOUT_S + 4 * STACK_TIMEOUT_S)
+def test_stack_publishes_serves_recovers_and_goes_away(stack: Stack) -> None:
+    stack.compose("up", "--detach", "--no-build", timeout_s=STACK_TIMEOUT_S)
+    assert stack.state("minio-init") == {"status": "exited", "exit": "0", "health": ""}
+
+    # Kill one replica while the trainer is still publishing, once it serves something.
+    killed_at = wait_stack(stack, lambda: stack.served("server-1"), "server-1 to serve a version")
+    stack.compose("kill", "server-1")
+    assert stack.state("server-1")["status"] == "exited"
+    wait_stack(
+        stack,
+        lambda: stack.head() > killed_at or stack.state("trainer")["status"] == "exited",
+        f"HEAD to move past v{killed_at} while server-1 is down",
+    )
+    head_at_restart = stack.head()
+    assert head_at_restart > killed_at, (
+        f"the trainer published nothing after v{killed_at}: the restart would prove nothing"
+    )
+    stack.compose("start", "server-1")
+
+    trainer = wait_stack(
+        stack,
+        lambda: (s := stack.state("trainer"))["status"] == "exited" and s,
+        "the trainer to finish",
+    )
+    assert trainer["exit"] == "0", stack.compose("logs", "trainer")
+    head = stack.head()
+    assert head >= 3
+
+    for server in SERVERS:
+        wait_stack(stack, lambda s=server: stack.served(s) == head, f"{server} to serve v{head}")
+        with stack.client(server) as http:
+            info = http.get("/v1/model").json()
+            assert info["version"] == head
+            r = http.post("/v1/predict", json={"examples": [example(info["features"])]})
+            assert r.status_code == 200, r.text
+            assert r.json()["version"] == head
+    wait_stack(
+        stack, lambda: stack.state("server-1")["health"] == "healthy", "server-1 to be healthy"
+    )
+
+    stack.compose("down", "-v", "--timeout", "20")
+    assert stack.docker("ps", "--all", "--quiet") == ""
+    assert stack.docker("volume", "ls", "--quiet") == ""
+    networks = stack.docker("network", "ls", "-q", "--filter", "label=com.docker.compose.project")
+    assert networks == ""
