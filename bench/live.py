@@ -1,0 +1,290 @@
+"""Part `live`: MovieLens-1M as a live event stream through Kafka (issue 12's figures).
+
+    checknrun bench live [--samples N] [--quick] [--json OUT]
+
+Needs the real Kafka (CHECKNRUN_KAFKA_BOOTSTRAP; source ~/.cache/checknrun/services/env); the
+store is MinIO when CHECKNRUN_S3_ENDPOINT is set, else a file store. Every figure comes from the
+product's own commands, run as child processes:
+
+1. `checknrun replay --data movielens` puts the first N ratings on a fresh 3-partition topic
+   (raw ids, time order, key = user id).
+2. Throughput: `checknrun train --data movielens` (the file replay with its up-front
+   vocabulary) and `checknrun train --data kafka://... --stop-at-end` on the same N samples,
+   alternating, `--repeats` each; medians and their ratio, the live run's consumer lag and bad
+   events from its summary.
+3. Id spaces on the same topic, each a whole live run: `dynamic` (the default: collision-free,
+   a row per id) and `hash` at two table sizes; their progressive-validation AUC and log loss
+   (every event scored before it is trained on), collisions, table memory, and the bytes each
+   wrote against a full fp32 checkpoint with the id-map blobs counted. Next to them, the file
+   replay's AUC (up-front vocabulary and its extra dense feature `movie_age`).
+4. Freshness of a new id: a live trainer (`--interval-seconds 1`) follows the topic and
+   announces on Kafka; a `checknrun serve` follows it. The bench sends events of user ids
+   never seen before and asks the server for each (`POST /v1/predict` with the raw id) until
+   the answer no longer counts it in `unknown_ids`: first event -> served, p50 / p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaProducer
+
+from bench.child_server import REPO, ChildServer
+from bench.machine import describe_machine, log
+
+#: the file replay's throughput the live trainer is held against.
+THROUGHPUT_TARGET = 0.9
+MOVIELENS_EVENTS = 1_000_209
+DIM = 16
+BATCH = 512
+
+
+class LiveBenchError(RuntimeError):
+    """The live bench cannot run here (no Kafka) or a child command failed."""
+
+
+def _checknrun(argv: list[str], *, timeout_s: float) -> dict[str, Any]:
+    """Run `checknrun ARGV --json` in a child process; its JSON document."""
+    cmd = [sys.executable, "-m", "publisher.cli", *argv, "--json"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    if done.returncode != 0:
+        tail = done.stderr[-3000:]
+        raise LiveBenchError(f"{' '.join(cmd)} exited {done.returncode}:\n{tail}")
+    doc: dict[str, Any] = json.loads(done.stdout)
+    return doc
+
+
+def _store(tag: str, scratch: Path) -> str:
+    if os.environ.get("CHECKNRUN_S3_ENDPOINT"):
+        return f"s3://checknrun-bench/live-{tag}"
+    return (scratch / f"store-{tag}").resolve().as_uri()
+
+
+def _train_file(samples: int, store: str, model: str) -> dict[str, Any]:
+    argv = ["train", "--data", "movielens", "--store", store, "--model", model]
+    argv += ["--max-samples", str(samples), "--batch-size", str(BATCH), "--no-progress"]
+    return _checknrun(argv, timeout_s=1800)
+
+
+def _train_live(
+    url: str, samples: int, store: str, model: str, extra: list[str] | None = None
+) -> dict[str, Any]:
+    argv = ["train", "--data", url, "--store", store, "--model", model, "--stop-at-end"]
+    argv += ["--max-samples", str(samples), "--batch-size", str(BATCH), "--no-progress"]
+    return _checknrun([*argv, *(extra or [])], timeout_s=1800)
+
+
+def _rate(doc: dict[str, Any]) -> float:
+    return float(doc["samples_per_s"])
+
+
+def _throughput(url: str, samples: int, repeats: int, scratch: Path) -> dict[str, Any]:
+    files: list[float] = []
+    lives: list[float] = []
+    last_live: dict[str, Any] = {}
+    for repeat in range(repeats):
+        arms = [("file", files), ("live", lives)]
+        if repeat % 2:
+            arms.reverse()  # alternate which goes first: the shared machine drifts
+        for arm, out in arms:
+            tag = uuid.uuid4().hex[:8]
+            store = _store(f"tp-{arm}-{tag}", scratch)
+            if arm == "file":
+                doc = _train_file(samples, store, f"tp-{arm}")
+            else:
+                doc = last_live = _train_live(url, samples, store, f"tp-{arm}")
+            out.append(_rate(doc))
+            log(f"live: throughput {arm} repeat {repeat + 1}/{repeats}: {out[-1]:,.0f} samples/s")
+    ratio = statistics.median(lives) / statistics.median(files)
+    metrics = last_live.get("metrics", {})
+    return {
+        "samples": samples,
+        "repeats": repeats,
+        "file_samples_per_s": [round(x) for x in files],
+        "live_samples_per_s": [round(x) for x in lives],
+        "file_median": round(statistics.median(files)),
+        "live_median": round(statistics.median(lives)),
+        "live_over_file": round(ratio, 3),
+        "target": THROUGHPUT_TARGET,
+        "met": ratio >= THROUGHPUT_TARGET,
+        "live_summary": {k: v for k, v in last_live.items() if k not in ("checkpoints",)},
+        "consumer_lag_at_end": metrics.get("consumer_lag"),
+    }
+
+
+def _table_bytes(rows: dict[str, int]) -> int:
+    return sum(rows.values()) * DIM * 4
+
+
+def _id_spaces(url: str, samples: int, scratch: Path, sizes: tuple[int, int]) -> dict[str, Any]:
+    arms: list[tuple[str, list[str]]] = [("dynamic", ["--id-space", "dynamic"])]
+    for size in sizes:
+        arms.append((f"hash-{size}", ["--id-space", "hash", "--id-capacity", str(size)]))
+    out: dict[str, Any] = {}
+    for name, extra in arms:
+        tag = uuid.uuid4().hex[:8]
+        store = _store(f"ids-{name}-{tag}", scratch)
+        log(f"live: id space {name} on {samples:,} events")
+        doc = _train_live(url, samples, store, f"ids-{name}", extra)
+        metrics = doc.get("metrics", {})
+        summary = doc.get("summary", {})
+        out[name] = {
+            "auc": metrics.get("auc_cumulative"),
+            "logloss": metrics.get("logloss_cumulative"),
+            "samples_per_s": round(_rate(doc)),
+            "hash_collision_events": metrics.get("hash_collision_events"),
+            "live": {k: v for k, v in metrics.items() if not k.endswith("_cumulative")},
+            "bytes_written": summary.get("bytes_written"),
+            "full_fp32_bytes": summary.get("full_fp32_bytes"),
+            "write_ratio": summary.get("ratio"),
+            "versions": summary.get("versions"),
+            "table_rows": doc.get("table_rows"),
+        }
+        if isinstance(doc.get("table_rows"), dict):
+            out[name]["table_bytes_fp32"] = _table_bytes(doc["table_rows"])
+    log(f"live: file replay (up-front vocabulary) on {samples:,} samples")
+    tag = uuid.uuid4().hex[:8]
+    doc = _train_file(samples, _store(f"ids-file-{tag}", scratch), "ids-file")
+    out["file-up-front"] = {
+        "auc": doc["metrics"].get("auc_cumulative"),
+        "logloss": doc["metrics"].get("logloss_cumulative"),
+        "write_ratio": doc.get("summary", {}).get("ratio"),
+    }
+    return out
+
+
+def _send(producer: KafkaProducer, topic: str, user: str, item: str) -> None:
+    event = {"ts": time.time(), "label": 1, "user": user, "item": item, "genres": ["Drama"]}
+    producer.send(topic, json.dumps(event).encode(), key=user.encode())
+    producer.flush()
+
+
+def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
+    """First event of a never-seen user id -> a server maps it (p50 / p99)."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"checknrun-bench-live-fresh-{tag}"
+    bus = f"kafka://{bootstrap}/checknrun-bench-live-bus-{tag}"
+    store = _store(f"fresh-{tag}", scratch)
+    url = f"kafka://{bootstrap}/{topic}?partitions=3"
+    # Warm traffic first, so the model exists before the server starts.
+    _checknrun(["replay", "--data", "movielens", "--to", url, "--max-events", "20000",
+                "--no-progress"], timeout_s=600)  # fmt: skip
+    train = [sys.executable, "-m", "publisher.cli", "train", "--data", url, "--store", store]
+    train += ["--model", "fresh", "--interval-seconds", "1", "--bus", bus, "--no-progress"]
+    train += ["--batch-size", "64"]
+    trainer_log = (scratch / "fresh-trainer.log").open("wb")
+    trainer = subprocess.Popen(
+        train, cwd=REPO, stdin=subprocess.DEVNULL, stdout=trainer_log, stderr=subprocess.STDOUT
+    )
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    latencies: list[float] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not _has_version(store, "fresh"):
+            if time.monotonic() > deadline or trainer.poll() is not None:
+                raise LiveBenchError("the live trainer published no version")
+            time.sleep(0.5)
+        with ChildServer(store, "fresh", scratch / "fresh-server.log", bus=bus) as server:
+            server.wait_ready(180)
+            for i in range(new_ids):
+                user = f"bench-new-user-{tag}-{i}"
+                sent = time.monotonic()
+                _send(producer, topic, user, "Toy Story (1995)")
+                while True:
+                    body = {"examples": [{"user": user, "item": "Toy Story (1995)"}]}
+                    answer = server.client.post("/v1/predict", json=body).json()
+                    if not answer.get("unknown_ids", {}).get("user"):
+                        latencies.append(time.monotonic() - sent)
+                        break
+                    if time.monotonic() - sent > 60:
+                        raise LiveBenchError(f"new id {user} not served within 60 s")
+                    time.sleep(0.02)
+                log(f"live: new id {i + 1}/{new_ids} served after {latencies[-1] * 1e3:.0f} ms")
+                threading.Event().wait(0.3)
+    finally:
+        producer.close()
+        trainer.terminate()
+        try:
+            trainer.wait(60)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+        trainer_log.close()
+    ordered = sorted(latencies)
+    return {
+        "new_ids": len(latencies),
+        "checkpoint_interval_s": 1.0,
+        "p50_ms": round(statistics.median(ordered) * 1e3, 1),
+        "p99_ms": round(ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] * 1e3, 1),
+        "max_ms": round(ordered[-1] * 1e3, 1),
+    }
+
+
+def _has_version(store: str, model: str) -> bool:
+    from publisher.read.catalog import Catalog  # bench may import the product packages
+    from publisher.store import open_store
+
+    with open_store(store) as opened:
+        return Catalog(opened, model).head() is not None
+
+
+def run(
+    quick: bool,
+    samples: int | None = None,
+    repeats: int | None = None,
+    new_ids: int | None = None,
+) -> dict[str, Any]:
+    """Every measurement of the module docstring (smaller and shorter with `quick`)."""
+    samples = samples or (20_000 if quick else MOVIELENS_EVENTS)
+    repeats = repeats or (1 if quick else 3)
+    new_ids = new_ids or (3 if quick else 30)
+    bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP")
+    if not bootstrap:
+        raise LiveBenchError(
+            "the live part needs Kafka: start it with `bash scripts/services.sh up` and "
+            "source ~/.cache/checknrun/services/env"
+        )
+    tag = uuid.uuid4().hex[:8]
+    url = f"kafka://{bootstrap}/checknrun-bench-live-{tag}?partitions=3"
+    with tempfile.TemporaryDirectory(prefix="checknrun-live-") as tmp:
+        scratch = Path(tmp)
+        log(f"live: replaying {samples:,} MovieLens ratings into {url}")
+        replay = _checknrun(
+            ["replay", "--data", "movielens", "--to", url, "--max-events", str(samples),
+             "--no-progress"], timeout_s=1800)  # fmt: skip
+        throughput = _throughput(url, samples, repeats, scratch)
+        sizes = (2_000, 20_000)
+        id_spaces = _id_spaces(url, samples, scratch, sizes)
+        freshness = _freshness(bootstrap, new_ids, scratch)
+    return {
+        "part": "live",
+        "quick": quick,
+        "machine": describe_machine(),
+        "real_kafka": True,
+        "store": "minio" if os.environ.get("CHECKNRUN_S3_ENDPOINT") else "file",
+        "replay": replay,
+        "throughput": throughput,
+        "id_spaces": id_spaces,
+        "hash_sizes": list(sizes),
+        "new_id_freshness": freshness,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The part's own options."""
+    parser.add_argument("--samples", type=int, help="MovieLens ratings replayed (default all)")
+    parser.add_argument("--repeats", type=int, help="alternating throughput rounds (default 3)")
+    parser.add_argument("--new-ids", type=int, help="new ids timed to served (default 30)")
