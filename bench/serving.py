@@ -4,6 +4,7 @@
     checknrun bench serving pause      # worst predict pause while deltas apply (in-process)
     checknrun bench serving http       # predict latency over HTTP, idle vs applying
     checknrun bench serving freshness  # train step -> served, p50/p99 (file or Kafka+MinIO)
+    checknrun bench serving quantized  # fp32 vs int8 vs int4 tables: memory, apply, HTTP p99
 
 Every run is bounded in count and time (`--duration`, `--versions`, `--max-seconds`) and prints
 a human summary (`--json OUT` writes the document). A synthetic trainer
@@ -38,11 +39,12 @@ from bench.cli import add_run_options
 from bench.machine import describe_machine
 from bench.synthetic_run import SyntheticRun, random_examples
 from publisher.bus import open_announcer
-from publisher.dlrm import DLRMConfig, SparseFeature
+from publisher.dlrm import TABLE_PREFIX, DLRMConfig, SparseFeature
 from publisher.read.catalog import Catalog
 from publisher.store import ObjectStore, open_store
 from server.feature_batch import build_batch
 from server.live_model import LiveModel
+from trainer.streams.synthetic import N_DENSE, criteo_like_cardinalities
 
 MODEL = "bench"
 #: a server imports torch and builds a model of up to 1M rows before it is ready.
@@ -113,7 +115,13 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def start_server(
-    store: str, bus: str | None, *, scheme: str, log_dir: Path, torch_threads: int | None = None
+    store: str,
+    bus: str | None,
+    *,
+    scheme: str,
+    log_dir: Path,
+    torch_threads: int | None = None,
+    quantized_tables: bool | None = None,
 ) -> ChildServer:
     """A `checknrun serve` child with the bench's limits (large batches and bodies)."""
     port = free_port()
@@ -129,6 +137,7 @@ def start_server(
         max_body_bytes=str(16 * 2**20),
         poll_head_after="5",
         torch_threads=None if torch_threads is None else str(torch_threads),
+        quantized_tables=None if quantized_tables is None else "on" if quantized_tables else "off",
     )
 
 
@@ -494,6 +503,224 @@ def cmd_http(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# --- quantized: fp32 vs int8 vs int4 tables, side by side -----------------------------------------
+
+#: the arms, as (name, codec published, tables held quantized): today's server holds the int4
+#: versions as float32; the others hold each codec's fused rows.
+QUANTIZED_ARMS: tuple[tuple[str, str, bool], ...] = (
+    ("fp32", "int4", False),
+    ("int8", "int8", True),
+    ("int4", "int4", True),
+)
+
+
+def synthetic_config(cap: int, dim: int) -> DLRMConfig:
+    """The synthetic Criteo-like model: 26 tables capped at `cap` rows (730,000: ~1.08 GB of
+    float32 embeddings at dim 64), 13 dense features."""
+    return DLRMConfig(
+        sparse=tuple(
+            SparseFeature(f"c{t + 1}", rows)
+            for t, rows in enumerate(criteo_like_cardinalities(cap))
+        ),
+        dense=tuple(f"d{i}" for i in range(N_DENSE)),
+        embedding_dim=dim,
+        bottom_mlp=(64,),
+        top_mlp=(64, 32),
+    )
+
+
+def _quantized_arm(
+    workdir: Path, args: argparse.Namespace, name: str, codec: str, quantized: bool
+) -> dict[str, Any]:
+    """One arm: publish a full + deltas of `args.delta_rows` rows in `codec`; apply them
+    in-process (median apply); then a `checknrun serve` child: resident memory serving HEAD
+    (both copies, after the idle phase), predict latency over HTTP idle and while deltas are
+    published and applied."""
+    root = workdir / name
+    store_url, bus_url = f"file://{root / 'store'}", f"file://{root / 'bus.log'}"
+    store = open_store(store_url)
+    announcer = open_announcer(bus_url, MODEL)
+    config = synthetic_config(args.cap, args.dim)
+    run = SyntheticRun(store, MODEL, config, codec=codec, announce=announcer.announce)
+    big = TABLE_PREFIX + max(config.sparse, key=lambda f: f.rows).name
+    delta_rows = min(args.delta_rows, max(f.rows for f in config.sparse))
+    run.publish("full")
+    versions = []
+    for _ in range(args.applies):
+        run.touch_rows(big, delta_rows)
+        versions.append(run.publish().ref.version)
+    # In-process applies, this arm's server alone in memory.
+    live = LiveModel(store, MODEL, scheme=args.scheme, quantized_tables=quantized)
+    live.pin(1)
+    live.unpin()
+    catalog = Catalog(store, MODEL)
+    apply_s = []
+    for version in versions:
+        t0 = time.perf_counter()
+        live.advance(catalog.find(version))
+        apply_s.append(time.perf_counter() - t0)
+    tensor_bytes = live.nbytes()
+    live.close()
+    del live
+    gc.collect()
+    server = start_server(
+        store_url, bus_url, scheme=args.scheme, log_dir=root, quantized_tables=quantized
+    )
+    try:
+        server.wait_ready(SERVER_START_S)
+        server.wait_version(versions[-1], SERVER_START_S)
+        body = json.dumps({"examples": random_examples(config, args.batch, seed=2)}).encode()
+        generate_load(
+            server.url, body, concurrency=args.concurrency, duration=1.0, max_requests=10**9
+        )
+        idle = generate_load(
+            server.url,
+            body,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            max_requests=args.max_requests,
+        )
+        # Taken after the idle phase: a bootstrap serves before its second copy is cloned.
+        served_rss = rss_bytes(server.proc.pid)["VmRSS"]
+        v_before = server.info()["version"]
+        stop = threading.Event()
+
+        def publish_loop() -> None:
+            while not stop.wait(args.interval):
+                run.touch_rows(big, delta_rows)
+                run.publish()
+
+        publisher = threading.Thread(target=publish_loop)
+        publisher.start()
+        busy = generate_load(
+            server.url,
+            body,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            max_requests=args.max_requests,
+        )
+        stop.set()
+        publisher.join()
+        info = server.info()
+        rss = rss_bytes(server.proc.pid)
+    finally:
+        server.stop()
+        run.close()
+    return {
+        "arm": name,
+        "codec": codec,
+        "quantized_tables": quantized,
+        "delta_rows": delta_rows,
+        "apply_ms_median": round(1000 * float(np.median(apply_s)), 2),
+        "apply_ms_per_100k_rows": round(1000 * float(np.median(apply_s)) * 100_000 / delta_rows, 2),
+        "model_tensor_mib": mib(tensor_bytes),
+        "server_rss_mib": mib(served_rss),
+        "server_rss_after_load_mib": mib(rss["VmRSS"]),
+        "server_peak_rss_mib": mib(rss["VmHWM"]),
+        "idle": {**percentiles(idle.latencies), "failed": idle.failures},
+        "applying": {**percentiles(busy.latencies), "failed": busy.failures},
+        "versions_applied_during_load": info["version"] - v_before,
+    }
+
+
+def cmd_quantized(args: argparse.Namespace) -> dict[str, Any]:
+    """fp32 vs int8 vs int4 serving of the synthetic model, measured one arm after the other in
+    one run: server memory, apply time per 100k rows, predict p99 over HTTP while applying."""
+    workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
+    try:
+        arms = []
+        for name, codec, quantized in QUANTIZED_ARMS:
+            print(f"arm {name} ({codec} versions)...", file=sys.stderr)
+            arms.append(_quantized_arm(workdir, args, name, codec, quantized))
+            shutil.rmtree(workdir / name, ignore_errors=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    base = arms[0]
+    for arm in arms:
+        arm["vs_fp32"] = {
+            "server_rss": round(arm["server_rss_mib"] / base["server_rss_mib"], 3),
+            "model_tensors": round(arm["model_tensor_mib"] / base["model_tensor_mib"], 3),
+            "apply_per_100k_rows": round(
+                arm["apply_ms_per_100k_rows"] / base["apply_ms_per_100k_rows"], 3
+            ),
+            "applying_p99": round(arm["applying"]["p99_ms"] / base["applying"]["p99_ms"], 3),
+        }
+    config = synthetic_config(args.cap, args.dim)
+    doc = {
+        "bench": "quantized",
+        "scheme": args.scheme,
+        "tables": len(config.sparse),
+        "table_cap": args.cap,
+        "rows": sum(f.rows for f in config.sparse),
+        "dim": args.dim,
+        "fp32_embedding_mib": mib(4 * args.dim * sum(f.rows for f in config.sparse)),
+        "batch": args.batch,
+        "concurrency": args.concurrency,
+        "interval_s": args.interval,
+        "arms": arms,
+    }
+    print(
+        f"\nquantized serving ({args.scheme}, {doc['tables']} tables, {doc['rows']:,} rows x "
+        f"{args.dim} = {doc['fp32_embedding_mib']} MiB fp32; deltas of {arms[0]['delta_rows']:,} "
+        f"rows; batch {args.batch}, {args.concurrency} clients):"
+    )
+    print(
+        f"{'arm':>5} {'RSS MiB':>8} {'x fp32':>7} {'tensors':>8} {'apply/100k ms':>14} "
+        f"{'x fp32':>7} {'p99 idle':>9} {'p99 applying':>13} {'x fp32':>7} {'failed':>7}"
+    )
+    for a in arms:
+        print(
+            f"{a['arm']:>5} {a['server_rss_mib']:>8} {a['vs_fp32']['server_rss']:>7} "
+            f"{a['model_tensor_mib']:>8} {a['apply_ms_per_100k_rows']:>14} "
+            f"{a['vs_fp32']['apply_per_100k_rows']:>7} {a['idle']['p99_ms']:>9} "
+            f"{a['applying']['p99_ms']:>13} {a['vs_fp32']['applying_p99']:>7} "
+            f"{a['idle']['failed'] + a['applying']['failed']:>7}"
+        )
+    if args.png:
+        plot_quantized(doc, Path(args.png))
+        print(f"figure: {args.png}")
+    return doc
+
+
+def plot_quantized(doc: dict[str, Any], path: Path) -> None:
+    """Server memory and predict latency (p50/p99, idle and applying) per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = doc["arms"]
+    names = [a["arm"] for a in arms]
+    fig, (mem, lat) = plt.subplots(1, 2, figsize=(10, 4))
+    mem.bar(names, [a["server_rss_mib"] for a in arms], color=["#888", "#4a7", "#27a"])
+    for i, a in enumerate(arms):
+        mem.text(i, a["server_rss_mib"], f"{a['server_rss_mib']:.0f}", ha="center", va="bottom")
+    mem.set_ylabel("server resident memory (MiB)")
+    mem.set_title(f"{doc['scheme']}, both copies")
+    x = np.arange(len(arms))
+    width = 0.2
+    for k, (phase, stat) in enumerate(
+        [("idle", "p50_ms"), ("idle", "p99_ms"), ("applying", "p50_ms"), ("applying", "p99_ms")]
+    ):
+        lat.bar(
+            x + (k - 1.5) * width,
+            [a[phase][stat] for a in arms],
+            width,
+            label=f"{phase} {stat[:3]}",
+        )
+    lat.set_xticks(x, names)
+    lat.set_ylabel("predict latency over HTTP (ms)")
+    lat.set_title(f"batch {doc['batch']}, {doc['concurrency']} clients")
+    lat.legend(fontsize=8)
+    fig.suptitle(
+        f"fp32 vs int8 vs int4 tables: {doc['tables']} tables, {doc['rows']:,} rows x {doc['dim']}"
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # --- freshness: train step -> served -------------------------------------------------------------
 
 
@@ -615,6 +842,13 @@ SIZES: dict[str, dict[str, tuple[Any, Any]]] = {
         "duration": (5.0, 1.0),
     },
     "http": {"rows": (1_000_000, 5_000), "duration": (15.0, 1.0), "max_requests": (100_000, 200)},
+    "quantized": {
+        "cap": (730_000, 2_000),
+        "delta_rows": (100_000, 500),
+        "applies": (5, 2),
+        "duration": (15.0, 1.0),
+        "max_requests": (100_000, 200),
+    },
     "freshness": {
         "rows": (100_000, 5_000),
         "servers": (2, 1),
@@ -627,6 +861,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "pause": cmd_pause,
     "http": cmd_http,
     "freshness": cmd_freshness,
+    "quantized": cmd_quantized,
 }
 
 
@@ -679,6 +914,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64)
     sized(p, "http", "--duration", float, "seconds per phase")
     sized(p, "http", "--max-requests", int, "requests per phase at most")
+
+    p = command("quantized", "fp32 vs int8 vs int4 tables: memory, apply, HTTP p99")
+    sized(p, "quantized", "--cap", int, "rows cap of the 26 synthetic tables (730k: 1.08 GB)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--scheme", choices=["double-buffer", "rwlock"], default="double-buffer")
+    sized(p, "quantized", "--delta-rows", int, "rows per delta (of the largest table)")
+    sized(p, "quantized", "--applies", int, "in-process applies per arm")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between deltas")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    sized(p, "quantized", "--duration", float, "seconds per load phase")
+    sized(p, "quantized", "--max-requests", int, "requests per phase at most")
+    p.add_argument("--png", help="write the figure (memory, latency per arm) to this PNG")
 
     p = command("freshness", "train step -> served latency (p50/p99)")
     common(p, "freshness", dim=32)

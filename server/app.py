@@ -91,6 +91,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 metrics=metrics,
                 manifest_cache_size=settings.manifest_cache_size,
                 memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
+                quantized_tables=settings.quantized_tables,
             )
             resources.callback(live.close)
             follower = VersionFollower(  # reads `source`, which `resources` closes

@@ -73,6 +73,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=["double-buffer", "rwlock"],
         help="version swap scheme (default double-buffer; rwlock halves memory)",
     )
+    p.add_argument(
+        "--quantized-tables",
+        choices=["on", "off"],
+        help="hold int-coded tables quantized, looked up by torch's quantized kernels "
+        "(default on; off = float32 tables)",
+    )
     p.add_argument("--torch-threads", type=int)
     p.add_argument("--max-batch", type=int, help="examples per request (default 1024)")
     p.add_argument("--max-body-bytes", type=int, help="request body cap (default 1 MiB)")
@@ -108,6 +114,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         port=args.port,
         environment=args.environment,
         consistency=args.consistency,
+        quantized_tables=None if args.quantized_tables is None else args.quantized_tables == "on",
         torch_threads=args.torch_threads,
         max_batch=args.max_batch,
         max_body_bytes=args.max_body_bytes,

@@ -11,10 +11,12 @@ reader may wait for and in memory:
   copying only the rows the plan touched from the new live copy. Readers never wait for a write.
   Memory: 2 x the model, plus the decoded rows of one delta while it is written.
 
-``rwlock``: one copy behind a writer-preferring reader-writer lock. Rows are decoded and id-map
-  entries checked against the maps outside the lock; the lock is then taken for writing and the
-  rows are scattered in (one vectorised assignment per table) and the entries applied, so new
-  predictions wait for in-flight ones to finish plus the scatter, which grows with the delta.
+``rwlock``: one copy behind a writer-preferring reader-writer lock. Rows are decoded (or, for a
+  quantized table, put in its fused format), tables that must widen are converted beside the
+  served ones, and id-map entries checked against the maps, all outside the lock; the lock is
+  then taken for writing and the rows are scattered in (one vectorised assignment per table),
+  widened tables swapped in by pointer and the entries applied, so new predictions wait for
+  in-flight ones to finish plus the scatter, which grows with the delta.
   A full version (or a new architecture) is built as a new copy beside the old one and swapped in
   by pointer under the lock. Memory: 1 x the model in steady state, 2 x while a full is built.
 
@@ -94,8 +96,10 @@ class ModelSlot(ABC):
     #: at most 2 x the larger, and both were checked.)
     peak_copies: int
 
-    def __init__(self, budget: MemoryBudget) -> None:
+    def __init__(self, budget: MemoryBudget, *, quantized: bool = True) -> None:
         self.budget = budget
+        #: hold int-coded tables in their fused format (server/held_tables.py).
+        self.quantized = quantized
         #: worst time a reader waited to borrow a buffer (seconds), for measurements.
         self.max_reader_wait_s = 0.0
 
@@ -135,7 +139,9 @@ def _build_fresh(
             f"cannot build a model from version {first.version}: it is a delta "
             f"(applies to {first.applies_to}); a rebuild starts from a full version"
         )
-    buffer = ModelBuffer.for_manifest(first, slot.budget, slot.peak_copies)
+    buffer = ModelBuffer.for_manifest(
+        first, slot.budget, slot.peak_copies, quantized=slot.quantized
+    )
     fetched_bytes = _write_plan(buffer, plan, fetch, Touched())
     return buffer, fetched_bytes
 
@@ -173,8 +179,8 @@ class DoubleBufferSlot(ModelSlot):
     scheme: ConsistencyScheme = "double-buffer"
     peak_copies = 2
 
-    def __init__(self, budget: MemoryBudget) -> None:
-        super().__init__(budget)
+    def __init__(self, budget: MemoryBudget, *, quantized: bool = True) -> None:
+        super().__init__(budget, quantized=quantized)
         self._cond = threading.Condition(threading.Lock())
         self._live: ModelBuffer | None = None
         self._standby: ModelBuffer | None = None
@@ -316,8 +322,8 @@ class ReaderWriterSlot(ModelSlot):
     #: one copy between fulls, but a full is built beside the served copy before the swap.
     peak_copies = 2
 
-    def __init__(self, budget: MemoryBudget) -> None:
-        super().__init__(budget)
+    def __init__(self, budget: MemoryBudget, *, quantized: bool = True) -> None:
+        super().__init__(budget, quantized=quantized)
         self._lock = ReaderWriterLock()
         self._buffer: ModelBuffer | None = None
 
@@ -366,22 +372,21 @@ class ReaderWriterSlot(ModelSlot):
             return UpdateResult(
                 fresh.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=True
             )
-        # Deltas only: fetch, verify and decode everything before taking the lock.
+        # Deltas only: fetch, verify and stage everything before taking the lock.
         fetched_all: list[FetchedVersion] = []
         for ref in plan:
             buffer.check_manifest(ref.manifest)
             fetched = fetch(ref)
             buffer.check(fetched)
             fetched_all.append(fetched)
-        decoded = [(f.decode_rows(), f.dense or {}) for f in fetched_all]
+        staged = buffer.stage(fetched_all)
         # The plan's id-map writes as one per table, checked while readers still run: under
         # the lock they are only made, and cannot fail half-way.
         id_writes = buffer.check_id_rows(merge_id_rows(fetched_all))
         served = ServedVersion(plan[-1], _now())
 
         def scatter() -> None:
-            for rows, dense in decoded:
-                buffer.assign_rows(rows, dense)
+            buffer.commit(staged)
             buffer.write_id_maps(id_writes)
             buffer.served = served
 
@@ -395,10 +400,13 @@ class ReaderWriterSlot(ModelSlot):
         )
 
 
-def make_slot(scheme: ConsistencyScheme, budget: MemoryBudget) -> ModelSlot:
-    """The slot implementing `scheme`, building models that fit `budget`."""
+def make_slot(
+    scheme: ConsistencyScheme, budget: MemoryBudget, *, quantized: bool = True
+) -> ModelSlot:
+    """The slot implementing `scheme`, building models that fit `budget`, with int-coded
+    tables held quantized if `quantized`."""
     if scheme == "double-buffer":
-        return DoubleBufferSlot(budget)
+        return DoubleBufferSlot(budget, quantized=quantized)
     if scheme == "rwlock":
-        return ReaderWriterSlot(budget)
+        return ReaderWriterSlot(budget, quantized=quantized)
     raise ValueError(f"unknown consistency scheme {scheme!r}")

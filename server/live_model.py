@@ -64,11 +64,14 @@ class LiveModel:
         metrics: ServerMetrics | None = None,
         manifest_cache_size: int = DEFAULT_TUNABLES.manifest_cache_size,
         memory_budget: MemoryBudget | None = None,
+        quantized_tables: bool = True,
     ) -> None:
         self.store = store
         self.catalog = Catalog(store, model, cache_size=manifest_cache_size)
         self.model_name = self.catalog.model
-        self.slot: ModelSlot = make_slot(scheme, memory_budget or MemoryBudget.of_machine())
+        self.slot: ModelSlot = make_slot(
+            scheme, memory_budget or MemoryBudget.of_machine(), quantized=quantized_tables
+        )
         self.metrics = metrics or ServerMetrics()
         self._mutate = threading.Lock()
         self._pinned: int | None = None

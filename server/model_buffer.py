@@ -16,11 +16,16 @@ the version it holds, and for a model trained from raw events one `IdMap` per ta
 of the model holds its own maps, written with its rows, so that swapping a copy in swaps rows
 and maps together and a prediction maps its ids with the version whose rows it reads.
 
-Writing a version decodes rows straight into the buffer's tensors through
+Each table is a `server.held_tables.HeldTable`: float32, written by decoding rows through
 `publisher.read.blob_rows`, the restore path's own blob-to-rows code (a full table decodes in
-place, a delta's rows are scattered in by one vectorised assignment per table), applies the
-id-map entries of those rows (`IdMap.apply`, checked and atomic), and records what it touched,
-so a second buffer can be brought level by repeating only those writes (server/consistency.py).
+place, a delta's rows are scattered in by one vectorised assignment per table); or, with
+quantized serving on, FBGEMM's fused int8/int4/int2 rows, written by copying the blob's codes,
+scale and bias into place and looked up by torch's quantized embedding-bag kernels. A table
+starts in the format of the codec the model's first full version brings and widens exactly when
+a version brings a finer one (server/held_tables.py says why and how). Writing a version also
+applies the id-map entries of those rows (`IdMap.apply`, checked and atomic), and records what
+it touched, so a second buffer can be brought level by repeating only those writes
+(server/consistency.py).
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from publisher.dlrm import DLRM, DLRMConfig, table_weight_names
+from publisher.dlrm import DLRM, TABLE_PREFIX, DLRMConfig, table_weight_names
 from publisher.id_map import IdMap, IdMapWrite
 from publisher.live_features import LiveSpec
 from publisher.memory_budget import MemoryBudget
-from publisher.read.blob_rows import BlobRows, decode_blob, write_blob
+from publisher.read.blob_rows import BlobRows
 from publisher.read.catalog import VersionRef
 from publisher.read.id_map_rows import read_id_entries
 from publisher.read.restore import read_blob
@@ -49,6 +54,14 @@ from schemas.id_map_blob import IdEntries
 from schemas.manifest import Manifest, TableEntry
 from schemas.tensor_blob import decode_tensors
 from server.errors import ApplyError, NonFiniteError
+from server.held_tables import (
+    Float32Table,
+    HeldFormat,
+    HeldTable,
+    TableRows,
+    held_format,
+    new_table,
+)
 from server.raw_ids import live_spec_of, new_id_maps
 
 #: blobs of one version fetched at once (network-bound on S3; hashing releases the GIL).
@@ -106,14 +119,6 @@ class FetchedVersion:
     @property
     def manifest(self) -> Manifest:
         return self.ref.manifest
-
-    def decode_rows(self) -> dict[str, BlobRows]:
-        """Every table's rows decoded to float32, for `ModelBuffer.assign_rows` (tables without
-        rows are left out). NonFiniteError if any decoded value is NaN or Inf."""
-        decoded = {t.name: decode_blob(t.blob) for t in self.tables if t.blob.n_rows}
-        for name, rows in decoded.items():
-            check_finite(self.manifest, f"rows of table {name!r}", rows.values)
-        return decoded
 
 
 def merge_id_rows(versions: Sequence[FetchedVersion]) -> dict[str, IdMapRows]:
@@ -197,16 +202,16 @@ class ServedVersion:
 
 @dataclass
 class Touched:
-    """What writing a plan changed in a buffer: whole tables (with their id maps), and per
-    table the row writes (ids and the decoded values, in order) and the id-map writes after the
-    last whole-table write; dense or not.
+    """What writing a plan changed in a buffer: whole tables (with their id maps; a table whose
+    format widened is one), and per table the row writes (ids and the rows in the table's
+    format, in order) and the id-map writes after the last whole-table write; dense or not.
 
-    Keeping the decoded values and entries lets the second copy of a double buffer replay the
+    Keeping the written rows and entries lets the second copy of a double buffer replay the
     same writes (no gather from the live copy, no second allocation of the rows).
     """
 
     whole: set[str] = field(default_factory=set)
-    rows: dict[str, list[BlobRows]] = field(default_factory=dict)
+    rows: dict[str, list[TableRows]] = field(default_factory=dict)
     id_writes: dict[str, list[IdMapWrite]] = field(default_factory=dict)
     dense: bool = False
 
@@ -216,7 +221,7 @@ class Touched:
         self.rows.pop(name, None)
         self.id_writes.pop(name, None)
 
-    def add_rows(self, name: str, rows: BlobRows) -> None:
+    def add_rows(self, name: str, rows: TableRows) -> None:
         if rows.ids.size:
             self.rows.setdefault(name, []).append(rows)
 
@@ -236,6 +241,18 @@ def _union(parts_iter: Iterable[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
 
 
+@dataclass
+class StagedWrite:
+    """Deltas made ready to write to a buffer (`ModelBuffer.stage`), so that writing them
+    (`ModelBuffer.commit`, the reader-writer scheme's critical section) only copies: per table
+    the rows in its format, in order; tables that widen, built whole beside the served ones; and
+    the dense tensors."""
+
+    rows: list[tuple[str, TableRows]] = field(default_factory=list)
+    replaced: dict[str, HeldTable] = field(default_factory=dict)
+    dense: list[Mapping[str, np.ndarray]] = field(default_factory=list)
+
+
 def model_state_names(model: DLRM) -> tuple[dict[str, str], list[str]]:
     """(table name -> weight state name, dense state names) of a model."""
     weights = table_weight_names(model)
@@ -248,11 +265,18 @@ class ModelBuffer:
     """A DLRM for inference, its tensors by name, and the version it holds.
 
     Readers only call `forward` (under `torch.inference_mode`); writers go through `write`,
-    `copy_from` and `assign_rows`, which the consistency schemes call only while no reader can
-    see this buffer (double buffer) or under the write lock (reader-writer).
+    `copy_from`, `replay` and `commit`, which the consistency schemes call only while no reader
+    can see this buffer (double buffer) or under the write lock (reader-writer).
+
+    `formats` gives the format each table starts in (server/held_tables.py; default fp32).
     """
 
-    def __init__(self, config: DLRMConfig, model: DLRM | None = None) -> None:
+    def __init__(
+        self,
+        config: DLRMConfig,
+        model: DLRM | None = None,
+        formats: Mapping[str, HeldFormat] | None = None,
+    ) -> None:
         self.config = config
         #: the inputs of a model trained from raw events (None: the client sends encoded ids),
         #: and then its id maps by table name, written with the rows of each version.
@@ -263,30 +287,65 @@ class ModelBuffer:
         self.model.requires_grad_(False)  # in-place writes on leaves need no autograd
         state = self.model.state_dict(keep_vars=True)
         weights, dense = model_state_names(self.model)
-        self.tables: dict[str, torch.Tensor] = {t: state[k].data for t, k in weights.items()}
+        self.tables: dict[str, HeldTable] = {}
+        for name in weights:
+            bag = self.model.embeddings[name.removeprefix(TABLE_PREFIX)]
+            assert isinstance(bag, torch.nn.EmbeddingBag)
+            fmt = (formats or {}).get(name, "fp32")
+            if fmt == "fp32":
+                self.tables[name] = Float32Table(bag)
+            else:  # the model's float32 table is dropped: the held one replaces it
+                self._install(name, new_table(bag.num_embeddings, bag.embedding_dim, fmt))
         self.dense: dict[str, torch.Tensor] = {k: state[k].data for k in dense}
         self.served: ServedVersion | None = None
         #: predictions reading this buffer now (double buffer only; guarded by the slot's lock).
         self.readers = 0
 
     @classmethod
-    def for_manifest(cls, manifest: Manifest, budget: MemoryBudget, copies: int) -> ModelBuffer:
+    def for_manifest(
+        cls, manifest: Manifest, budget: MemoryBudget, copies: int, *, quantized: bool = True
+    ) -> ModelBuffer:
         """An empty buffer with the architecture `manifest.model_config` describes, once
-        `copies` models of it fit `budget` (MemoryBudgetError before anything is allocated)."""
+        `copies` models of it fit `budget` (MemoryBudgetError before anything is allocated).
+        With `quantized`, each table starts in the format of its codec in `manifest` (a full
+        version; server/held_tables.py), else every table is float32.
+
+        The budget counts float32 tables: a bound for every format, since tables may widen."""
         try:
             config = DLRMConfig.from_json(manifest.model_config_)
             live_spec_of(config)
         except ValueError as exc:  # ArchitectureError, LiveSpecError
             raise ApplyError(f"version {manifest.version}: {exc}") from exc
         budget.check_model(manifest, config, copies)
-        return cls(config)
+        formats = {e.name: held_format(e.codec, e.dim) for e in manifest.tables if quantized}
+        return cls(config, formats=formats)
+
+    @property
+    def formats(self) -> dict[str, HeldFormat]:
+        """The format each table is held in."""
+        return {name: table.format for name, table in self.tables.items()}
 
     @property
     def nbytes(self) -> int:
         """Bytes of the model's tensors and (approximately) its id maps."""
-        tensors = [*self.tables.values(), *self.dense.values()]
+        dense = sum(t.numel() * t.element_size() for t in self.dense.values())
         maps = sum(m.nbytes for m in self.id_maps.values())
-        return sum(t.numel() * t.element_size() for t in tensors) + maps
+        return sum(t.nbytes for t in self.tables.values()) + dense + maps
+
+    def values(self, name: str) -> torch.Tensor:
+        """Table `name` as float32 (rows, dim): what a lookup of one row returns."""
+        return self.tables[name].values()
+
+    def _install(self, name: str, table: HeldTable) -> None:
+        """Hold `table` as table `name` and look it up in the model's forward pass."""
+        self.tables[name] = table
+        self.model.embeddings[name.removeprefix(TABLE_PREFIX)] = table.module
+
+    def _widen_for(self, name: str, codec: str) -> HeldTable | None:
+        """Table `name` converted to the format rows of `codec` need, or None if it holds them."""
+        table = self.tables[name]
+        fmt = held_format(codec, table.dim, table.format)
+        return None if fmt == table.format else table.converted(fmt)
 
     def forward(self, dense: torch.Tensor, sparse: Mapping[str, object]) -> torch.Tensor:
         """Logits of a batch (callers hold a reader on this buffer)."""
@@ -305,7 +364,7 @@ class ModelBuffer:
         if config != self.config:
             return False
         return all(
-            e.name in self.tables and tuple(self.tables[e.name].shape) == (e.rows, e.dim)
+            e.name in self.tables and self.tables[e.name].shape == (e.rows, e.dim)
             for e in manifest.tables
         )
 
@@ -369,15 +428,19 @@ class ModelBuffer:
         caller repairs or drops this buffer, which no reader sees while it is written).
         """
         for table in fetched.tables:
-            # A blob of every row decodes in place: a full table costs no second copy of itself.
-            weights = self.tables[table.name].numpy()
-            rows = write_blob(table.blob, weights)
+            if table.blob.n_rows:
+                wider = self._widen_for(table.name, table.blob.codec)
+                if wider is not None:
+                    self._install(table.name, wider)
+                    touched.add_whole(table.name)
+            # A blob of every row is written in place: a full table costs no second copy.
+            held = self.tables[table.name]
+            rows = held.write_blob(table.blob)
             if rows is None:
                 touched.add_whole(table.name)
             else:
                 touched.add_rows(table.name, rows)
-            what = f"rows of table {table.name!r}"
-            check_finite(fetched.manifest, what, weights if rows is None else rows.values)
+            _check_written(fetched.manifest, table.name, held, rows)
             id_rows = table.id_rows()
             if id_rows is not None:
                 # IdMapError leaves the map as it was; the rows just written are repaired
@@ -391,12 +454,55 @@ class ModelBuffer:
                 self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
             touched.dense = True
 
-    def assign_rows(self, updates: Mapping[str, BlobRows], dense: Mapping[str, np.ndarray]) -> None:
-        """Write decoded rows and dense tensors (the reader-writer scheme's critical section)."""
-        for name, rows in updates.items():
-            rows.scatter(self.tables[name].numpy())
-        for name, value in dense.items():
-            self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
+    def stage(self, versions: Sequence[FetchedVersion]) -> StagedWrite:
+        """Deltas `versions` (in order, each `check`ed) made ready to `commit`, this buffer
+        untouched: rows in their table's format; a table that must widen is converted and
+        written beside the served one. NonFiniteError or CodecError for rows that do not
+        decode to finite values."""
+        staged = StagedWrite()
+        for fetched in versions:
+            for table in fetched.tables:
+                if not table.blob.n_rows:
+                    continue
+                name = table.name
+                held = staged.replaced.get(name, self.tables[name])
+                fmt = held_format(table.blob.codec, held.dim, held.format)
+                rows: TableRows | None
+                if name not in staged.replaced and fmt == held.format:
+                    rows = held.rows_of(table.blob)
+                    staged.rows.append((name, rows))
+                else:
+                    held = staged.replaced[name] = self._staged_copy(staged, name, held, fmt)
+                    rows = held.write_blob(table.blob)
+                _check_written(fetched.manifest, name, held, rows)
+            if fetched.dense is not None:
+                staged.dense.append(fetched.dense)
+        return staged
+
+    @staticmethod
+    def _staged_copy(staged: StagedWrite, name: str, held: HeldTable, fmt: HeldFormat) -> HeldTable:
+        """Table `name` in `fmt`, built beside the served one: `held` itself if it already is
+        that copy, else a copy with the rows staged for it so far written in (in their format,
+        before it converts)."""
+        if name in staged.replaced:
+            return held if fmt == held.format else held.converted(fmt)
+        earlier = [rows for n, rows in staged.rows if n == name]
+        if earlier:
+            held = held.copy()
+            for rows in earlier:
+                held.scatter(rows)
+            staged.rows = [(n, rows) for n, rows in staged.rows if n != name]
+        return held.converted(fmt)
+
+    def commit(self, staged: StagedWrite) -> None:
+        """Make the writes `stage` prepared (the reader-writer scheme's critical section)."""
+        for name, table in staged.replaced.items():
+            self._install(name, table)
+        for name, rows in staged.rows:
+            self.tables[name].scatter(rows)
+        for dense in staged.dense:
+            for name, value in dense.items():
+                self.dense[name].copy_(torch.from_numpy(np.asarray(value)))
 
     def check_id_rows(self, updates: Mapping[str, IdMapRows]) -> dict[str, IdMapWrite]:
         """The checked writes of `updates` to this buffer's maps (IdMapError if one does not
@@ -413,12 +519,11 @@ class ModelBuffer:
         """Make the `touched` parts of this buffer bitwise equal to `source`'s, by gathering
         them from `source` (repairs a buffer whose write failed half-way)."""
         for name in touched.whole:
-            self.tables[name].copy_(source.tables[name])
+            self._level_table(source, name)
         for name in touched.rows:
             if name in touched.whole:
                 continue
-            ids = touched.row_ids(name)
-            self.tables[name].numpy()[ids] = source.tables[name].numpy()[ids]
+            self.tables[name].copy_from(source.tables[name], touched.row_ids(name))
         for name in touched.id_writes:
             ids = touched.id_row_ids(name)
             self.id_maps[name].apply(ids, source.id_maps[name].entries(ids))
@@ -430,16 +535,24 @@ class ModelBuffer:
         copied from `source`, row writes are replayed from their recorded values, in order.
         Afterwards both buffers are bitwise equal if they were before the writes."""
         for name in touched.whole:
-            self.tables[name].copy_(source.tables[name])
+            self._level_table(source, name)
         for name, writes in touched.rows.items():
             for rows in writes:
-                rows.scatter(self.tables[name].numpy())
+                self.tables[name].scatter(rows)
         # The writes were checked on `source`'s maps, equal to these before them.
         for name, id_writes in touched.id_writes.items():
             for checked in id_writes:
                 self.id_maps[name].write(checked)
         self._level_maps(source, touched)
         self._level_dense(source, touched)
+
+    def _level_table(self, source: ModelBuffer, name: str) -> None:
+        # A table whose format the other copy widened (or, repairing, did not) is replaced.
+        theirs = source.tables[name]
+        if self.tables[name].format == theirs.format:
+            self.tables[name].copy_from(theirs)
+        else:
+            self._install(name, theirs.copy())
 
     def _level_maps(self, source: ModelBuffer, touched: Touched) -> None:
         # A whole table's map is copied in place (array copies and one dict copy), not
@@ -456,21 +569,34 @@ class ModelBuffer:
 
     def clone(self) -> ModelBuffer:
         """A second buffer with the same architecture, bitwise equal weights and version."""
-        other = ModelBuffer(self.config)
+        other = ModelBuffer(self.config, formats=self.formats)
         touched = Touched(whole=set(self.tables), dense=True)
         other.copy_from(self, touched)
         return other
 
     def digest(self) -> dict[str, str]:
-        """sha256 of every table's and dense tensor's bytes and of every id map (as
-        `<table>.id_map`: its rows' ids, counts and last-seen times), for fleet checks."""
+        """sha256 of every table's float32 values (decoded from a quantized table: servers of
+        either format agree), every dense tensor's bytes and every id map (as `<table>.id_map`:
+        its rows' ids, counts and last-seen times), for fleet checks."""
         out: dict[str, str] = {}
-        for name, tensor in [*sorted(self.tables.items()), *sorted(self.dense.items())]:
+        tables = {name: table.values() for name, table in self.tables.items()}
+        for name, tensor in [*sorted(tables.items()), *sorted(self.dense.items())]:
             # hashlib reads the array's buffer directly (no copy) and releases the GIL.
             out[name] = hashlib.sha256(np.ascontiguousarray(tensor.numpy()).data).hexdigest()
         for name, id_map in sorted(self.id_maps.items()):
             out[f"{name}.id_map"] = id_map_digest(id_map)
         return out
+
+
+def _check_written(manifest: Manifest, name: str, table: HeldTable, rows: TableRows | None) -> None:
+    """NonFiniteError if float32 rows just decoded hold NaN or Inf. (Fused rows hold finite
+    values by construction: their blob's scale and bias were checked, and bias + code * scale
+    stays far inside float32's range.)"""
+    what = f"rows of table {name!r}"
+    if isinstance(rows, BlobRows):
+        check_finite(manifest, what, rows.values)
+    elif rows is None and isinstance(table, Float32Table):
+        check_finite(manifest, what, table.weights)
 
 
 def id_map_digest(id_map: IdMap) -> str:

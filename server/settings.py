@@ -110,6 +110,12 @@ class ServerSettings(BaseSettings):
         default="double-buffer",
         description="how a version is swapped in under running predictions (server/consistency.py)",
     )
+    quantized_tables: bool = Field(
+        default=True,
+        description="hold each table whose versions arrive int8/int4/int2 in FBGEMM's fused "
+        "rowwise format, looked up by torch's quantized embedding-bag kernels and written by "
+        "copying rows (server/held_tables.py); off = every table float32",
+    )
     torch_threads: int = Field(default=1, ge=1, le=256, description="torch intra-op threads")
     max_batch: int = Field(default=1024, ge=1, description="examples per predict request")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024, description="request body cap")

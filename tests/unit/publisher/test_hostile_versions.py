@@ -176,7 +176,7 @@ def _assert_keeps_serving(s: Served, version_before: int) -> None:
 
 def _tables(live: LiveModel) -> dict[str, Any]:
     with live.reader() as buffer:
-        return dict(buffer.tables)
+        return {name: buffer.values(name) for name in buffer.tables}
 
 
 @pytest.mark.parametrize("case", list(BLOB_TAMPERING))

@@ -119,6 +119,17 @@ def test_serve_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert (s.model, s.port, s.max_batch, s.consistency) == ("from-env", 1234, 9, "rwlock")
 
 
+def test_quantized_tables_default_on_and_a_flag_or_the_environment_turns_them_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = ("--store", "file:///x", "--model", "m")
+    assert settings_from_args(_parse(*plain)).quantized_tables is True
+    assert settings_from_args(_parse(*plain, "--quantized-tables", "off")).quantized_tables is False
+    monkeypatch.setenv("CHECKNRUN_SERVER_QUANTIZED_TABLES", "false")
+    assert settings_from_args(_parse(*plain)).quantized_tables is False
+    assert settings_from_args(_parse(*plain, "--quantized-tables", "on")).quantized_tables is True
+
+
 def test_admin_token_from_a_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MY_TOKEN", STRONG)
     args = _parse("--store", "file:///x", "--model", "m", "--admin-token-env", "MY_TOKEN")

@@ -88,7 +88,7 @@ def assert_matches_restore(live: LiveModel, store: FileStore, version: int) -> N
     with live.reader() as buffer:
         assert buffer.served is not None and buffer.served.version == version
         for name, table in state.tables.items():
-            assert np.array_equal(buffer.tables[name].numpy(), table.weights), name
+            assert np.array_equal(buffer.values(name).numpy(), table.weights), name
         for name, value in state.dense.items():
             assert np.array_equal(buffer.dense[name].numpy(), value), name
 

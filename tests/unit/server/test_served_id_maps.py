@@ -124,7 +124,7 @@ def assert_serves(w: LiveWorld, version: int) -> None:
         assert buffer.served.version == version
         assert_maps_match(buffer, state.id_maps)
         for name, table in state.tables.items():
-            assert np.array_equal(buffer.tables[name].numpy(), table.weights), name
+            assert np.array_equal(buffer.values(name).numpy(), table.weights), name
 
 
 def test_bootstrap_and_follow_serve_the_trainers_maps(world: LiveWorld) -> None:
@@ -170,7 +170,7 @@ def test_an_evicted_and_reused_row_serves_the_new_ids_values(world: LiveWorld) -
     world.live.bootstrap()
     row = world.run.id_map("user").row_of("old")
     assert row is not None
-    old_values = world.live.slot.current().tables["embeddings.user"][row].clone()  # type: ignore[union-attr]
+    old_values = world.live.slot.current().values("embeddings.user")[row].clone()  # type: ignore[union-attr]
 
     assert world.run.evict("user", "old") == row
     world.run.train(events(["new"], ts=TS + 20))  # admitted into the freed row
@@ -181,7 +181,7 @@ def test_an_evicted_and_reused_row_serves_the_new_ids_values(world: LiveWorld) -
 
     buffer = world.live.slot.current()
     assert buffer is not None
-    served_row = buffer.tables["embeddings.user"][row]
+    served_row = buffer.values("embeddings.user")[row]
     assert torch.equal(served_row, world.run.model.embeddings["user"].weight[row].detach())
     assert not torch.allclose(served_row, old_values)
     user_map = buffer.id_maps["embeddings.user"]
