@@ -1,6 +1,6 @@
-"""Part `live`: MovieLens-1M as a live event stream through Kafka (issue 12's figures).
+"""Part `idspace`: open id spaces compared on MovieLens-1M through Kafka, and a new id's freshness.
 
-    checknrun bench live [--samples N] [--quick] [--json OUT]
+    checknrun bench idspace [--samples N] [--new-ids K] [--quick] [--json OUT]
 
 Needs the real Kafka (CHECKNRUN_KAFKA_BOOTSTRAP; source ~/.cache/checknrun/services/env); the
 store is MinIO when CHECKNRUN_S3_ENDPOINT is set, else a file store. Every figure comes from the
@@ -8,19 +8,17 @@ product's own commands, run as child processes:
 
 1. `checknrun replay --data movielens` puts the first N ratings on a fresh 3-partition topic
    (raw ids, time order, key = user id).
-2. Throughput: `checknrun train --data movielens` (the file replay with its up-front
-   vocabulary) and `checknrun train --data kafka://... --stop-at-end` on the same N samples,
-   alternating, `--repeats` each; medians and their ratio, the live run's consumer lag and bad
-   events from its summary.
-3. Id spaces on the same topic, each a whole live run: `dynamic` (the default: collision-free,
+2. Id spaces on the same topic, each a whole live run: `dynamic` (the default: collision-free,
    a row per id) and `hash` at two table sizes; their progressive-validation AUC and log loss
    (every event scored before it is trained on), collisions, table memory, and the bytes each
    wrote against a full fp32 checkpoint with the id-map blobs counted. Next to them, the file
    replay's AUC (up-front vocabulary and its extra dense feature `movie_age`).
-4. Freshness of a new id: a live trainer (`--interval-seconds 1`) follows the topic and
+3. Freshness of a new id: a live trainer (`--interval-seconds 1`) follows the topic and
    announces on Kafka; a `checknrun serve` follows it. The bench sends events of user ids
    never seen before and asks the server for each (`POST /v1/predict` with the raw id) until
    the answer no longer counts it in `unknown_ids`: first event -> served, p50 / p99.
+
+Training throughput from Kafka against the file replay is the `live` part's.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,8 +40,6 @@ from kafka import KafkaProducer
 from bench.child_server import REPO, ChildServer
 from bench.machine import describe_machine, log
 
-#: the file replay's throughput the live trainer is held against.
-THROUGHPUT_TARGET = 0.9
 MOVIELENS_EVENTS = 1_000_209
 DIM = 16
 BATCH = 512
@@ -90,40 +85,6 @@ def _train_live(
 
 def _rate(doc: dict[str, Any]) -> float:
     return float(doc["samples_per_s"])
-
-
-def _throughput(url: str, samples: int, repeats: int, scratch: Path) -> dict[str, Any]:
-    files: list[float] = []
-    lives: list[float] = []
-    last_live: dict[str, Any] = {}
-    for repeat in range(repeats):
-        arms = [("file", files), ("live", lives)]
-        if repeat % 2:
-            arms.reverse()  # alternate which goes first: the shared machine drifts
-        for arm, out in arms:
-            tag = uuid.uuid4().hex[:8]
-            store = _store(f"tp-{arm}-{tag}", scratch)
-            if arm == "file":
-                doc = _train_file(samples, store, f"tp-{arm}")
-            else:
-                doc = last_live = _train_live(url, samples, store, f"tp-{arm}")
-            out.append(_rate(doc))
-            log(f"live: throughput {arm} repeat {repeat + 1}/{repeats}: {out[-1]:,.0f} samples/s")
-    ratio = statistics.median(lives) / statistics.median(files)
-    metrics = last_live.get("metrics", {})
-    return {
-        "samples": samples,
-        "repeats": repeats,
-        "file_samples_per_s": [round(x) for x in files],
-        "live_samples_per_s": [round(x) for x in lives],
-        "file_median": round(statistics.median(files)),
-        "live_median": round(statistics.median(lives)),
-        "live_over_file": round(ratio, 3),
-        "target": THROUGHPUT_TARGET,
-        "met": ratio >= THROUGHPUT_TARGET,
-        "live_summary": {k: v for k, v in last_live.items() if k not in ("checkpoints",)},
-        "consumer_lag_at_end": metrics.get("consumer_lag"),
-    }
 
 
 def _table_bytes(rows: dict[str, int]) -> int:
@@ -214,7 +175,7 @@ def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
                         raise LiveBenchError(f"new id {user} not served within 60 s")
                     time.sleep(0.02)
                 log(f"live: new id {i + 1}/{new_ids} served after {latencies[-1] * 1e3:.0f} ms")
-                threading.Event().wait(0.3)
+                time.sleep(0.3)
     finally:
         producer.close()
         trainer.terminate()
@@ -244,12 +205,10 @@ def _has_version(store: str, model: str) -> bool:
 def run(
     quick: bool,
     samples: int | None = None,
-    repeats: int | None = None,
     new_ids: int | None = None,
 ) -> dict[str, Any]:
     """Every measurement of the module docstring (smaller and shorter with `quick`)."""
     samples = samples or (20_000 if quick else MOVIELENS_EVENTS)
-    repeats = repeats or (1 if quick else 3)
     new_ids = new_ids or (3 if quick else 30)
     bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP")
     if not bootstrap:
@@ -265,18 +224,16 @@ def run(
         replay = _checknrun(
             ["replay", "--data", "movielens", "--to", url, "--max-events", str(samples),
              "--no-progress"], timeout_s=1800)  # fmt: skip
-        throughput = _throughput(url, samples, repeats, scratch)
         sizes = (2_000, 20_000)
         id_spaces = _id_spaces(url, samples, scratch, sizes)
         freshness = _freshness(bootstrap, new_ids, scratch)
     return {
-        "part": "live",
+        "part": "idspace",
         "quick": quick,
         "machine": describe_machine(),
         "real_kafka": True,
         "store": "minio" if os.environ.get("CHECKNRUN_S3_ENDPOINT") else "file",
         "replay": replay,
-        "throughput": throughput,
         "id_spaces": id_spaces,
         "hash_sizes": list(sizes),
         "new_id_freshness": freshness,
@@ -286,5 +243,4 @@ def run(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The part's own options."""
     parser.add_argument("--samples", type=int, help="MovieLens ratings replayed (default all)")
-    parser.add_argument("--repeats", type=int, help="alternating throughput rounds (default 3)")
     parser.add_argument("--new-ids", type=int, help="new ids timed to served (default 30)")
