@@ -55,6 +55,8 @@ class _NotJson(FormatError):
 
 
 _DECODER = StrictDecoder(_NotJson, "event")
+#: an int id below this in magnitude has at most MAX_KEY_BYTES - 1 digits.
+_INT_LIMIT = 10 ** (MAX_KEY_BYTES - 1)
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,24 @@ class Event(NamedTuple):
 
 def parse_event(value: bytes | None, fields: EventFields) -> Event:
     """The event a record's value holds; EventError naming the first rule it breaks."""
+    obj, ts, label = event_object(value, fields)
+    get = obj.get
+    # A plain ASCII string of a valid length is the common case, checked inline.
+    limit = MAX_KEY_BYTES
+    ids = tuple(
+        [
+            v if type(v) is str and v.isascii() and 0 < len(v) <= limit else event_key(v, name)
+            for name, v in zip(fields.singles, map(get, fields.singles), strict=True)
+        ]
+    )
+    bags = tuple(event_bag(get(name), name) for name in fields.bags) if fields.bags else ()
+    return Event(ts, label, ids, bags)
+
+
+def event_object(value: bytes | None, fields: EventFields) -> tuple[dict[str, Any], float, float]:
+    """The first checks of `parse_event` (size, JSON, object, `ts`, label): the event's JSON
+    object, its time and its label. A caller that maps ids itself then takes each feature's
+    value through `event_key` / `event_bag`, in the order of `fields`."""
     if value is None:
         raise EventError("not_json", "the record has no value (a tombstone)")
     if len(value) > MAX_EVENT_BYTES:
@@ -90,12 +110,13 @@ def parse_event(value: bytes | None, fields: EventFields) -> Event:
         raise EventError("not_json", str(exc)) from exc
     if type(obj) is not dict:
         raise EventError("not_object", f"the value is a JSON {type(obj).__name__}, not an object")
-    ts = _time(obj.get("ts"))
-    label = _label(obj, fields.rating_threshold)
-    get = obj.get
-    ids = tuple(_key(get(name), name) for name in fields.singles)
-    bags = tuple(_bag(get(name), name) for name in fields.bags)
-    return Event(ts, label, ids, bags)
+    ts = obj.get("ts")
+    if type(ts) is not float or not 0.0 <= ts < math.inf:  # the common case, checked inline
+        ts = _time(ts)
+    label = obj.get("label")
+    if type(label) is not float or not 0.0 <= label <= 1.0:
+        label = _label(obj, fields.rating_threshold)
+    return obj, ts, label
 
 
 def _number(value: object) -> float | None:
@@ -135,18 +156,22 @@ def _label(obj: Mapping[str, Any], threshold: float) -> float:
     raise EventError("missing_label", "neither `label` nor `rating`")
 
 
-def _key(value: object, name: str) -> str | None:
+def event_key(value: object, name: str) -> str | None:
+    """The key of feature `name`'s value (None: absent or null); EventError("bad_id")."""
     if value is None:
         return None
     if type(value) is str and value.isascii() and 0 < len(value) <= MAX_KEY_BYTES:  # hot path
         return value
+    if type(value) is int and -_INT_LIMIT < value < _INT_LIMIT:
+        return str(value)
     try:
         return id_key(value)
     except IdKeyError as exc:
         raise EventError("bad_id", f"feature {name!r}: {exc}") from exc
 
 
-def _bag(value: object, name: str) -> tuple[str, ...]:
+def event_bag(value: object, name: str) -> tuple[str, ...]:
+    """The keys of bag feature `name`'s value (absent or null: none); EventError otherwise."""
     if value is None:
         return ()
     if type(value) is not list:
@@ -155,13 +180,16 @@ def _bag(value: object, name: str) -> tuple[str, ...]:
         raise EventError(
             "too_many_ids", f"bag feature {name!r} holds {len(value)} ids, at most {MAX_BAG_IDS}"
         )
-    keys = []
-    for item in value:
-        key = _key(item, name)
-        if key is None:
-            raise EventError("bad_id", f"bag feature {name!r} holds a null")
-        keys.append(key)
-    return tuple(keys)
+    limit = MAX_KEY_BYTES
+    keys = tuple(
+        [
+            v if type(v) is str and v.isascii() and 0 < len(v) <= limit else event_key(v, name)
+            for v in value
+        ]
+    )
+    if None in keys:
+        raise EventError("bad_id", f"bag feature {name!r} holds a null")
+    return keys  # type: ignore[return-value]
 
 
 def _shown(value: object) -> str:

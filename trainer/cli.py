@@ -415,6 +415,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"nothing to train: the reader is at sample {start:,} and the run stops at "
                 f"{stop:,} (raise --max-samples)"
             )
+        if live is not None:
+            live.open(args.batch_size)  # start-up (and a bad topic) before the clock starts
         bar = tqdm(
             total=None if stop is None else stop - start,
             unit="sample",
@@ -444,6 +446,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"{exc}; training stopped (--on-nonfinite skip trains on and publishes once the "
                 "values are finite again)"
             ) from exc
+        finally:
+            if live is not None:
+                live.close()
     doc = _report_json(args, model_name, resumed, report, ckpt.non_finite_skipped)
     if live is not None:
         doc["samples_seen"] = ckpt.samples_seen
@@ -604,6 +609,7 @@ def _report_json(
         "samples": report.samples,
         "steps": report.steps,
         "seconds": round(report.seconds, 3),
+        "cpu_seconds": round(report.cpu_seconds, 3),
         "samples_per_s": round(report.samples_per_s, 1),
         "stopped": report.stopped,
         "metrics": {k: round(v, 6) for k, v in report.metrics.items()},

@@ -2,12 +2,13 @@
 
     space = IdSpace(IdMap(100_000), IdSpacePolicy(admit_after=2, evict_after_s=86_400),
                     reset_rows=row_reset)
-    mapped = space.map(keys, inverse, ts)      # rows and prior counts, one per occurrence
+    space.learn(["u1", "u2"])                  # numbers 0 and 1 name these ids
+    mapped = space.map(numbers, ts)            # rows and prior counts, one per occurrence
 
-A batch names each feature's ids as `keys` (its distinct raw ids) and `inverse` (per occurrence,
-the index of its key, or -1 for no id); `ts` is each occurrence's event time. For each occurrence
-`map` returns the row it trains and its prior count (the id's count before this occurrence: the
-`*_prior_log` input, publisher/live_features.py), and counts the occurrence in the map.
+A batch names each occurrence of a feature's ids by a number (-1 for no id; the reader numbers
+the keys, trainer/streams/event_columns.py); `ts` is each occurrence's event time. For each
+occurrence `map` returns the row it trains and its prior count (the id's count before this
+occurrence: the `*_prior_log` input, publisher/live_features.py), and counts the occurrence.
 
 Dynamic map (the default), docs/FORMAT.md section 7:
 - an id gets a row at its `admit_after`-th occurrence (1: the first); until then, and for a
@@ -44,8 +45,6 @@ Rows = npt.NDArray[np.int64]
 EVICT_SHARE = 64
 #: time-based eviction runs each time the newest event time moves by this share of the span.
 SWEEP_SHARE = 8
-#: distinct keys whose hashed row is cached in hash mode (the cache is dropped when full).
-HASH_CACHE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,13 @@ class MappedIds:
 
 
 class IdSpace:
-    """One table's id space: its `IdMap` and the policy that fills and empties it."""
+    """One table's id space: its `IdMap` and the policy that fills and empties it.
+
+    Ids arrive as numbers (trainer/streams/event_columns.py): `learn(keys)` says which keys
+    the next numbers name, `map(numbers, ts)` maps occurrences, `renumber()` forgets the
+    numbering (a new reader process, or a numbering that started over). Number -> row is kept
+    in an array that admissions and evictions update, so known ids map without a dict lookup.
+    """
 
     def __init__(
         self,
@@ -93,85 +98,104 @@ class IdSpace:
         self._pending: dict[str, int] = {}
         self._watermark = 0.0
         self._next_sweep = 0.0
-        self._hash_cache: dict[str, int] = {}
-        self._owner: list[str | None] = [None] * id_map.rows if id_map.hashed else []
-        self._collided = np.zeros(id_map.rows if id_map.hashed else 0, dtype=np.bool_)
+        hashed = id_map.hashed
+        self._owner: list[str | None] = [None] * id_map.rows if hashed else []
+        self._collided = np.zeros(id_map.rows if hashed else 0, dtype=np.bool_)
         self._held = np.zeros(id_map.rows, dtype=np.bool_)
         self._free: list[int] = []
+        # number -> key, number -> row (UNKNOWN_ROW: none), row -> number (-1: none known),
+        # number -> not its hashed row's first id.
+        self._keys: list[str] = []
+        self._number_rows = np.zeros(0, dtype=np.int64)
+        self._foreign = np.zeros(0, dtype=np.bool_)
+        self._row_numbers = np.full(id_map.rows, -1, dtype=np.int64)
         self.sync()
 
     def sync(self) -> None:
-        """Re-read which rows are held (after the map was loaded from a checkpoint)."""
-        if self.id_map.hashed:
-            return
-        free = self.id_map.free_rows()
-        self._held[:] = True
-        self._held[UNKNOWN_ROW] = False
-        self._held[free] = False
-        self._free = free[::-1].tolist()  # a stack: the lowest row is handed out first
-        self._pending.clear()
+        """Re-read the map (after it was loaded from a checkpoint): which rows are held, and
+        the rows of the numbered keys."""
+        if not self.id_map.hashed:
+            free = self.id_map.free_rows()
+            self._held[:] = True
+            self._held[UNKNOWN_ROW] = False
+            self._held[free] = False
+            self._free = free[::-1].tolist()  # a stack: the lowest row is handed out first
+            self._pending.clear()
+        keys = self._keys
+        self.renumber()
+        self.learn(keys)
 
     @property
     def held(self) -> int:
         """Ids holding a row."""
         return len(self.id_map)
 
-    def map(
-        self, keys: Sequence[str], inverse: npt.NDArray[np.int32], ts: npt.NDArray[np.float64]
-    ) -> MappedIds:
-        """Rows and prior counts of the occurrences `inverse` (indices into `keys`, -1 for no
-        id) at event times `ts`; counts them in the map (see the module docstring)."""
-        if len(ts):
-            self._watermark = max(self._watermark, float(ts.max()))
+    def renumber(self) -> None:
+        """Forget which keys the numbers name."""
+        self._keys = []
+        self._number_rows = np.zeros(0, dtype=np.int64)
+        self._foreign = np.zeros(0, dtype=np.bool_)
+        self._row_numbers[:] = -1
+
+    def learn(self, keys: Sequence[str]) -> None:
+        """The next numbers (counting on from the last) name `keys`."""
+        if not keys:
+            return
+        first = len(self._keys)
+        self._keys.extend(keys)
         if self.id_map.hashed:
-            key_rows = self._hashed(keys)
-        else:
-            self._sweep()
-            key_rows = self.id_map.lookup(keys)
-        occurrences = len(inverse)
-        present = inverse >= 0
-        rows = np.full(occurrences, UNKNOWN_ROW, dtype=np.int64)
-        rows[present] = key_rows[inverse[present]]
-        if self.id_map.hashed:
-            owner = self._owner
+            rows = hashed_rows(keys, self.id_map.rows)
             foreign = np.fromiter(
-                (owner[r] != k for k, r in zip(keys, key_rows.tolist(), strict=True)),
+                (self._note_owner(k, r) for k, r in zip(keys, rows.tolist(), strict=True)),
                 dtype=np.bool_,
                 count=len(keys),
             )
-            self.collision_events += int(foreign[inverse[present]].sum())
+            self._foreign = np.concatenate([self._foreign, foreign])
         else:
-            new = np.flatnonzero(key_rows == UNKNOWN_ROW)
+            rows = self.id_map.lookup(keys)
+            known = np.flatnonzero(rows != UNKNOWN_ROW)
+            self._row_numbers[rows[known]] = first + known
+        self._number_rows = np.concatenate([self._number_rows, rows])
+
+    def map(
+        self,
+        numbers: npt.NDArray[np.int32],
+        ts: npt.NDArray[np.float64],
+        *,
+        prior: bool = True,
+    ) -> MappedIds:
+        """Rows (and, with `prior`, prior counts) of the occurrences `numbers` (-1: no id) at
+        event times `ts`; counts them in the map (see the module docstring)."""
+        if len(ts):
+            self._watermark = max(self._watermark, float(ts.max()))
+        if not self.id_map.hashed:
+            self._sweep()
+        present = numbers >= 0
+        rows = np.full(len(numbers), UNKNOWN_ROW, dtype=np.int64)
+        rows[present] = self._number_rows[numbers[present]]
+        if self.id_map.hashed:
+            self.collision_events += int(self._foreign[numbers[present]].sum())
+        else:
+            new = np.flatnonzero(present & (rows == UNKNOWN_ROW))
             if len(new):
-                self._admit(keys, new, key_rows, inverse, rows)
-        return MappedIds(rows, self._count(rows, present, ts))
+                self._admit(numbers, new, rows)
+        return MappedIds(rows, self._count(rows, present, ts, prior))
 
     # --- dynamic map ------------------------------------------------------------------------
 
-    def _admit(
-        self,
-        keys: Sequence[str],
-        new: npt.NDArray[np.int64],
-        key_rows: Rows,
-        inverse: npt.NDArray[np.int32],
-        rows: Rows,
-    ) -> None:
-        """Give rows to the ids of `new` (indices into `keys`) that reach admission in this
-        batch, and point their occurrences from that one on at their row."""
+    def _admit(self, numbers: npt.NDArray[np.int32], new: Rows, rows: Rows) -> None:
+        """Give rows to the ids of the occurrences `new` that reach admission in this batch,
+        and point their occurrences from that one on at their row."""
         need = self.policy.admit_after
-        # Occurrence positions of each new key, in batch order (stable sort).
-        is_new = np.zeros(len(keys), dtype=np.bool_)
-        is_new[new] = True
-        occ = np.flatnonzero((inverse >= 0) & is_new[np.maximum(inverse, 0)])
-        occ = occ[np.argsort(inverse[occ], kind="stable")]
-        owners = inverse[occ]
-        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
-        ends = np.r_[starts[1:], len(occ)]
+        occ = new[np.argsort(numbers[new], kind="stable")]  # grouped by id, in batch order
+        owners = numbers[occ]
+        starts = np.flatnonzero(_group_starts(owners))
+        ends = np.append(starts[1:], len(occ))
         in_use = np.zeros(self.id_map.rows, dtype=np.bool_)
-        in_use[key_rows] = True
+        in_use[rows] = True
         for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
-            index = int(owners[lo])
-            key = keys[index]
+            number = int(owners[lo])
+            key = self._keys[number]
             seen_before = self._pending.get(key, 0)
             first = max(0, need - 1 - seen_before)  # the occurrence that is admitted
             if first >= hi - lo:
@@ -184,6 +208,8 @@ class IdSpace:
             self._pending.pop(key, None)
             self.id_map.assign(key, row)
             self._held[row] = True
+            self._number_rows[number] = row
+            self._row_numbers[row] = number
             in_use[row] = True
             self.admitted += 1
             rows[occ[lo + first : hi]] = row
@@ -224,6 +250,9 @@ class IdSpace:
         for row in rows.tolist():
             self.id_map.release(row)
         self._held[rows] = False
+        numbered = self._row_numbers[rows]
+        self._number_rows[numbered[numbered >= 0]] = UNKNOWN_ROW
+        self._row_numbers[rows] = -1
         self._free.extend(rows[::-1].tolist())
         self.evicted += len(rows)
         if self.reset_rows is not None:
@@ -231,34 +260,30 @@ class IdSpace:
 
     # --- hash mode --------------------------------------------------------------------------
 
-    def _hashed(self, keys: Sequence[str]) -> Rows:
-        cache = self._hash_cache
-        missing = [k for k in keys if k not in cache]
-        if missing:
-            if len(cache) + len(missing) > HASH_CACHE:
-                cache.clear()
-            for key, row in zip(
-                missing, hashed_rows(missing, self.id_map.rows).tolist(), strict=True
-            ):
-                cache[key] = row
-                self._note_owner(key, row)
-        return np.fromiter((cache[k] for k in keys), dtype=np.int64, count=len(keys))
-
-    def _note_owner(self, key: str, row: int) -> None:
+    def _note_owner(self, key: str, row: int) -> bool:
+        """Whether `key` is not the first id seen on its hashed `row` (a collision)."""
         owner = self._owner[row]
         if owner is None:
             self._owner[row] = key
-        elif owner != key and not self._collided[row]:
+            return False
+        if owner == key:
+            return False
+        if not self._collided[row]:
             self._collided[row] = True
             self.collided_rows += 1
+        return True
 
     # --- counts -----------------------------------------------------------------------------
 
     def _count(
-        self, rows: Rows, present: npt.NDArray[np.bool_], ts: npt.NDArray[np.float64]
+        self,
+        rows: Rows,
+        present: npt.NDArray[np.bool_],
+        ts: npt.NDArray[np.float64],
+        want_prior: bool,
     ) -> npt.NDArray[np.int64]:
         """Count each occurrence on its row; returns each one's prior count (0 on the unknown
-        row of a dynamic map, which counts nothing)."""
+        row of a dynamic map, which counts nothing; all 0 without `want_prior`)."""
         prior = np.zeros(len(rows), dtype=np.int64)
         counted = present if self.id_map.hashed else rows != UNKNOWN_ROW
         occ = np.flatnonzero(counted)
@@ -266,10 +291,22 @@ class IdSpace:
             return prior
         order = occ[np.argsort(rows[occ], kind="stable")]
         sorted_rows = rows[order]
-        starts = np.r_[True, sorted_rows[1:] != sorted_rows[:-1]]
-        first = np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))
+        starts = np.flatnonzero(_group_starts(sorted_rows))
+        distinct = sorted_rows[starts]
         counts, last_seen = self.id_map.counts, self.id_map.last_seen
-        prior[order] = counts[sorted_rows] + (np.arange(len(order)) - first)
-        np.add.at(counts, rows[occ], 1)
-        np.maximum.at(last_seen, rows[occ], ts[occ])
+        if want_prior:
+            rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.append(starts, len(order))))
+            prior[order] = counts[sorted_rows] + rank
+        counts[distinct] += np.diff(np.append(starts, len(order)))
+        newest = np.maximum.reduceat(ts[order], starts)
+        last_seen[distinct] = np.maximum(last_seen[distinct], newest)
         return prior
+
+
+def _group_starts(values: npt.NDArray[np.integer]) -> npt.NDArray[np.bool_]:
+    """True where a run of equal values starts (`values` grouped, e.g. sorted)."""
+    starts = np.empty(len(values), dtype=np.bool_)
+    if len(values):
+        starts[0] = True
+        np.not_equal(values[1:], values[:-1], out=starts[1:])
+    return starts

@@ -90,6 +90,10 @@ class KafkaEventStream(InteractionStream):
         self.records = 0
         self._position: dict[int, int] = {}
         self._highwater: dict[int, int] = {}
+        self._reader: KafkaReader | None = None
+        self._batch_size = 0
+        self._epoch = 0
+        self._counted = frozenset(spec.count_features)
         self._fingerprint = fingerprint_of(
             "kafka", address.topic, spec.to_json(), sorted(self.table_rows.items())
         )
@@ -196,19 +200,41 @@ class KafkaEventStream(InteractionStream):
 
     # --- batches -----------------------------------------------------------------------------
 
+    def open(self, batch_size: int) -> None:
+        """Start the reader process now (connect, check the topic and the offsets), so that a
+        bad topic fails before training starts and start-up is not training time. `batches`
+        opens it if this was not called; it closes it when it ends."""
+        if self._reader is not None:
+            return
+        config = ReaderConfig(self.address, self.fields, batch_size, starts=dict(self._position))
+        self._reader = KafkaReader(config)
+        self._batch_size = batch_size
+        self._epoch = 0
+        for space in self.id_spaces.values():  # a new reader numbers the keys afresh
+            space.renumber()
+        for p, first in self._reader.starts.items():
+            self._position[p] = first
+        self._highwater.update(self._reader.ends_at_start)
+        self._update_lag()
+
+    def close(self) -> None:
+        """Stop the reader process (if open)."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
     def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
         """Batches of at most `batch_size` events as they arrive (fewer when the topic has no
         more yet), until `stop` samples of this run, the stop event, or (`stop_at_end`) the
         end of the topic as it was when reading started."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        config = ReaderConfig(self.address, self.fields, batch_size, starts=dict(self._position))
-        reader = KafkaReader(config)
+        if self._reader is not None and self._batch_size != batch_size:
+            self.close()
+        self.open(batch_size)
+        reader = self._reader
+        assert reader is not None
         try:
-            for p, first in reader.starts.items():
-                self._position[p] = first
-            self._highwater.update(reader.ends_at_start)
-            self._update_lag()
             offset = start
             while stop is None or offset < stop:
                 if self.stop_event is not None and self.stop_event.is_set():
@@ -234,7 +260,7 @@ class KafkaEventStream(InteractionStream):
                 offset += raw.n
                 yield batch
         finally:
-            reader.close()
+            self.close()
 
     def _advance(self, raw: RawEvents) -> None:
         self._position.update(raw.ends)
@@ -249,16 +275,23 @@ class KafkaEventStream(InteractionStream):
         """Map the raw ids (counting them) and compute the dense inputs."""
         n = raw.n
         ts = raw.ts
+        if raw.epoch != self._epoch:  # the reader's numbering started over
+            self._epoch = raw.epoch
+            for space in self.id_spaces.values():
+                space.renumber()
         sparse: dict[str, SparseBatch] = {}
         prior: dict[str, np.ndarray] = {}
         single_offsets = torch.arange(n)
-        for name, (keys, inverse) in zip(self.fields.singles, raw.singles, strict=True):
-            mapped = self.id_spaces[name].map(keys, inverse, ts)
+        for name, (keys, numbers) in zip(self.fields.singles, raw.singles, strict=True):
+            space = self.id_spaces[name]
+            space.learn(keys)
+            mapped = space.map(numbers, ts, prior=name in self._counted)
             sparse[name] = SparseBatch(torch.from_numpy(mapped.rows), single_offsets)
             prior[name] = mapped.prior
-        for name, (keys, inverse, splits) in zip(self.fields.bags, raw.bags, strict=True):
-            owner_ts = np.repeat(ts, np.diff(splits))
-            mapped = self.id_spaces[name].map(keys, inverse, owner_ts)
+        for name, (keys, numbers, splits) in zip(self.fields.bags, raw.bags, strict=True):
+            space = self.id_spaces[name]
+            space.learn(keys)
+            mapped = space.map(numbers, np.repeat(ts, np.diff(splits)), prior=False)
             sparse[name] = SparseBatch(
                 torch.from_numpy(mapped.rows), torch.from_numpy(splits[:-1].copy())
             )

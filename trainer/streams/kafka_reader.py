@@ -156,12 +156,14 @@ class KafkaReader:
         """Stop the reader process (killed if it does not stop in time)."""
         with contextlib.suppress(BrokenPipeError, ConnectionError, EOFError, OSError):
             self._conn.send(("close",))
+        # Closing our end too: a child blocked sending a batch (the socket is full when the
+        # trainer stops reading) gets a broken pipe at once instead of waiting for "close".
+        self._conn.close()
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait(timeout=5)
-        self._conn.close()
 
     def _recv(self) -> tuple[Any, ...]:
         try:
@@ -338,5 +340,9 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 if __name__ == "__main__":
+    # Run the module's own copy (not __main__'s), so that the exceptions sent to the parent
+    # pickle as trainer.streams.kafka_reader.* and unpickle there.
+    from trainer.streams import kafka_reader
+
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    _serve(Connection(int(sys.argv[1])))
+    kafka_reader._serve(Connection(int(sys.argv[1])))

@@ -4,8 +4,10 @@ batch ends in each partition (bad records included), and a batch cut after n goo
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from schemas.events import EventFields, encode_event
+from trainer.streams import event_columns
 from trainer.streams.event_columns import RawEventsBuilder
 
 FIELDS = EventFields(singles=("user", "item"), bags=("genres",))
@@ -52,3 +54,24 @@ def test_head_cuts_before_the_first_good_event_left_out() -> None:
     assert head.bags[0][2].tolist() == [0, 2, 2]
     assert np.array_equal(head.singles[1][1], np.array([0, 0], dtype=np.int32))
     assert raw.head(3) is raw
+
+
+def test_a_key_travels_once_and_the_numbering_starts_over_at_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    builder = build()
+    builder.take()
+    builder.add(event("b", 1, ["y", "z"]), partition=0, offset=13)
+    builder.add(event("a", 3, []), partition=0, offset=14)
+    raw = builder.take()
+    (users, user_numbers), (items, item_numbers) = raw.singles
+    assert users == ["b"] and user_numbers.tolist() == [1, 0]
+    assert items == ["3"] and item_numbers.tolist() == [0, 2]
+    assert raw.bags[0][0] == ["z"] and raw.bags[0][1].tolist() == [1, 2]
+    assert raw.epoch == 0
+    monkeypatch.setattr(event_columns, "MAX_KEYS", 3)
+    builder.add(event("a", 1, []), partition=0, offset=15)
+    assert builder.take().epoch == 0  # items reached 3 keys: the next batch renumbers
+    builder.add(event("a", 1, []), partition=0, offset=16)
+    raw = builder.take()
+    assert raw.epoch == 1 and raw.singles[0][0] == ["a"] and raw.singles[0][1].tolist() == [0]
