@@ -42,6 +42,7 @@ PARTS = {
     "transport": "S3 upload throughput and announcement latency (needs Kafka + MinIO)",
     "serving": "the serving side in detail: apply, pause, http, freshness",
     "rejections": "time and memory a reader spends refusing each hostile store object",
+    "idmap": "stall, bytes and rebuild time an open id space's id map adds to checkpoints",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")

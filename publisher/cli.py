@@ -25,10 +25,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
+from publisher.id_map import IDS_HELD_METRIC
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
-from schemas.manifest import ratio_to_full_fp32
+from schemas.manifest import Manifest, TableEntry, ratio_to_full_fp32
 
 DEFAULT_STORE = "file://./checknrun-store"
 #: a table's per-row optimizer columns in a `restore` file: `<table>.__optimizer_rows__`.
@@ -179,6 +180,8 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
         "policy": m.policy,
         # Blobs and manifest, against docs/FORMAT.md 3.1's full fp32 checkpoint (as `train`).
         "bytes": m.written_bytes,
+        # The id-map blobs' share of `bytes` (docs/FORMAT.md section 7).
+        "id_map_bytes": sum(t.id_map.size for t in m.tables if t.id_map is not None),
         "full_fp32_bytes": m.full_fp32_bytes,
         "ratio_vs_full_fp32": round(m.ratio_to_full_fp32, 3),
         "created_at": m.created_at.isoformat(),
@@ -200,14 +203,26 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"model {args.model!r} has no committed version in {args.store}")
         return 0
-    print(f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12} {'vs fp32':>8}  created_at")
+    id_maps = any(r["id_map_bytes"] for r in rows)
+    id_map_column = f" {'id maps':>10}" if id_maps else ""
+    print(
+        f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12}{id_map_column} {'vs fp32':>8}  "
+        "created_at"
+    )
     for r in rows:
         parent = "-" if r["parent"] is None else r["parent"]
+        id_map_bytes = f" {r['id_map_bytes']:>10,}" if id_maps else ""
         print(
-            f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,} "
+            f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,}{id_map_bytes} "
             f"{r['ratio_vs_full_fp32']:>7}x  {r['created_at']}"
         )
     return 0
+
+
+def _ids_held(m: Manifest, t: TableEntry) -> int | None:
+    """The ids the version's dynamic id map of `t` holds, as its writer recorded them."""
+    held = m.metrics.get(f"{IDS_HELD_METRIC}{t.name}") if t.id_map is not None else None
+    return None if held is None else int(held)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -226,6 +241,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "full_fp32_bytes": t.full_fp32_bytes,
             "ratio_vs_full_fp32": round(ratio_to_full_fp32(t.full_fp32_bytes, t.blob.size), 3),
             "key": t.blob.key,
+            # The id map of the same rows (docs/FORMAT.md section 7); null without one.
+            "id_map_bytes": None if t.id_map is None else t.id_map.size,
+            "id_map_key": None if t.id_map is None else t.id_map.key,
+            "ids_held": _ids_held(m, t),
         }
         for t in m.tables
     ]
@@ -246,18 +265,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{args.model} v{m.version} ({m.kind}, policy {m.policy}, baseline {m.baseline}, "
         f"applies to {m.applies_to}) created {m.created_at.isoformat()}"
     )
+    of_which = f" ({doc['id_map_bytes']:,} in id maps)" if doc["id_map_bytes"] else ""
     print(
         f"step {m.position.step}, samples {m.position.samples_seen}, "
-        f"{doc['bytes']:,} bytes = {doc['ratio_vs_full_fp32']}x smaller than full fp32"
+        f"{doc['bytes']:,} bytes{of_which} = {doc['ratio_vs_full_fp32']}x smaller than full fp32"
     )
+    id_maps = any(t["id_map_bytes"] is not None for t in tables)
+    id_map_columns = f" {'id map':>10} {'ids held':>10}" if id_maps else ""
     print(
         f"{'table':<24} {'rows':>10} {'dim':>5} {'codec':<14} {'in ckpt':>10} "
-        f"{'bytes':>12} {'vs fp32':>8}"
+        f"{'bytes':>12} {'vs fp32':>8}{id_map_columns}"
     )
     for t in tables:
+        if id_maps:
+            held = "-" if t["ids_held"] is None else f"{t['ids_held']:,}"
+            map_bytes = "-" if t["id_map_bytes"] is None else f"{t['id_map_bytes']:,}"
+            id_map_columns = f" {map_bytes:>10} {held:>10}"
         print(
             f"{t['name']:<24} {t['rows']:>10} {t['dim']:>5} {t['codec']:<14} "
             f"{t['rows_in_checkpoint']:>10} {t['bytes']:>12,} {t['ratio_vs_full_fp32']:>7}x"
+            f"{id_map_columns}"
         )
     if m.metrics:
         print("metrics: " + ", ".join(f"{k}={v:.5g}" for k, v in sorted(m.metrics.items())))

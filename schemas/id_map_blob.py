@@ -6,7 +6,8 @@ finite; `key_ends` i64 (n,) the end offset of each row's key in `key_bytes`, non
 `key_bytes` u8 (m,) the UTF-8 keys concatenated. An unassigned row has an empty key. Metadata:
 `{"format": "checknrun-idmap", "version": 1, "hashed": bool}`.
 
-The decoder treats the bytes as hostile: the tensor blob's own checks, then exact names, dtypes
+The decoder treats the bytes as hostile: a size cap from n (`max_id_map_blob_bytes`, checked
+before anything is parsed), the tensor blob's own checks, then exact names, dtypes
 and shapes, n equal to what the manifest entry says (`rows_in_checkpoint`), offsets in range,
 every key valid UTF-8 of at most MAX_KEY_BYTES, assigned keys non-empty and unassigned ones empty.
 Whether the keys are consistent with the map they are applied to is `publisher.id_map.IdMap`'s
@@ -27,6 +28,11 @@ ID_MAP_FORMAT = "checknrun-idmap"
 ID_MAP_VERSION = 1
 #: the most UTF-8 bytes of one id (publisher/id_map.py canonical keys).
 MAX_KEY_BYTES = 256
+#: the most bytes the tensor blob's length prefix and JSON header may take (an encoder writes
+#: about 600: five tensor entries and the metadata).
+MAX_ID_MAP_HEADER_BYTES = 4096
+#: the most bytes one row may take: assigned, counts, last_seen, key_ends and a longest key.
+MAX_ID_MAP_ROW_BYTES = 1 + 8 + 8 + 8 + MAX_KEY_BYTES
 _NAMES: dict[str, type[np.generic]] = {
     "assigned": np.uint8,
     "counts": np.int64,
@@ -138,15 +144,46 @@ def encode_id_entries(entries: IdEntries, *, hashed: bool) -> bytes:
     return encode_tensors(tensors, meta)
 
 
+def max_id_map_blob_bytes(n_rows: int) -> int:
+    """The largest id-map blob of `n_rows` rows: a reader refuses a bigger one (or a manifest
+    entry declaring one) before reading or allocating it."""
+    return MAX_ID_MAP_HEADER_BYTES + n_rows * MAX_ID_MAP_ROW_BYTES
+
+
 def decode_id_entries(data: bytes, *, n_rows: int, hashed: bool) -> IdEntries:
     """Entries from an id-map blob that must hold `n_rows` rows of a map that is (not)
     `hashed`; IdMapBlobError (or the tensor blob's error) on anything else."""
-    tensors, meta = decode_tensors(data)
-    if meta != {"format": ID_MAP_FORMAT, "version": ID_MAP_VERSION, "hashed": hashed}:
+    entries, declared = decode_id_map_blob(data, n_rows=n_rows)
+    if declared != hashed:
         raise IdMapBlobError(
-            f"id-map blob metadata {meta!r} is not "
-            f"{{'format': {ID_MAP_FORMAT!r}, 'version': {ID_MAP_VERSION}, 'hashed': {hashed}}}"
+            f"id-map blob is of a {'hashed' if declared else 'dynamic'} map, expected a "
+            f"{'hashed' if hashed else 'dynamic'} one"
         )
+    return entries
+
+
+def decode_id_map_blob(data: bytes, *, n_rows: int) -> tuple[IdEntries, bool]:
+    """Entries from an id-map blob that must hold `n_rows` rows, and whether it says its map is
+    hashed (a reader that does not know the mode beforehand: restore, which then requires every
+    blob of a table's chain to say the same); IdMapBlobError (or the tensor blob's error) on
+    anything else."""
+    if len(data) > max_id_map_blob_bytes(n_rows):
+        raise IdMapBlobError(
+            f"id-map blob of {n_rows} rows is {len(data)} bytes; the cap is "
+            f"{max_id_map_blob_bytes(n_rows)}"
+        )
+    tensors, meta = decode_tensors(data)
+    if set(meta) != {"format", "version", "hashed"} or (
+        meta["format"] != ID_MAP_FORMAT
+        or type(meta["version"]) is not int
+        or meta["version"] != ID_MAP_VERSION
+        or not isinstance(meta["hashed"], bool)
+    ):
+        raise IdMapBlobError(
+            f"id-map blob metadata {meta!r} is not {{'format': {ID_MAP_FORMAT!r}, "
+            f"'version': {ID_MAP_VERSION}, 'hashed': true or false}}"
+        )
+    hashed: bool = meta["hashed"]
     if set(tensors) != set(_NAMES):
         raise IdMapBlobError(
             f"id-map blob tensors are {sorted(tensors)}, expected {sorted(_NAMES)}"
@@ -185,4 +222,4 @@ def decode_id_entries(data: bytes, *, n_rows: int, hashed: bool) -> IdEntries:
         )
     except UnicodeDecodeError as exc:
         raise IdMapBlobError(f"an id-map key is not valid UTF-8: {exc.reason}") from exc
-    return IdEntries(assigned, counts.copy(), last_seen.copy(), keys)
+    return IdEntries(assigned, counts.copy(), last_seen.copy(), keys), hashed

@@ -10,6 +10,10 @@
         ckpt.maybe_checkpoint(reader={"offset": n}) # returns a record when it checkpointed
     ckpt.close()                                    # flushes the publisher
 
+A model trained from raw ids passes its id maps, `id_maps={"embeddings.user": user_map, ...}`
+(publisher/id_map.py): every version then carries each map's entries of the rows it writes,
+and `resume` loads the version's maps into those same objects.
+
 This is the paper's first stage (decoupled checkpointing). At an interval boundary the training
 thread stops only for the copies of trainer/snapshot_capture.py and hands them to a
 `BackgroundPublisher`. Quantization, encoding, upload, commit and announcement run on the
@@ -36,6 +40,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from publisher.id_map import IDS_HELD_METRIC, IdMap
 from publisher.memory_budget import MemoryBudget
 from publisher.read.restore import RestoredState, restore
 from publisher.store import ObjectStore, open_store
@@ -99,6 +104,7 @@ class IncrementalCheckpointer:
         tunables: Tunables = DEFAULT_TUNABLES,
         policy_params: Mapping[str, float] | None = None,
         on_non_finite: NonFinitePolicy = "stop",
+        id_maps: Mapping[str, IdMap] | None = None,
     ) -> None:
         """
         Args:
@@ -122,6 +128,14 @@ class IncrementalCheckpointer:
                 its NonFiniteSnapshotError on the training thread at the next batch, "skip"
                 counts it (`non_finite_skipped`) and folds its rows into the next snapshot,
                 published once the values are finite again.
+            id_maps: table name -> its id map, for the tables whose rows raw ids are mapped to
+                (an open id space). Each snapshot copies the maps' entries of the rows it
+                copies, so every change to a map must touch a row marked dirty (docs/FORMAT.md
+                section 7: admissions and counts come with a lookup of the row, an eviction
+                re-initialises the row and `tracked.tracker.mark`s it), and the maps must be
+                at the state of the samples counted when `maybe_checkpoint` runs (map the next
+                batch's ids after it). `resume` and `load_state` load the restored maps into
+                these objects, in place.
         """
         self.clock = CheckpointClock(interval_samples, interval_seconds)
         self.model = model
@@ -141,8 +155,10 @@ class IncrementalCheckpointer:
         if self.policy.name != "full":
             # Only the full policy writes rows it was not told about; the others trust the bits.
             check_optimizers(model, self.optimizers, self.tables)
+        #: table -> the caller's id map (the same objects: resume loads into them).
+        self.id_maps: dict[str, IdMap] = dict(id_maps or {})
         self.capture = SnapshotCapture(
-            model, self.tables, self.optimizers, self.codecs, self.model_config
+            model, self.tables, self.optimizers, self.codecs, self.model_config, self.id_maps
         )
         self.ledger = CheckpointRecords()
         self.memory_budget = MemoryBudget.from_setting(tunables.memory_budget_bytes)
@@ -263,6 +279,14 @@ class IncrementalCheckpointer:
         raw = metrics() if callable(metrics) else (metrics or {})
         # The manifest holds finite floats only (an AUC is NaN while one class is missing).
         values = {k: float(v) for k, v in raw.items() if math.isfinite(v)}
+        # What `checknrun inspect` shows of each dynamic map (docs/FORMAT.md section 7).
+        values.update(
+            {
+                f"{IDS_HELD_METRIC}{name}": float(len(m))
+                for name, m in self.id_maps.items()
+                if not m.hashed
+            }
+        )
         position = Position(
             step=self.clock.step_count,
             samples_seen=self.clock.samples_seen,
@@ -369,6 +393,7 @@ class IncrementalCheckpointer:
             tables=self.tables,
             weight_keys=self.capture.weight_keys,
             model_config=self.model_config,
+            id_maps=self.id_maps,
         )
         self.clock.resume_at(state.position.step, state.position.samples_seen)
         self.tracked.tracker.snapshot_and_reset()  # loading is not training: nothing is dirty

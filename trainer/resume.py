@@ -3,8 +3,9 @@
 `publisher.read.restore` rebuilds a version as numpy arrays (baseline plus chain); this module
 checks that it fits the model it is loaded into (same architecture, same tables, same shapes,
 same number of optimizers) and loads the weights, the dense state and every optimizer's state,
-per-row columns included (`publisher.state_dicts.optimizer_state_dicts`). The counters and the
-reader position are the caller's: `state.position`.
+per-row columns included (`publisher.state_dicts.optimizer_state_dicts`), and the id maps of
+an open id space into the trainer's own `IdMap` objects, in place. The counters and the reader
+position are the caller's: `state.position`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from publisher.id_map import IdMap
 from publisher.read.restore import RestoredState
 from publisher.state_dicts import optimizer_state_dicts
 from publisher.write.tracker import EmbeddingModule
@@ -29,12 +31,16 @@ def load_restored(
     tables: Mapping[str, EmbeddingModule],
     weight_keys: Mapping[str, str],
     model_config: Mapping[str, Any],
+    id_maps: Mapping[str, IdMap] | None = None,
 ) -> None:
-    """Load `state` into `model` and `optimizers`; CheckpointError when it does not fit.
+    """Load `state` into `model`, `optimizers` and `id_maps`; CheckpointError when it does not
+    fit (checked for the id maps before anything is loaded).
 
     `tables` are the model's embedding modules by name, `weight_keys` their weights' state_dict
-    keys, `model_config` the model's own config (an empty one skips that check).
+    keys, `model_config` the model's own config (an empty one skips that check), `id_maps` the
+    trainer's id maps by table: the version must carry exactly those, of the same rows and mode.
     """
+    _check_id_maps(state, id_maps or {})
     stored_config = state.manifest.model_config_
     if model_config and stored_config and stored_config != model_config:
         raise CheckpointError(
@@ -62,6 +68,25 @@ def load_restored(
                 f"version {state.version} does not fit this model: {exc}"
             ) from exc
     _load_optimizers(state, optimizers)
+    for name, id_map in (id_maps or {}).items():
+        id_map.load_from(state.id_maps[name])
+
+
+def _check_id_maps(state: RestoredState, id_maps: Mapping[str, IdMap]) -> None:
+    if set(state.id_maps) != set(id_maps):
+        raise CheckpointError(
+            f"version {state.version} carries id maps of tables {sorted(state.id_maps)}, "
+            f"this trainer has id maps of {sorted(id_maps)}"
+        )
+    for name, id_map in id_maps.items():
+        restored = state.id_maps[name]
+        if (restored.rows, restored.hashed) != (id_map.rows, id_map.hashed):
+            mode = {True: "hashed", False: "dynamic"}
+            raise CheckpointError(
+                f"table {name!r}: version {state.version} has a {mode[restored.hashed]} id map "
+                f"of {restored.rows} rows, this trainer a {mode[id_map.hashed]} one of "
+                f"{id_map.rows}"
+            )
 
 
 #: what interpreting the optimizer metadata (JSON from the store, hostile like any fetched

@@ -3,10 +3,19 @@
 At an interval boundary the training thread stops only to: swap the dirty-row bitmaps, ask the
 policy which rows to write, copy those rows (weights and their per-row optimizer columns, laid
 out by `publisher.state_dicts.OptimizerStateLayout`) into reusable CPU buffers
-(trainer/row_buffers.py), copy the dense parameters and the rest of the optimizer state, and
-build the publisher's `Snapshot`. Nothing more: quantization, encoding, merging, upload, commit
-and announcement run on the publisher's threads (or process), on copies training no longer
-touches.
+(trainer/row_buffers.py), copy the id-map entries of the same rows for a table with an id map,
+copy the dense parameters and the rest of the optimizer state, and build the publisher's
+`Snapshot`. Nothing more: quantization, encoding, merging, upload, commit and announcement run
+on the publisher's threads (or process), on copies training no longer touches.
+
+Why the id-map entries of the copied rows only, and why now: every change to an id map touches
+a row the tracker marks dirty (docs/FORMAT.md section 7), so the entries of the rows a version
+carries are exactly what changed in the map since the version its rows are relative to; and
+they must be the map's state at the same instant as the rows, so the capture runs here, after
+the optimizer step and before the next batch's ids are mapped. Only the counts and last_seen
+are copied now (`IdMap.capture`: vectorised gathers); the keys, Python objects, are gathered
+by the publisher, which undoes from the map's log the few changed since (admissions and
+evictions), so the training thread never copies keys (`checknrun bench idmap`).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from publisher.id_map import IdMap
 from publisher.state_dicts import OptimizerStateLayout, RowState, module_tensors, weight_key
 from publisher.write.policies import Plan, Policy
 from publisher.write.snapshot import Snapshot, TableRows
@@ -37,7 +47,8 @@ class Capture:
     dirty: dict[str, RowIds]
     #: `time.perf_counter()` when the stall began.
     started: float
-    #: milliseconds: "bitmaps_and_plan" (swap + policy), "copy".
+    #: milliseconds: "bitmaps_and_plan" (swap + policy), "copy" (rows and dense state), and
+    #: with id maps "id_maps" (their entries of the copied rows).
     breakdown_ms: dict[str, float]
 
 
@@ -55,6 +66,7 @@ class SnapshotCapture:
         optimizers: Sequence[torch.optim.Optimizer],
         codecs: Mapping[str, str],
         model_config: Mapping[str, Any],
+        id_maps: Mapping[str, IdMap] | None = None,
     ) -> None:
         """
         Args:
@@ -62,10 +74,24 @@ class SnapshotCapture:
             optimizers: every optimizer that updates the model.
             codecs: table -> codec the snapshot's rows are to be encoded with.
             model_config: what the serving side needs to rebuild the model.
+            id_maps: table -> its id map, for the tables of an open id space (the caller's
+                objects: their state at each stall is what is copied).
         """
         self.model = model
         self.tables = dict(tables)
         self.table_rows = {name: int(t.num_embeddings) for name, t in self.tables.items()}
+        self.id_maps = dict(id_maps or {})
+        for name, id_map in self.id_maps.items():
+            if name not in self.tables:
+                raise CheckpointError(
+                    f"id map for {name!r}, which is not a table; tables: {sorted(self.tables)}"
+                )
+            if id_map.rows != self.table_rows[name]:
+                raise CheckpointError(
+                    f"table {name!r} has {self.table_rows[name]} rows, its id map {id_map.rows}"
+                )
+        #: seconds spent copying id-map entries since `take` began (its breakdown's "id_maps").
+        self._id_map_s = 0.0
         self.codecs = dict(codecs)
         self.model_config = dict(model_config)
         #: table -> the state_dict key of its weight (what the dense copy leaves out).
@@ -106,14 +132,17 @@ class SnapshotCapture:
             policy.force_full()
         plan = policy.plan(dirty)
         planned = time.perf_counter()
+        self._id_map_s = 0.0
         snapshot = self.copy(
             plan, policy=policy.name, position=position, metrics=metrics, sequence=sequence
         )
         copied = time.perf_counter()
         breakdown = {
             "bitmaps_and_plan": (planned - started) * 1e3,
-            "copy": (copied - planned) * 1e3,
+            "copy": (copied - planned - self._id_map_s) * 1e3,
         }
+        if self.id_maps:
+            breakdown["id_maps"] = self._id_map_s * 1e3
         return Capture(snapshot, dirty, started, breakdown)
 
     def copy(
@@ -148,8 +177,9 @@ class SnapshotCapture:
     def rows(
         self, name: str, ids: np.ndarray | None, layout: Sequence[RowState] | None = None
     ) -> TableRows:
-        """Copies of rows `ids` (None: every row) of table `name` and of their optimizer columns
-        (`layout`: the table's `row_state`, read now when not given)."""
+        """Copies of rows `ids` (None: every row) of table `name`, of their optimizer columns
+        (`layout`: the table's `row_state`, read now when not given) and, when the table has
+        an id map, of its entries for those rows."""
         weight = self.tables[name].weight.detach()
         rows = self.table_rows[name]
         layout = self.layout.row_state(name) if layout is None else layout
@@ -169,6 +199,12 @@ class SnapshotCapture:
             torch.index_select(weight, 0, index, out=torch.from_numpy(values))
             aux = self._buffers.take(f"{name}/aux", len(row_ids), aux_dim)
             self.layout.copy_row_state(name, layout, index, aux)
+        id_map = self.id_maps.get(name)
+        id_entries = None
+        if id_map is not None:
+            gather_started = time.perf_counter()
+            id_entries = id_map.capture(None if ids is None else row_ids)
+            self._id_map_s += time.perf_counter() - gather_started
         return TableRows(
             name=name,
             table_rows=rows,
@@ -176,6 +212,8 @@ class SnapshotCapture:
             row_ids=row_ids,
             values=values,
             aux=aux,
+            id_entries=id_entries,
+            id_map_hashed=id_map is not None and id_map.hashed,
         )
 
     def close(self) -> None:

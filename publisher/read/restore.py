@@ -9,6 +9,11 @@ is checked against the memory budget before anything is fetched (publisher/memor
 and every blob against the sha256 in its manifest before it is decoded. With the fp32 codec the
 result is bitwise equal to the trainer's state at that version; with a lossy codec each row is
 within its codec's error bound.
+
+A table with an id map (an open id space, docs/FORMAT.md section 7) gets its map rebuilt by the
+same rule, from the id-map blob beside each table blob (publisher/read/id_map_rows.py), so the
+map is the trainer's at that version, exactly. Either every version of a table's chain carries
+an id map or none does.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +29,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from publisher.id_map import IdMap, IdMapError
 from publisher.memory_budget import MemoryBudget, MemoryBudgetError
 from publisher.read.blob_rows import NewestRows
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.id_map_rows import NewestIdEntries, read_id_entries
 from publisher.read.planner import restore_plan
 from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob, decode_delta_blob
@@ -53,6 +61,8 @@ class RestoredState:
 
     manifest: Manifest
     tables: dict[str, TableState]
+    #: table -> its id map at this version, for the tables that have one.
+    id_maps: dict[str, IdMap] = field(default_factory=dict)
     dense: dict[str, np.ndarray] = field(default_factory=dict)
     optimizer: dict[str, np.ndarray] = field(default_factory=dict)
     optimizer_meta: dict[str, Any] = field(default_factory=dict)
@@ -94,17 +104,26 @@ def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
 
 def _restore_table(
     store: ObjectStore, chain: list[VersionRef], target_entry: TableEntry
-) -> tuple[TableState, int]:
-    """One table at the chain's last version, and the blob bytes read for it.
+) -> tuple[TableState, IdMap | None, int]:
+    """One table (and its id map, if it has one) at the chain's last version, and the blob
+    bytes read for it.
 
     The chain is read newest version first and each row is decoded once, from the newest
     version that holds it (`NewestRows`): a row a newer delta gave is neither decoded nor
-    written again, so a long chain costs about one table decode plus its blobs' reads.
+    written again, so a long chain costs about one table decode plus its blobs' reads. The id
+    map's entries follow the same rule (`NewestIdEntries`).
     """
     entries = [_chain_entry(ref, target_entry, chain[-1].manifest) for ref in chain]
     baseline = entries[0]
     if baseline.rows_in_checkpoint != baseline.rows:
         raise RestoreError(f"{baseline.blob.key}: the chain must start with a full table")
+    with_map = [entry.id_map is not None for entry in entries]
+    if any(with_map) and not all(with_map):
+        versions = [ref.version for ref, has in zip(chain, with_map, strict=True) if not has]
+        raise RestoreError(
+            f"table {target_entry.name!r}: versions {versions} of the chain of version "
+            f"{chain[-1].version} carry no id map where the others do"
+        )
     newest, *older = reversed(entries)
     first = _read_entry(store, newest)
     # Sized from the target's entry, which the memory budget checked, and only once a verified
@@ -115,13 +134,43 @@ def _restore_table(
         aux=np.empty((target_entry.rows, target_entry.aux_dim), dtype=np.float32),
     )
     rows = NewestRows(table.weights, table.aux)
-    rows.add(first)
+    id_rows = NewestIdEntries(target_entry.rows) if all(with_map) else None
+    for entry, blob in _newest_first(store, first, newest, older):
+        rows.add(blob)
+        if id_rows is not None:
+            _add_id_entries(store, id_rows, entry, blob)
+    rows.decode()
+    id_map = None
+    if id_rows is not None:
+        try:
+            id_map = id_rows.build()
+        except (FormatError, IdMapError) as exc:
+            raise RestoreError(f"table {target_entry.name!r}: id map: {exc}") from exc
+    read = sum(e.blob.size + (e.id_map.size if e.id_map else 0) for e in entries)
+    return table, id_map, read
+
+
+def _newest_first(
+    store: ObjectStore, first: DeltaBlob, newest: TableEntry, older: list[TableEntry]
+) -> Iterator[tuple[TableEntry, DeltaBlob]]:
+    """Each entry with its blob, newest first; an older blob is fetched only when reached."""
+    yield newest, first
     for entry in older:
         # Every blob is fetched and verified, even once newer ones gave every row: a chain
         # restores only if all of it is sound, whatever order it is read in.
-        rows.add(_read_entry(store, entry))
-    rows.decode()
-    return table, sum(entry.blob.size for entry in entries)
+        yield entry, _read_entry(store, entry)
+
+
+def _add_id_entries(
+    store: ObjectStore, id_rows: NewestIdEntries, entry: TableEntry, blob: DeltaBlob
+) -> None:
+    """Read `entry`'s id-map blob and add it for `blob`'s rows; RestoreError if it is bad."""
+    assert entry.id_map is not None  # the caller checked the chain
+    try:
+        entries, hashed = read_id_entries(store, entry)
+        id_rows.add(blob.row_ids, entries, hashed=hashed)
+    except FormatError as exc:
+        raise RestoreError(f"{entry.id_map.key}: {exc}") from exc
 
 
 def _read_entry(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
@@ -168,8 +217,15 @@ def restore_chain(
     """
     started = time.perf_counter()
     target = chain[-1].manifest
+    mapped = {t.name for t in target.tables if t.id_map is not None}
+    id_map_bytes = sum(
+        t.id_map.size
+        for ref in chain
+        for t in ref.manifest.tables
+        if t.id_map is not None and t.name in mapped
+    )
     try:
-        (budget or MemoryBudget.of_machine()).check_restore(target)
+        (budget or MemoryBudget.of_machine()).check_restore(target, id_map_bytes)
     except MemoryBudgetError as exc:
         raise RestoreError(str(exc)) from exc
     state = RestoredState(manifest=target, tables={})
@@ -184,8 +240,10 @@ def restore_chain(
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_restore_table, store, chain, e) for e in target.tables]
         for future in futures:
-            table, bytes_read = future.result()
+            table, id_map, bytes_read = future.result()
             state.tables[table.name] = table
+            if id_map is not None:
+                state.id_maps[table.name] = id_map
             state.bytes_read += bytes_read
             bar.update(1)
     if target.dense is not None:

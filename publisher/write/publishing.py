@@ -30,6 +30,7 @@ from publisher.write.version_writer import TableBlob, VersionDraft, VersionWrite
 from schemas.announcement import Announcement
 from schemas.delta_blob import DeltaBlob, encode_delta_blob
 from schemas.errors import UnavailableError
+from schemas.id_map_blob import encode_id_entries
 from schemas.manifest import Manifest, ratio_to_full_fp32
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
@@ -73,8 +74,10 @@ class PublishResult:
 
 
 def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> TableBlob:
-    """Quantize and encode one table's copied rows as a delta blob."""
+    """Quantize and encode one table's copied rows as a delta blob, and their id-map entries
+    (if the table has an id map) as an id-map blob."""
     q = encode_rows(rows.codec, rows.values)
+    id_entries = rows.id_map_entries()
     blob = DeltaBlob(
         table=rows.name,
         codec=rows.codec,
@@ -94,6 +97,9 @@ def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> Tabl
         rows_in_checkpoint=rows.n_rows,
         aux_dim=int(rows.aux.shape[1]),
         data=encode_delta_blob(blob, zstd_level=tunables.zstd_level),
+        id_map=None
+        if id_entries is None
+        else encode_id_entries(id_entries, hashed=rows.id_map_hashed),
     )
 
 

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from publisher.id_map import IdCapture
 from schemas.errors import BadDataError
+from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position
 
 #: elements per step of the finite check (4 MB of float32: cache-sized, few Python steps).
@@ -25,9 +27,15 @@ class NonFiniteSnapshotError(BadDataError):
     """A snapshot holds NaN or inf: it is refused, so no reader serves or resumes from it."""
 
 
+class SnapshotMergeError(BadDataError):
+    """Two snapshots of one table that cannot be folded into one (one carries an id map, the
+    other not, or the maps' modes differ): they are not of the same model."""
+
+
 @dataclass(frozen=True)
 class TableRows:
-    """Copied rows of one embedding table: sorted unique ids, values and optimizer columns."""
+    """Copied rows of one embedding table: sorted unique ids, values and optimizer columns,
+    and, for a table with an id map (an open id space), the map's entries of the same rows."""
 
     name: str
     table_rows: int
@@ -35,6 +43,12 @@ class TableRows:
     row_ids: np.ndarray  # int64 (n,), strictly increasing
     values: np.ndarray  # float32 (n, dim)
     aux: np.ndarray  # float32 (n, aux_dim)
+    #: the id map's state of exactly `row_ids`, in their order (docs/FORMAT.md section 7): as
+    #: the stall took it (an IdCapture, whose keys are gathered off the training thread), or
+    #: resolved. Read it with `id_map_entries()`.
+    id_entries: IdEntries | IdCapture | None = None
+    #: whether that map is hashed (publisher/id_map.py); written in the id-map blob.
+    id_map_hashed: bool = False
 
     @property
     def dim(self) -> int:
@@ -46,10 +60,29 @@ class TableRows:
 
     @property
     def nbytes(self) -> int:
-        return int(self.row_ids.nbytes + self.values.nbytes + self.aux.nbytes)
+        arrays = int(self.row_ids.nbytes + self.values.nbytes + self.aux.nbytes)
+        e = self.id_entries
+        if e is None:
+            return arrays
+        if isinstance(e, IdCapture):
+            return arrays + e.nbytes
+        # The keys are shared with the live map (str objects are immutable): a tuple slot each.
+        return arrays + e.assigned.nbytes + e.counts.nbytes + e.last_seen.nbytes + 8 * e.n
+
+    def id_map_entries(self) -> IdEntries | None:
+        """The id-map entries of these rows (resolving a capture: not on the training thread)."""
+        e = self.id_entries
+        return e.entries() if isinstance(e, IdCapture) else e
 
     def merge(self, newer: TableRows) -> TableRows:
-        """Union of both row sets; rows present in `newer` take its values."""
+        """Union of both row sets; rows present in `newer` take its values (and id entries)."""
+        if (self.id_entries is None) != (newer.id_entries is None) or (
+            self.id_map_hashed != newer.id_map_hashed
+        ):
+            raise SnapshotMergeError(
+                f"table {self.name!r}: snapshots with and without an id map (or of a hashed and "
+                "a dynamic one) cannot be merged"
+            )
         ids = np.union1d(self.row_ids, newer.row_ids)
         values = np.empty((len(ids), self.values.shape[1]), dtype=np.float32)
         aux = np.empty((len(ids), self.aux.shape[1]), dtype=np.float32)
@@ -59,7 +92,13 @@ class TableRows:
         aux[old_pos] = self.aux
         values[new_pos] = newer.values
         aux[new_pos] = newer.aux
-        return replace(newer, row_ids=ids, values=values, aux=aux)
+        entries = None
+        older_entries, newer_entries = self.id_map_entries(), newer.id_map_entries()
+        if older_entries is not None and newer_entries is not None:
+            entries = IdEntries.merge(
+                ids, older_entries, self.row_ids, newer_entries, newer.row_ids
+            )
+        return replace(newer, row_ids=ids, values=values, aux=aux, id_entries=entries)
 
 
 @dataclass(frozen=True)

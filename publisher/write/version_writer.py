@@ -79,6 +79,8 @@ class TableBlob:
     rows_in_checkpoint: int
     aux_dim: int
     data: bytes
+    #: the id-map blob of the same rows (docs/FORMAT.md section 7), for a table with an id map.
+    id_map: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,11 @@ class VersionWriter:
             (f"{prefix}{i:04d}-{_safe_name(t.name)}.cnrd", t.data)
             for i, t in enumerate(draft.tables)
         ]
+        id_maps = [(i, t.id_map) for i, t in enumerate(draft.tables) if t.id_map is not None]
+        uploads += [
+            (f"{prefix}{i:04d}-{_safe_name(draft.tables[i].name)}.idmap", data)
+            for i, data in id_maps
+        ]
         if draft.dense is not None:
             uploads.append((f"{prefix}dense.safetensors", draft.dense))
         if draft.optimizer is not None:
@@ -257,6 +264,10 @@ class VersionWriter:
             assert parent is not None
             baseline = parent.manifest.baseline
             applies_to = parent.version if draft.relative_to == "parent" else baseline
+        n_tables = len(draft.tables)
+        id_map_refs = dict(
+            zip((i for i, _ in id_maps), refs[n_tables : n_tables + len(id_maps)], strict=True)
+        )
         tables = tuple(
             TableEntry(
                 name=t.name,
@@ -266,10 +277,11 @@ class VersionWriter:
                 rows_in_checkpoint=t.rows_in_checkpoint,
                 aux_dim=t.aux_dim,
                 blob=ref,
+                id_map=id_map_refs.get(i),
             )
-            for t, ref in zip(draft.tables, refs, strict=False)
+            for i, (t, ref) in enumerate(zip(draft.tables, refs, strict=False))
         )
-        extra = iter(refs[len(draft.tables) :])
+        extra = iter(refs[n_tables + len(id_maps) :])
         manifest = Manifest(
             model=self.model,
             version=version,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import replace
 
-from publisher.write.snapshot import Snapshot, TableRows
+import numpy as np
+import pytest
+
+from publisher.write.snapshot import Snapshot, SnapshotMergeError, TableRows
+from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position
 
 
@@ -61,3 +65,37 @@ def test_memory_stays_bounded_by_one_copy() -> None:
         pending = pending.merge(snap("delta", rows(ids, float(step)), step))
     assert pending.tables[0].n_rows <= 10
     assert pending.merged == 200
+
+
+def with_ids(table: TableRows, keys: list[str], count: int) -> TableRows:
+    n = len(keys)
+    entries = IdEntries(
+        np.array([bool(k) for k in keys]),
+        np.full(n, count, dtype=np.int64),
+        np.full(n, float(count)),
+        tuple(keys),
+    )
+    return replace(table, id_entries=entries)
+
+
+def test_id_entries_merge_with_their_rows() -> None:
+    older = with_ids(rows([1, 4, 7], 1.0), ["a", "b", "c"], 1)
+    newer = with_ids(rows([4, 9], 2.0), ["", "b"], 2)  # b moved from row 4 to row 9
+    merged = snap("delta", older, 1).merge(snap("delta", newer, 2)).tables[0]
+    assert merged.row_ids.tolist() == [1, 4, 7, 9]
+    assert merged.id_entries is not None
+    assert merged.id_entries.keys == ("a", "", "c", "b")
+    assert merged.id_entries.counts.tolist() == [1, 2, 1, 2]
+    assert merged.id_entries.assigned.tolist() == [True, False, True, True]
+    assert merged.nbytes > rows([1, 4, 7, 9], 0.0).nbytes
+
+
+def test_rows_with_and_without_an_id_map_do_not_merge() -> None:
+    mapped = with_ids(rows([1], 1.0), ["a"], 1)
+    for older, newer in (
+        (mapped, rows([2], 2.0)),
+        (rows([2], 2.0), mapped),
+        (mapped, replace(with_ids(rows([3], 2.0), [""], 1), id_map_hashed=True)),
+    ):
+        with pytest.raises(SnapshotMergeError, match="cannot be merged"):
+            older.merge(newer)

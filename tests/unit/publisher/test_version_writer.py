@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -73,6 +74,30 @@ def test_versions_chain_and_listing(tmp_path: Path) -> None:
     assert [r.version for r in catalog.versions()] == [1, 2, 3, 4]
     assert [r.version for r in restore_plan(catalog, 3)] == [1, 2, 3]
     assert store.get(m.tables[0].blob.key) == b"table@3"
+
+
+def test_id_map_blobs_are_written_beside_their_tables(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    tables = [
+        TableBlob("emb.user", 4, 2, "fp32", 4, 0, b"users", id_map=b"user ids"),
+        TableBlob("emb.item", 4, 2, "fp32", 4, 0, b"items"),
+        TableBlob("emb.genre", 4, 2, "fp32", 4, 0, b"genres", id_map=b"genre ids"),
+    ]
+    full = draft()
+    with VersionWriter(store, "m") as writer:
+        ref = writer.commit(VersionDraft(**{**full.__dict__, "tables": tables}))
+    user, item, genre = ref.manifest.tables
+    assert item.id_map is None and user.id_map is not None and genre.id_map is not None
+    assert user.id_map.key.endswith("0000-emb.user.idmap")
+    assert genre.id_map.key.endswith("0002-emb.genre.idmap")
+    assert store.get(user.id_map.key) == b"user ids" and store.get(genre.blob.key) == b"genres"
+    assert (user.id_map.size, user.id_map.sha256) == (8, hashlib.sha256(b"user ids").hexdigest())
+    # Part of what the version wrote, and of what gc keeps or deletes with it.
+    assert {user.id_map, genre.id_map} <= set(ref.manifest.blobs)
+    assert ref.manifest.written_bytes == len(ref.manifest.to_json()) + sum(
+        len(b)
+        for b in (b"users", b"user ids", b"items", b"genres", b"genre ids", full.dense or b"")
+    )
 
 
 def test_first_version_must_be_full(tmp_path: Path) -> None:

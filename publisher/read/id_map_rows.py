@@ -1,0 +1,96 @@
+"""The one path from a manifest's id-map blobs to id maps: restore, resume and serving.
+
+A table entry with an `id_map` carries the map's state of exactly the rows its table blob
+carries, in the same order (docs/FORMAT.md section 7). `read_id_entries` fetches, verifies and
+decodes one such blob, refusing an entry that declares more bytes than its rows can take before
+anything is fetched. `NewestIdEntries` rebuilds a map from a chain read newest version first,
+by the rule that rebuilds the rows (blob_rows.NewestRows): each row's entry comes from the
+newest blob that holds the row. The rebuilt map is applied in one checked `IdMap.apply`, so a
+chain whose entries put one id on two rows, or an id on the unknown row, is refused whole.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from publisher.id_map import IdMap
+from publisher.store import ObjectStore
+from schemas.id_map_blob import (
+    IdEntries,
+    IdMapBlobError,
+    decode_id_map_blob,
+    max_id_map_blob_bytes,
+)
+from schemas.manifest import TableEntry
+
+
+def read_id_entries(store: ObjectStore, entry: TableEntry) -> tuple[IdEntries, bool]:
+    """The id-map entries of `entry`'s rows and whether its map is hashed: fetched, checked
+    against the sha256 and size in the manifest, decoded with `rows_in_checkpoint` rows.
+
+    IdMapBlobError (before any fetch) when the entry has no id map or declares a blob larger
+    than `max_id_map_blob_bytes` of its rows; the store's error on a sha256 or size mismatch;
+    the decoder's FormatError on malformed bytes.
+    """
+    ref = entry.id_map
+    if ref is None:
+        raise IdMapBlobError(f"table {entry.name!r} has no id map in this version")
+    cap = max_id_map_blob_bytes(entry.rows_in_checkpoint)
+    if ref.size > cap:
+        raise IdMapBlobError(
+            f"{ref.key}: an id map of {entry.rows_in_checkpoint} rows is at most {cap} bytes, "
+            f"the manifest says {ref.size}"
+        )
+    data = store.get_verified(ref.key, ref.size, ref.sha256)
+    return decode_id_map_blob(data, n_rows=entry.rows_in_checkpoint)
+
+
+class NewestIdEntries:
+    """One table's id map rebuilt from the id-map entries of a chain given newest version
+    first: each row's entry from the newest blob that holds it.
+
+    `add` each version's entries with its table blob's row ids, newest first, then `build`.
+    Every blob must agree on the map's mode (hashed or dynamic), and the chain must give every
+    row (its baseline is a full), else IdMapBlobError.
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._filled = np.zeros(rows, dtype=np.bool_)
+        self._assigned = np.zeros(rows, dtype=np.bool_)
+        self._counts = np.zeros(rows, dtype=np.int64)
+        self._last_seen = np.zeros(rows, dtype=np.float64)
+        self._keys = np.full(rows, "", dtype=object)
+        self._hashed: bool | None = None
+
+    def add(self, row_ids: npt.NDArray[np.int64], entries: IdEntries, *, hashed: bool) -> int:
+        """Keep the entries of the rows no blob added before held; how many it gave.
+
+        `row_ids` are the table blob's (strictly increasing, below `rows`: the blob decoder's
+        guarantee), `entries` the id-map blob's for the same rows."""
+        if self._hashed is not None and hashed != self._hashed:
+            raise IdMapBlobError("the versions of one table disagree on whether its map is hashed")
+        self._hashed = hashed
+        if len(row_ids) != entries.n:
+            raise IdMapBlobError(f"{entries.n} id-map entries for {len(row_ids)} table rows")
+        positions = np.flatnonzero(~self._filled[row_ids])
+        ids = row_ids[positions]
+        self._assigned[ids] = entries.assigned[positions]
+        self._counts[ids] = entries.counts[positions]
+        self._last_seen[ids] = entries.last_seen[positions]
+        self._keys[ids] = np.asarray(entries.keys, dtype=object)[positions]
+        self._filled[ids] = True
+        return len(ids)
+
+    def build(self) -> IdMap:
+        """The map: IdMapBlobError if a row was never given, IdMapError (from `IdMap.apply`)
+        if the entries break the map's rules."""
+        if self._hashed is None or not self._filled.all():
+            missing = int((~self._filled).sum())
+            raise IdMapBlobError(f"the chain gives no id-map entry for {missing} rows")
+        id_map = IdMap(self.rows, hashed=self._hashed)
+        keys = tuple(self._keys.tolist())
+        entries = IdEntries(self._assigned, self._counts, self._last_seen, keys)
+        id_map.apply(np.arange(self.rows, dtype=np.int64), entries)
+        return id_map
