@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.errors import BadDataError
-from schemas.id_map_blob import IdEntries, IdKeyError, id_key
+from schemas.id_map_blob import MAX_KEY_BYTES, IdEntries, IdKeyError, id_key
 
 UNKNOWN_ROW = 0
 ID_SPACES = ("dynamic", "hash")
