@@ -391,6 +391,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             on_published=published,
             publish_in=args.publish_in,
             on_non_finite=args.on_nonfinite,
+            id_maps=live.id_maps if live is not None else None,
         )
     except BusError as exc:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc

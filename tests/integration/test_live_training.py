@@ -13,13 +13,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.restore import RestoredState, restore
 from publisher.store import FileStore
 from schemas.events import EventError, EventFields, encode_event, parse_event
 
@@ -283,6 +286,12 @@ def test_sigkill_at_random_points_then_resume_trains_each_event_exactly_once(
         position = ref.manifest.position
         trained = good_before(topic, position.reader["offsets"])  # type: ignore[arg-type]
         assert position.samples_seen == len(trained), (ref.version, position)
+        # The id map counts each user's events: exactly those before the offsets, each once
+        # (512 rows hold the 150 users: nothing is evicted, so counts run from the first one).
+        users = restored(tmp_path, ref.version).id_maps["embeddings.user"]
+        expected = Counter(event.ids[0] for event in trained)
+        assert len(users) == len(expected)
+        assert {key: int(users.counts[users.row_of(key)]) for key in expected} == expected
     final = refs[-1].manifest.position
     assert final.reader["offsets"] == {str(p): len(v) for p, v in topic.items()}
     bad = sum(1 for values in topic.values() for v in values if _is_bad(v))
@@ -311,6 +320,50 @@ def test_sigterm_finishes_the_step_publishes_and_exits_0(
     # The final version holds every sample trained, and they are the topic's up to its offsets.
     assert final.samples_seen == report["samples"] == report["samples_seen"]
     assert final.samples_seen == len(good_before(topic, final.reader["offsets"]))  # type: ignore[arg-type]
+
+
+def restored(store_dir: Path, version: int) -> RestoredState:
+    with FileStore(store_dir) as store:
+        return restore(store, "live", version)
+
+
+def test_evicted_rows_are_reinitialised_and_published_with_their_new_ids(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    rng = random.Random(3)
+    create_topic(services, unique_name, 1)
+    produce(services, unique_name, [good_event(i, rng) for i in range(3000)])
+    # 16 user rows (15 ids) for 150 users: the least recently seen are evicted all the time.
+    command = train_command(
+        services, unique_name, tmp_path, "--stop-at-end", "--interval-samples", "256"
+    )
+    report = run([*command, "--id-capacity", "512,user=16"])
+    assert report["stream"]["id_evictions"] > 100
+
+    topic = read_topic(services, unique_name)
+    refs = versions(tmp_path, "live")
+    previous = restored(tmp_path, refs[0].version)
+    reused = 0
+    for ref in refs[1:]:
+        state = restored(tmp_path, ref.version)
+        users, before = state.id_maps["embeddings.user"], previous.id_maps["embeddings.user"]
+        assert len(users) <= 15
+        trained = good_before(topic, ref.manifest.position.reader["offsets"])  # type: ignore[arg-type]
+        events_of = Counter(event.ids[0] for event in trained)
+        weights = state.tables["embeddings.user"].weights
+        old_weights = previous.tables["embeddings.user"].weights
+        for row in range(1, users.rows):
+            key, old_key = users.key_of(row), before.key_of(row)
+            if key is not None:
+                # counted since the id got its row: never more than its events so far
+                assert 0 < users.counts[row] <= events_of[key]
+            if key != old_key:
+                # the row changed hands: the version carries it, re-initialised and trained
+                # for its new id (restoring it from older versions would leave the old values)
+                assert not np.array_equal(weights[row], old_weights[row]), (ref.version, row)
+                reused += 1
+        previous = state
+    assert reused > 50
 
 
 def _is_bad(value: bytes) -> bool:
