@@ -74,7 +74,8 @@ class StrictDecoder:
             # ValueError covers JSONDecodeError and ints past the interpreter's digit limit;
             # RecursionError a deeply nested array.
             raise error(f"{what} is not JSON: {exc}") from exc
-        if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        # `in` first: a plain substring search, far cheaper than the regex on most documents.
+        if "\\u" in text and _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
             raise error(f"{what} holds a lone surrogate escape: not valid Unicode")
         return value
 

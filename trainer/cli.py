@@ -454,6 +454,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if live is not None:
         doc["samples_seen"] = ckpt.samples_seen
         doc["stream"] = live.metrics()
+        doc["reader_cpu_seconds"] = round(live.reader_cpu_s, 3)
     if args.json:
         print(json.dumps(doc))
     else:

@@ -168,17 +168,25 @@ class IdSpace:
         event times `ts`; counts them in the map (see the module docstring)."""
         if len(ts):
             self._watermark = max(self._watermark, float(ts.max()))
-        if not self.id_map.hashed:
+        hashed = self.id_map.hashed
+        if not hashed and self.policy.evict_after_s is not None:
             self._sweep()
         present = numbers >= 0
-        rows = np.full(len(numbers), UNKNOWN_ROW, dtype=np.int64)
-        rows[present] = self._number_rows[numbers[present]]
-        if self.id_map.hashed:
-            self.collision_events += int(self._foreign[numbers[present]].sum())
+        every = bool(present.all())
+        if every:  # the common case: fewer array passes
+            rows = self._number_rows[numbers]
         else:
-            new = np.flatnonzero(present & (rows == UNKNOWN_ROW))
-            if len(new):
-                self._admit(numbers, new, rows)
+            rows = np.full(len(numbers), UNKNOWN_ROW, dtype=np.int64)
+            rows[present] = self._number_rows[numbers[present]]
+        if hashed:
+            seen = numbers if every else numbers[present]
+            self.collision_events += int(np.count_nonzero(self._foreign[seen]))
+        else:
+            unknown = rows == UNKNOWN_ROW
+            if unknown.any():
+                new = np.flatnonzero(unknown & present)
+                if len(new):
+                    self._admit(numbers, new, rows)
         return MappedIds(rows, self._count(rows, present, ts, prior))
 
     # --- dynamic map ------------------------------------------------------------------------
@@ -286,20 +294,26 @@ class IdSpace:
         row of a dynamic map, which counts nothing; all 0 without `want_prior`)."""
         prior = np.zeros(len(rows), dtype=np.int64)
         counted = present if self.id_map.hashed else rows != UNKNOWN_ROW
-        occ = np.flatnonzero(counted)
-        if not len(occ):
+        every = bool(counted.all())
+        r, t = (rows, ts) if every else (rows[counted], ts[counted])
+        if not len(r):
             return prior
-        order = occ[np.argsort(rows[occ], kind="stable")]
-        sorted_rows = rows[order]
-        starts = np.flatnonzero(_group_starts(sorted_rows))
-        distinct = sorted_rows[starts]
-        counts, last_seen = self.id_map.counts, self.id_map.last_seen
+        counts = self.id_map.counts
         if want_prior:
-            rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.append(starts, len(order))))
-            prior[order] = counts[sorted_rows] + rank
-        counts[distinct] += np.diff(np.append(starts, len(order)))
-        newest = np.maximum.reduceat(ts[order], starts)
-        last_seen[distinct] = np.maximum(last_seen[distinct], newest)
+            # The prior count of an occurrence: its row's count before the batch plus the
+            # occurrences of the row earlier in the batch (a stable sort keeps batch order).
+            order = np.argsort(r, kind="stable")
+            sorted_rows = r[order]
+            starts = np.flatnonzero(_group_starts(sorted_rows))
+            sizes = np.diff(np.append(starts, len(r)))
+            rank = np.empty(len(r), dtype=np.int64)
+            rank[order] = np.arange(len(r)) - np.repeat(starts, sizes)
+            if every:
+                prior = counts[r] + rank
+            else:
+                prior[counted] = counts[r] + rank
+        np.add.at(counts, r, 1)  # numpy >= 2: as fast as a bincount for a batch
+        np.maximum.at(self.id_map.last_seen, r, t)
         return prior
 
 

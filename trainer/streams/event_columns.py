@@ -27,6 +27,8 @@ numbers ~1.8 us all told). When a feature has numbered MAX_KEYS keys the numberi
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +57,8 @@ class RawEvents:
     #: (reason, partition, offset) of each bad record (rare: kept one by one).
     bad_records: list[tuple[str, int, int]]
     highwater: dict[int, int] = field(default_factory=dict)
+    #: CPU seconds the reader process had used when it sent the batch.
+    reader_cpu_s: float = 0.0
 
     @property
     def n(self) -> int:
@@ -96,6 +100,7 @@ class RawEvents:
             epoch=self.epoch,
             bad_records=[b for b in self.bad_records if b[2] < ends[b[1]]],
             highwater=self.highwater,
+            reader_cpu_s=self.reader_cpu_s,
         )
 
 
@@ -155,6 +160,9 @@ class RawEventsBuilder:
         self._reset()
 
     def _reset(self) -> None:
+        #: the single features' numbers, event after event (n x features, row-major).
+        self._numbers: list[int] = []
+        self._finds: list[Callable[[Any, int], int]] = [c.index.get for c in self._singles]
         self._ts: list[float] = []
         self._labels: list[float] = []
         for column in (*self._singles, *self._bags):
@@ -180,9 +188,16 @@ class RawEventsBuilder:
         self._ends[partition] = offset + 1
         try:
             obj, ts, label = event_object(value, self.fields)
-            get = obj.get
-            singles = [column.number(get(column.name)) for column in self._singles]
-            bags = [self._bag(column, get(column.name)) for column in self._bags]
+            values: list[Any] = list(map(obj.get, self.fields.singles))
+            # Ids numbered before (a str or int seen as it is now) in one pass; -2 marks any
+            # other value, and then each goes through the key rule (`_Column.number`).
+            singles = [
+                find(v, -2) if (kind := type(v)) is str or kind is int else -2
+                for find, v in zip(self._finds, values, strict=True)
+            ]
+            if -2 in singles:
+                singles = [c.number(v) for c, v in zip(self._singles, values, strict=True)]
+            bags = [self._bag(column, obj.get(column.name)) for column in self._bags]
         except EventError as exc:
             self._bad.append((exc.reason, partition, offset))
             return
@@ -190,8 +205,7 @@ class RawEventsBuilder:
         self._labels.append(label)
         self._partitions.append(partition)
         self._offsets.append(offset)
-        for column, number in zip(self._singles, singles, strict=True):
-            column.inverse.append(number)
+        self._numbers.extend(singles)
         for column, numbers in zip(self._bags, bags, strict=True):
             column.inverse.extend(numbers)
             column.splits.append(len(column.inverse))
@@ -209,10 +223,14 @@ class RawEventsBuilder:
 
     def take(self, highwater: dict[int, int] | None = None) -> RawEvents:
         """The records added since the last `take`, as one batch."""
+        shape = (len(self._ts), len(self._singles))
+        numbers = np.asarray(self._numbers, dtype=np.int32).reshape(shape)
         raw = RawEvents(
             ts=np.asarray(self._ts, dtype=np.float64),
             labels=np.asarray(self._labels, dtype=np.float32),
-            singles=[(c.keys, np.asarray(c.inverse, dtype=np.int32)) for c in self._singles],
+            singles=[
+                (c.keys, np.ascontiguousarray(numbers[:, i])) for i, c in enumerate(self._singles)
+            ],
             bags=[
                 (c.keys, np.asarray(c.inverse, dtype=np.int32), np.asarray(c.splits, np.int64))
                 for c in self._bags
@@ -223,10 +241,11 @@ class RawEventsBuilder:
             epoch=self.epoch,
             bad_records=self._bad,
             highwater=dict(highwater or {}),
+            reader_cpu_s=time.process_time(),
         )
-        self._reset()
         if any(c.numbered >= MAX_KEYS for c in (*self._singles, *self._bags)):
             self.epoch += 1
             for column in (*self._singles, *self._bags):
                 column.renumber()
+        self._reset()
         return raw

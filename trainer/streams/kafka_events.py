@@ -88,6 +88,8 @@ class KafkaEventStream(InteractionStream):
         self._resumed_evictions = 0
         self.lag = 0
         self.records = 0
+        #: CPU seconds the current reader process has used (as of its latest batch).
+        self.reader_cpu_s = 0.0
         self._position: dict[int, int] = {}
         self._highwater: dict[int, int] = {}
         self._reader: KafkaReader | None = None
@@ -250,6 +252,7 @@ class KafkaEventStream(InteractionStream):
                     raw = raw.head(stop - offset)
                 self.bad.update(raw.bad)
                 self.records += raw.records
+                self.reader_cpu_s = raw.reader_cpu_s
                 self._highwater.update(raw.highwater)
                 if raw.n == 0:  # only bad records: consumed, nothing to train
                     self._advance(raw)

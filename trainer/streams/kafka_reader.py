@@ -15,7 +15,8 @@ process is (publisher/write/process_publisher.py)::
     child -> parent   ("ready", starts, ends) | ("error", exception)
     child -> parent   ("batch", RawEvents) ...      (blocks while the socket is full:
                                                      the child reads ahead a few batches)
-    parent -> child   ("close",)
+
+The parent ends it by closing its end and killing it.
 
 Partitions are assigned (every partition of the topic, or the given ones), never subscribed:
 no consumer group joins, nothing is committed, and the offsets the parent keeps in each
@@ -153,17 +154,12 @@ class KafkaReader:
         return batch
 
     def close(self) -> None:
-        """Stop the reader process (killed if it does not stop in time)."""
-        with contextlib.suppress(BrokenPipeError, ConnectionError, EOFError, OSError):
-            self._conn.send(("close",))
-        # Closing our end too: a child blocked sending a batch (the socket is full when the
-        # trainer stops reading) gets a broken pipe at once instead of waiting for "close".
+        """Stop the reader process."""
         self._conn.close()
-        try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(timeout=5)
+        # Nothing in the child needs an orderly end (no group to leave, nothing committed),
+        # and closing its consumer takes ~0.7 s here: it is killed.
+        self._process.kill()
+        self._process.wait(timeout=10)
 
     def _recv(self) -> tuple[Any, ...]:
         try:
@@ -249,7 +245,7 @@ def _open_consumer(config: ReaderConfig) -> tuple[Any, dict[int, int], dict[int,
 def _serve(conn: Connection) -> None:
     """The child's loop: parse what the consumer returns into batches and send them."""
     # The parent decides when to stop (it checkpoints first): Ctrl-C reaches the whole
-    # process group, so the child ignores it and waits for "close" or the parent's end.
+    # process group, so the child ignores it and waits for the parent to end it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
@@ -290,7 +286,7 @@ def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) ->
         conn.send(("batch", builder.take(highwater)))
 
     while True:
-        if conn.poll() and conn.recv()[0] == "close":
+        if conn.poll():  # nothing is sent after the config: the parent closed its end
             return
         if os.getppid() != parent:  # the trainer died (SIGKILL): nothing will read this
             return

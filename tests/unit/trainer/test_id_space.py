@@ -145,3 +145,10 @@ def test_policy_refuses_nonsense() -> None:
         IdSpacePolicy(admit_after=0)
     with pytest.raises(ValueError, match="evict_after_s"):
         IdSpacePolicy(evict_after_s=0.0)
+
+
+def test_a_batch_without_any_id_maps_to_the_unknown_row() -> None:
+    for hashed in (False, True):
+        space = IdSpace(IdMap(4, hashed=hashed))
+        mapped = space.map(np.full(3, -1, dtype=np.int32), np.zeros(3))
+        assert mapped.rows.tolist() == [0, 0, 0] and int(space.id_map.counts.sum()) == 0
