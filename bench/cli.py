@@ -43,6 +43,7 @@ PARTS = {
     "serving": "the serving side in detail: apply, pause, http, freshness",
     "rejections": "time and memory a reader spends refusing each hostile store object",
     "idmap": "stall, bytes and rebuild time an open id space's id map adds to checkpoints",
+    "live": "training from a Kafka event stream next to the file trainer (needs Kafka)",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")

@@ -57,7 +57,8 @@ class RawEvents:
     #: (reason, partition, offset) of each bad record (rare: kept one by one).
     bad_records: list[tuple[str, int, int]]
     highwater: dict[int, int] = field(default_factory=dict)
-    #: CPU seconds the reader process had used when it sent the batch.
+    #: CPU seconds the reader process had spent reading (since its builder was made) when it
+    #: sent the batch.
     reader_cpu_s: float = 0.0
 
     @property
@@ -155,6 +156,7 @@ class RawEventsBuilder:
     def __init__(self, fields: EventFields) -> None:
         self.fields = fields
         self.epoch = 0
+        self._cpu_start = time.process_time()
         self._singles = [_Column(name) for name in self.fields.singles]
         self._bags = [_Column(name) for name in self.fields.bags]
         self._reset()
@@ -241,7 +243,7 @@ class RawEventsBuilder:
             epoch=self.epoch,
             bad_records=self._bad,
             highwater=dict(highwater or {}),
-            reader_cpu_s=time.process_time(),
+            reader_cpu_s=time.process_time() - self._cpu_start,
         )
         if any(c.numbered >= MAX_KEYS for c in (*self._singles, *self._bags)):
             self.epoch += 1
