@@ -67,11 +67,6 @@ class RawEvents:
         return int(self.ts.shape[0])
 
     @property
-    def records(self) -> int:
-        """Records consumed, good and bad."""
-        return self.n + len(self.bad_records)
-
-    @property
     def bad(self) -> dict[str, int]:
         """Bad records by reason."""
         counts: dict[str, int] = {}

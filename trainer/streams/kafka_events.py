@@ -87,7 +87,6 @@ class KafkaEventStream(InteractionStream):
         self._resumed_admissions = 0
         self._resumed_evictions = 0
         self.lag = 0
-        self.records = 0
         #: CPU seconds the current reader process has used (as of its latest batch).
         self.reader_cpu_s = 0.0
         self._position: dict[int, int] = {}
@@ -251,7 +250,6 @@ class KafkaEventStream(InteractionStream):
                 if stop is not None and offset + raw.n > stop:
                     raw = raw.head(stop - offset)
                 self.bad.update(raw.bad)
-                self.records += raw.records
                 self.reader_cpu_s = raw.reader_cpu_s
                 self._highwater.update(raw.highwater)
                 if raw.n == 0:  # only bad records: consumed, nothing to train
