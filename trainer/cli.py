@@ -522,8 +522,9 @@ def _check_new_history(
     this = stream.reader_state(0)
     if (reader.get("source"), reader.get("fingerprint")) == (this["source"], this["fingerprint"]):
         raise CommandError(
-            f"model {name!r} already has versions (v{version}, trained to sample "
-            f"{reader.get('offset')}): --resume continues it, --new-lineage starts a new "
+            f"model {name!r} already has versions (v{version}, trained on "
+            f"{latest.manifest.position.samples_seen:,} samples): --resume continues it, "
+            "--new-lineage starts a new "
             "history from scratch on top of it, --model NAME trains another model"
         )
     raise CommandError(
