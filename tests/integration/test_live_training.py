@@ -215,16 +215,38 @@ def test_consume_publish_and_bad_events_counted_and_skipped(
 def test_an_unknown_topic_or_a_foreign_position_is_refused(
     services: Services, unique_name: str, tmp_path: Path
 ) -> None:
-    done = subprocess.run(
-        train_command(services, unique_name, tmp_path, "--stop-at-end"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
+    def refused(command: list[str]) -> str:
+        done = subprocess.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=120, env=_env()
+        )
+        assert done.returncode == 1, done.stderr[-3000:]
+        return done.stderr + done.stdout
+
+    assert "does not exist" in refused(
+        train_command(services, unique_name, tmp_path, "--stop-at-end")
     )
-    assert done.returncode == 1
-    assert "does not exist" in done.stderr + done.stdout
+    rng = random.Random(5)
+    other = f"{unique_name}-b"
+    for topic in (unique_name, other):
+        create_topic(services, topic, 1)
+        produce(services, topic, [good_event(i, rng) for i in range(200)])
+    run(train_command(services, unique_name, tmp_path, "--stop-at-end"))
+    text = refused(train_command(services, other, tmp_path, "--stop-at-end", "--resume"))
+    assert "fingerprint" in text and other in text
+
+
+def test_a_given_set_of_partitions_is_read_and_only_it(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    rng = random.Random(9)
+    create_topic(services, unique_name, 2)
+    produce(services, unique_name, [good_event(i, rng) for i in range(600)])
+    topic = read_topic(services, unique_name)
+    command = train_command(services, f"{unique_name}?partitions=1", tmp_path, "--stop-at-end")
+    report = run(command)
+    assert report["samples"] == len(topic[1]) < 600
+    reader = versions(tmp_path, "live")[-1].manifest.position.reader
+    assert reader["offsets"] == {"1": len(topic[1])}
 
 
 @pytest.fixture
