@@ -212,6 +212,12 @@ class RawEventsBuilder:
         if value is None:
             return []
         if type(value) is list and len(value) <= MAX_BAG_IDS:
+            find = column.index.get
+            numbers = [
+                find(v, -2) if (kind := type(v)) is str or kind is int else -2 for v in value
+            ]
+            if -2 not in numbers:
+                return numbers
             numbers = [column.number(v) for v in value]
             if -1 not in numbers:
                 return numbers
