@@ -17,8 +17,10 @@ same bytes, so the two parsers never see different documents.
 from __future__ import annotations
 
 import json
+import json.scanner
 import re
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, cast
 
 from schemas.errors import FormatError
 
@@ -55,6 +57,10 @@ class StrictDecoder:
             raise error(f"{name} in {what}, expected plain JSON (no NaN or Infinity)")
 
         self._decoder = json.JSONDecoder(object_pairs_hook=unique_keys, parse_constant=no_constant)
+        # What JSONDecoder itself scans with (typeshed types the argument oddly).
+        self._scan: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(
+            cast(Any, self._decoder)
+        )
 
     def loads(self, data: bytes | bytearray | memoryview | str) -> Any:
         """The JSON value in `data`; raise `self.error` if it breaks a rule above."""
@@ -67,7 +73,14 @@ class StrictDecoder:
             except UnicodeDecodeError as exc:
                 raise error(f"{what} is not UTF-8: {exc}") from exc
         try:
-            value = self._decoder.decode(text)
+            try:
+                # The scanner alone, when the value fills the text: JSONDecoder.decode adds
+                # two whitespace regex matches around the same scan.
+                value, end = self._scan(text, 0)
+            except StopIteration:
+                end = -1
+            if end != len(text):  # leading or trailing whitespace, extra data, not JSON
+                value = self._decoder.decode(text)
         except FormatError:
             raise
         except (ValueError, RecursionError) as exc:

@@ -293,26 +293,27 @@ def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) ->
         wait = config.linger_s if builder.records else 0.2
         want = size - builder.n
         messages = consumer.consume(num_messages=want, timeout=wait)
+        if messages and not builder.records:
+            first_at = time.monotonic()
+        add = builder.add
         for message in messages:
             error = message.error()
-            if error is not None:
-                if error.fatal():
-                    raise EventStreamUnavailableError(f"Kafka consumer failed: {error}")
-                if error.code() == KafkaError._AUTO_OFFSET_RESET:
-                    raise EventStreamError(f"reading {topic!r}: {error}")
-                log.log(logging.DEBUG if failing else logging.WARNING, "Kafka: %s", error)
-                failing = True
+            if error is None:
+                add(message.value(), message.partition(), message.offset())
+                failing = False
                 continue
-            failing = False
-            if not builder.records:
-                first_at = time.monotonic()
-            builder.add(message.value(), message.partition(), message.offset())
-            if builder.n >= size:
-                send()
-        # Fewer than asked for: the topic is drained for now, so a live stream trains what it
-        # has rather than waiting for a full batch.
-        if builder.records and (
-            len(messages) < want or time.monotonic() - first_at >= config.linger_s
+            if error.fatal():
+                raise EventStreamUnavailableError(f"Kafka consumer failed: {error}")
+            if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                raise EventStreamError(f"reading {topic!r}: {error}")
+            log.log(logging.DEBUG if failing else logging.WARNING, "Kafka: %s", error)
+            failing = True
+        # At most `want` records came, so the batch is full only now. Fewer than asked for:
+        # the topic is drained for now, so a live stream trains what it has rather than
+        # waiting for a full batch.
+        if builder.n >= size or (
+            builder.records
+            and (len(messages) < want or time.monotonic() - first_at >= config.linger_s)
         ):
             send()
 
