@@ -44,6 +44,7 @@ PARTS = {
     "rejections": "time and memory a reader spends refusing each hostile store object",
     "idmap": "stall, bytes and rebuild time an open id space's id map adds to checkpoints",
     "rawids": "raw-id predictions and id-map applies, next to the same model of encoded ids",
+    "live": "training from a Kafka event stream next to the file trainer (needs Kafka)",
     "idspace": "MovieLens through Kafka: dynamic vs hashed id spaces, a new id's freshness",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.

@@ -171,8 +171,7 @@ class DLRM(nn.Module):
     def _init_weights(self) -> None:
         for emb in self.embeddings.values():
             assert isinstance(emb, nn.EmbeddingBag)
-            bound = 1.0 / emb.embedding_dim**0.5
-            nn.init.uniform_(emb.weight, -bound, bound)
+            init_embedding_rows(emb.weight)
 
     def forward(self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch]) -> torch.Tensor:
         if dense.shape[1] == 0:
@@ -187,6 +186,19 @@ class DLRM(nn.Module):
         pairs = dots[:, self.pair_rows, self.pair_cols]
         logits: torch.Tensor = self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
         return logits
+
+
+@torch.no_grad()
+def init_embedding_rows(weight: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Draw `rows` (all when None) of an embedding table from its initial distribution,
+    uniform in +-1/sqrt(dim): at construction, and for a row whose id was evicted (a live id
+    space reuses it for another id, which must not inherit its values)."""
+    bound = 1.0 / int(weight.shape[1]) ** 0.5
+    if rows is None:
+        nn.init.uniform_(weight, -bound, bound)
+        return
+    fresh = torch.empty(len(rows), weight.shape[1], dtype=weight.dtype, device=weight.device)
+    weight.index_copy_(0, rows, fresh.uniform_(-bound, bound))
 
 
 def build_model(model_config: Mapping[str, Any]) -> DLRM:

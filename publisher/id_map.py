@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.errors import BadDataError
-from schemas.id_map_blob import MAX_KEY_BYTES, IdEntries
+from schemas.id_map_blob import MAX_KEY_BYTES, IdEntries, IdKeyError, id_key
 
 UNKNOWN_ROW = 0
 ID_SPACES = ("dynamic", "hash")
@@ -44,19 +44,12 @@ class IdMapError(BadDataError, ValueError):
 
 
 def canonical_key(value: object) -> str:
-    """The map key of a raw id: a str as is, an int as its decimal text; IdMapError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise IdMapError(f"an id is a string or an integer, got {type(value).__name__}")
-    key = str(value) if isinstance(value, int) else value
-    if not key:
-        raise IdMapError("an id is not empty")
+    """The map key of a raw id: a str as is, an int as its decimal text; IdMapError otherwise
+    (the rule is schemas.id_map_blob.id_key's)."""
     try:
-        size = len(key.encode("utf-8"))
-    except UnicodeEncodeError as exc:  # a lone surrogate from a JSON escape
-        raise IdMapError(f"id is not valid UTF-8 text: {exc.reason}") from exc
-    if size > MAX_KEY_BYTES:
-        raise IdMapError(f"an id is at most {MAX_KEY_BYTES} bytes of UTF-8, got {size}")
-    return key
+        return id_key(value)
+    except IdKeyError as exc:
+        raise IdMapError(str(exc)) from exc
 
 
 def hashed_rows(keys: Iterable[str], rows: int) -> npt.NDArray[np.int64]:

@@ -157,6 +157,25 @@ class OptimizerStateLayout:
                 target[:, col : col + width] = picked
             col += width
 
+    def reset_rows(self, table: str, rows: torch.Tensor) -> None:
+        """Put the per-row optimizer state of `rows` back where a fresh optimizer starts it:
+        Adagrad's `sum` (torch's and row-wise) at the group's `initial_accumulator_value`,
+        anything else (moments, momentum) at 0. For a row whose id was evicted."""
+        weight = self.weights[table]
+        for entry in self.row_state(table):
+            initial = 0.0
+            if entry.name == "sum":
+                group = self._group_of(entry.optimizer, weight)
+                initial = float(group.get("initial_accumulator_value", 0.0))
+            with torch.no_grad():
+                self._state_tensor(entry).index_fill_(0, rows, initial)
+
+    def _group_of(self, optimizer: int, weight: torch.Tensor) -> dict[str, Any]:
+        for group in self.optimizers[optimizer].param_groups:
+            if any(p is weight for p in group["params"]):
+                return group
+        raise KeyError(f"optimizer {optimizer} does not hold this weight")
+
     def dense_state(
         self, layouts: Mapping[str, Sequence[RowState]]
     ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

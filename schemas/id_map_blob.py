@@ -50,6 +50,42 @@ class IdMapBlobError(FormatError):
     """Id-map blob bytes that break section 7's rules; the message says which."""
 
 
+class IdKeyError(FormatError):
+    """A raw id that breaks section 7's key rule; the message says how."""
+
+
+#: an int below this in magnitude has at most MAX_KEY_BYTES - 1 digits (room for a sign).
+_INT_LIMIT = 10 ** (MAX_KEY_BYTES - 1)
+
+
+def id_key(value: object) -> str:
+    """The key of a raw id (section 7): a str as is, an int as its decimal text, 1 to
+    MAX_KEY_BYTES bytes of UTF-8; IdKeyError otherwise (a bool is not an id)."""
+    kind = type(value)
+    if kind is str:
+        key: str = value  # type: ignore[assignment]
+        if key.isascii() and 0 < len(key) <= MAX_KEY_BYTES:  # O(1) check: no encoding needed
+            return key
+    elif kind is int or (isinstance(value, int) and not isinstance(value, bool)):
+        number = int(value)  # type: ignore[call-overload]
+        if abs(number) >= _INT_LIMIT:  # str() of a huge int is slow or refused
+            raise IdKeyError(f"an id is at most {MAX_KEY_BYTES} bytes of UTF-8")
+        return str(number)
+    elif isinstance(value, str):
+        key = str(value)
+    else:
+        raise IdKeyError(f"an id is a string or an integer, got {kind.__name__}")
+    if not key:
+        raise IdKeyError("an id is not empty")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:  # a lone surrogate from a JSON escape
+        raise IdKeyError(f"id is not valid UTF-8 text: {exc.reason}") from exc
+    if size > MAX_KEY_BYTES:
+        raise IdKeyError(f"an id is at most {MAX_KEY_BYTES} bytes of UTF-8, got {size}")
+    return key
+
+
 @dataclass(frozen=True)
 class IdEntries:
     """The id-map state of a set of rows (the rows of one table blob, in its order)."""

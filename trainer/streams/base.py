@@ -10,9 +10,11 @@ no sample trained twice, none skipped.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +56,22 @@ class IdColumn:
     values: np.ndarray  # int64 (nnz,)
     #: int64 (n + 1,): sample i holds values[splits[i]:splits[i+1]]; None means one id each.
     splits: np.ndarray | None = None
+    #: the raw value of each id (id i is vocabulary[i]; null for a missing value), when known:
+    #: what `checknrun replay` sends as the event's raw id.
+    vocabulary: pa.Array | None = None
+
+    def raw(self, start: int, stop: int) -> list[Any]:
+        """The raw ids of samples [start, stop): one value (None: missing) per sample, or a
+        list of values per sample for a bag; the encoded ids when there is no vocabulary."""
+        lo, hi = (start, stop) if self.splits is None else (self.splits[start], self.splits[stop])
+        ids = self.values[lo:hi]
+        flat: list[Any] = (
+            ids.tolist() if self.vocabulary is None else self.vocabulary.take(ids).to_pylist()
+        )
+        if self.splits is None:
+            return flat
+        bounds = (self.splits[start : stop + 1] - lo).tolist()
+        return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
     def take(self, start: int, stop: int) -> SparseBatch:
         """The ids of samples [start, stop) as an EmbeddingBag input (views, no copy)."""
@@ -95,6 +113,11 @@ class InteractionStream(ABC):
     def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
         """Batches of `batch_size` samples (the last may be smaller) covering [start, stop)."""
 
+    def metrics(self) -> dict[str, float]:
+        """What the stream counts for every manifest's `metrics` (a live stream: bad events,
+        consumer lag, id space); none for a replayed file."""
+        return {}
+
     def reader_state(self, offset: int) -> dict[str, int | str | dict[str, int]]:
         """The manifest's `position.reader` for a stream consumed up to `offset`."""
         return {"source": self.source, "offset": offset, "fingerprint": self.fingerprint}
@@ -131,7 +154,9 @@ class ColumnarStream(InteractionStream):
         dense: np.ndarray,
         labels: np.ndarray,
         fingerprint_parts: tuple[object, ...],
+        timestamps: np.ndarray | None = None,
     ) -> None:
+        """`timestamps`: event time of each sample (unix seconds), when the data has one."""
         n = int(labels.shape[0])
         if dense.shape != (n, len(dense_names)):
             raise DataError(f"dense features are {dense.shape}, expected {(n, len(dense_names))}")
@@ -145,6 +170,7 @@ class ColumnarStream(InteractionStream):
         self._dense = np.ascontiguousarray(dense, dtype=np.float32)
         self._labels = np.ascontiguousarray(labels, dtype=np.float32)
         self._fingerprint = fingerprint_of(*fingerprint_parts, n, features, dense_names)
+        self.timestamps = timestamps
 
     @property
     def features(self) -> tuple[SparseFeature, ...]:
@@ -197,11 +223,17 @@ def encode_categories(values: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, i
     First-appearance order (not sorted order) keeps ids stable when a log grows at its end.
     Missing values (null) get an id of their own.
     """
+    column, rows = id_column(values)
+    return column.values, rows
+
+
+def id_column(values: pa.Array | pa.ChunkedArray) -> tuple[IdColumn, int]:
+    """`encode_categories` as a column that keeps its vocabulary; returns (column, k)."""
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     encoded = pc.dictionary_encode(values, null_encoding="encode")
     ids = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    return ids, max(len(encoded.dictionary), 1)
+    return IdColumn(ids, vocabulary=encoded.dictionary), max(len(encoded.dictionary), 1)
 
 
 def bag_column(text: pa.Array, separator: str) -> tuple[IdColumn, int]:
@@ -215,8 +247,8 @@ def bag_column(text: pa.Array, separator: str) -> tuple[IdColumn, int]:
     owner = np.repeat(np.arange(len(lengths)), lengths)[keep.to_numpy(zero_copy_only=False)]
     splits = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(np.bincount(owner, minlength=len(lengths)), out=splits[1:])
-    ids, rows = encode_categories(pc.filter(flat, keep))
-    return IdColumn(ids, splits), rows
+    tokens, rows = id_column(pc.filter(flat, keep))
+    return IdColumn(tokens.values, splits, tokens.vocabulary), rows
 
 
 def prior_count_log(ids: np.ndarray) -> np.ndarray:

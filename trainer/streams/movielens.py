@@ -29,7 +29,7 @@ from trainer.streams.base import (
     DataError,
     IdColumn,
     bag_column,
-    encode_categories,
+    id_column,
     prior_count_log,
 )
 
@@ -136,8 +136,7 @@ def load_movielens(directory: str | os.PathLike[str] | None = None) -> ColumnarS
     columns: dict[str, IdColumn] = {}
     rows: dict[str, int] = {}
     for name, values in raw.items():
-        ids, k = encode_categories(values)
-        columns[name], rows[name] = IdColumn(ids), k
+        columns[name], rows[name] = id_column(values)
     genre_text = pc.fill_null(side(items, item_row, "genre", item_path), "")
     columns["genres"], rows["genres"] = bag_column(genre_text, " ")
 
@@ -162,4 +161,5 @@ def load_movielens(directory: str | os.PathLike[str] | None = None) -> ColumnarS
         dense=dense,
         labels=(ratings >= 4.0).astype(np.float32),
         fingerprint_parts=("ml-1m", sizes),
+        timestamps=timestamps,
     )

@@ -36,7 +36,7 @@ from trainer.streams.base import (
     DataError,
     IdColumn,
     bag_column,
-    encode_categories,
+    id_column,
     prior_count_log,
 )
 
@@ -136,8 +136,7 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
         if column in mapping.bags:
             ids, rows = _bag(path, column, values, mapping.bag_separator)
         else:
-            flat, rows = encode_categories(values)
-            ids = IdColumn(flat)
+            ids, rows = id_column(values)
         columns[feature] = ids
         features.append(SparseFeature(feature, rows, bag=column in mapping.bags))
 
@@ -156,6 +155,7 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
         dense=dense,
         labels=labels,
         fingerprint_parts=(path.name, path.stat().st_size, mapping),
+        timestamps=seconds,
     )
 
 

@@ -1,0 +1,91 @@
+"""The live stream without a broker: its options, its reader position and how a parsed batch
+becomes a training batch (rows through the id space, dense inputs by LiveSpec.dense)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from publisher.cli import CommandError
+from publisher.live_features import LiveFeature, LiveSpec
+from schemas.events import encode_event
+from trainer.live_options import add_live_args, live_spec, table_rows
+from trainer.streams.base import DataError
+from trainer.streams.event_columns import RawEventsBuilder
+from trainer.streams.kafka_events import KafkaEventStream
+from trainer.streams.kafka_reader import EventSource, EventStreamError
+
+SPEC = LiveSpec(
+    features=(LiveFeature("user"), LiveFeature("item"), LiveFeature("genres", bag=True)),
+    count_features=("user",),
+)
+
+
+def stream() -> KafkaEventStream:
+    source = EventSource.parse("kafka://127.0.0.1:9/events")
+    return KafkaEventStream(source, SPEC, {"user": 8, "item": 8, "genres": 4})
+
+
+def test_event_source_urls() -> None:
+    assert EventSource.parse("kafka://h:1,h:2/t?partitions=1,0") == EventSource(
+        ("h:1", "h:2"), "t", (0, 1)
+    )
+    assert EventSource.parse("kafka://h:1/t").partitions is None
+    for bad in ("kafka://h:1/", "kafka://h:1/t?partitions=a", "kafka://h:1/t?x=1", "http://h/t"):
+        with pytest.raises(EventStreamError):
+            EventSource.parse(bad)
+
+
+def test_id_capacity_and_features_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_live_args(parser)
+    parser.add_argument("--rating-threshold", type=float, default=4.0)
+    args = parser.parse_args(["--features", "user,genres[]", "--id-capacity", "50,user=9"])
+    spec = live_spec(args)
+    assert spec.names == ("user", "genres") and spec.count_features == ("user",)
+    assert table_rows(spec, args.id_capacity) == {"user": 9, "genres": 50}
+    with pytest.raises(CommandError, match="not --features"):
+        table_rows(spec, "item=5")
+    with pytest.raises(CommandError, match="rows"):
+        table_rows(spec, "1")
+    with pytest.raises(CommandError):
+        live_spec(parser.parse_args(["--features", "ts,user"]))
+
+
+def test_reader_position_round_trip_and_refusals() -> None:
+    s = stream()
+    assert s.resume_offset({**s.reader_state(0), "offsets": {"0": 5, "3": 9}}) == 0
+    assert s.reader_state(0)["offsets"] == {"0": 5, "3": 9}
+    assert s.reader_state(0)["topic"] == "events"
+    with pytest.raises(DataError, match="fingerprint"):
+        s.resume_offset({**s.reader_state(0), "fingerprint": "0" * 16})
+    for bad in ({"0": -1}, {"x": 1}, [1], {"0": "1"}):
+        with pytest.raises(DataError, match="offsets"):
+            s.resume_offset({**s.reader_state(0), "offsets": bad})  # type: ignore[dict-item]
+    other = KafkaEventStream(
+        EventSource.parse("kafka://h:1/events"), SPEC, {"user": 8, "item": 8, "genres": 5}
+    )
+    assert other.fingerprint != s.fingerprint
+
+
+def test_a_parsed_batch_becomes_rows_and_dense_inputs() -> None:
+    s = stream()
+    builder = RawEventsBuilder(s.fields)
+    for i, user in enumerate(["u1", "u2", "u1"]):
+        value = encode_event(
+            ts=3600.0 * i, label=i % 2, ids={"user": user, "item": 7, "genres": ["a"] * i}
+        )
+        builder.add(value, partition=0, offset=i)
+    batch = s._batch(builder.take(), offset=0)
+    assert batch.sparse["user"].values.tolist() == [1, 2, 1]
+    assert batch.sparse["item"].values.tolist() == [1, 1, 1]
+    assert batch.sparse["genres"].values.tolist() == [1, 1, 1]
+    assert batch.sparse["genres"].offsets.tolist() == [0, 0, 1]
+    assert batch.labels.tolist() == [0.0, 1.0, 0.0]
+    prior = {"user": np.array([0, 0, 1])}
+    expected = SPEC.dense(np.array([0.0, 3600.0, 7200.0]), prior)
+    assert np.allclose(batch.dense.numpy(), expected)
+    assert s.id_maps["embeddings.user"].counts[1] == 2
+    assert s.metrics()["ids_held"] == 4.0 and s.admissions == 4

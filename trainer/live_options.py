@@ -1,0 +1,131 @@
+"""The `train` options of a live event stream (`--data kafka://HOST:PORT/TOPIC`).
+
+    checknrun train --data kafka://localhost:9092/events --features user,item,genres[] \\
+        --id-space dynamic --id-capacity 100000,user=200000 --admit-after 2 \\
+        --evict-after-s 604800 --store file://./store --model live
+
+`--features` names the events' id fields (a trailing `[]` marks a bag); by default the
+MovieLens set that `checknrun replay --data movielens` produces. `--id-capacity` is the rows of
+every table, or `N,name=M,...` (N for the tables not named); in a dynamic id space one row of
+each table is the unknown row, so a table holds capacity - 1 ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+from publisher.cli import CommandError, positive_int
+from publisher.id_map import ID_SPACES
+from publisher.live_features import LiveSpec, LiveSpecError
+from trainer.id_space import IdSpacePolicy
+from trainer.streams.kafka_events import KafkaEventStream
+from trainer.streams.kafka_reader import EventSource
+
+#: the fields `checknrun replay --data movielens` writes.
+MOVIELENS_FEATURES = "user,item,gender,age,occupation,zip_code,genres[],release_year"
+DEFAULT_COUNT_FEATURES = ("user", "item")
+DEFAULT_ID_CAPACITY = 100_000
+
+
+def is_live(data: str) -> bool:
+    """Whether `--data` names a live event stream."""
+    return data.startswith("kafka://")
+
+
+def add_live_args(p: argparse.ArgumentParser) -> None:
+    """The options of `--data kafka://...` (ignored for other data)."""
+    g = p.add_argument_group("live event stream (--data kafka://HOST:PORT/TOPIC[?partitions=0,1])")
+    g.add_argument(
+        "--features",
+        default=MOVIELENS_FEATURES,
+        help="the events' id fields, a trailing [] marks a bag (default: the MovieLens set, "
+        "%(default)s)",
+    )
+    g.add_argument(
+        "--count-features",
+        default=",".join(DEFAULT_COUNT_FEATURES),
+        help="single-valued features whose prior event count is a dense input (default "
+        "%(default)s, those of them that are features)",
+    )
+    g.add_argument("--id-space", choices=ID_SPACES, default="dynamic")
+    g.add_argument(
+        "--id-capacity",
+        default=str(DEFAULT_ID_CAPACITY),
+        help="rows per table: N, or N,name=M,... (default %(default)s)",
+    )
+    g.add_argument(
+        "--admit-after",
+        type=positive_int,
+        default=1,
+        help="an id gets a row at its Nth event (default %(default)s: the first)",
+    )
+    g.add_argument(
+        "--evict-after-s",
+        type=float,
+        default=None,
+        help="evict ids unseen for this many seconds of event time (default: only when a "
+        "table is full, the least recently seen)",
+    )
+    g.add_argument(
+        "--stop-at-end",
+        action="store_true",
+        help="stop once every partition is read up to where it ended when training started",
+    )
+
+
+def live_spec(args: argparse.Namespace) -> LiveSpec:
+    """The feature spec the options describe; CommandError when they describe none."""
+    try:
+        features = LiveSpec.parse_features(args.features)
+        singles = {f.name for f in features if not f.bag}
+        wanted = [n.strip() for n in args.count_features.split(",") if n.strip()]
+        defaults = args.count_features == ",".join(DEFAULT_COUNT_FEATURES)
+        counts = tuple(n for n in wanted if n in singles) if defaults else tuple(wanted)
+        return LiveSpec(
+            features=features,
+            id_space=args.id_space,
+            count_features=counts,
+            rating_threshold=args.rating_threshold,
+        )
+    except LiveSpecError as exc:
+        raise CommandError(f"--features / --count-features: {exc}") from exc
+
+
+def table_rows(spec: LiveSpec, text: str) -> dict[str, int]:
+    """`--id-capacity`: N for every table, or N,name=M,... ; CommandError otherwise."""
+    default: int | None = None
+    named: dict[str, int] = {}
+    try:
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            name, eq, value = part.rpartition("=")
+            if eq:
+                named[name.strip()] = int(value)
+            else:
+                default = int(value)
+    except ValueError as exc:
+        raise CommandError(f"--id-capacity {text!r}: expected N or N,name=M,...") from exc
+    unknown = sorted(set(named) - set(spec.names))
+    if unknown:
+        raise CommandError(f"--id-capacity names {unknown}, which are not --features")
+    rows = {name: named.get(name, default or DEFAULT_ID_CAPACITY) for name in spec.names}
+    least = 1 if spec.id_space == "hash" else 2
+    small = {n: r for n, r in rows.items() if not least <= r <= 2**31}
+    if small:
+        raise CommandError(f"--id-capacity: every table needs {least} .. 2**31 rows, got {small}")
+    return rows
+
+
+def open_live_stream(args: argparse.Namespace, stop_event: threading.Event) -> KafkaEventStream:
+    """The event stream `--data kafka://...` and the live options describe."""
+    spec = live_spec(args)
+    if args.evict_after_s is not None and not args.evict_after_s > 0:
+        raise CommandError(f"--evict-after-s must be > 0, got {args.evict_after_s}")
+    return KafkaEventStream(
+        EventSource.parse(args.data),
+        spec,
+        table_rows(spec, args.id_capacity),
+        IdSpacePolicy(admit_after=args.admit_after, evict_after_s=args.evict_after_s),
+        stop_event=stop_event,
+        stop_at_end=args.stop_at_end,
+    )

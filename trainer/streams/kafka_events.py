@@ -1,0 +1,310 @@
+"""Training batches from a live Kafka event topic, ids mapped through an open id space.
+
+    stream = KafkaEventStream(EventSource.parse("kafka://localhost:9092/events"), spec,
+                              table_rows={"user": 100_000, ...}, policy=IdSpacePolicy())
+    stream.attach(model, optimizers, tracker)     # evicted rows are re-initialised, dirty
+    for batch in stream.batches(512): ...
+
+The reader process (trainer/streams/kafka_reader.py) consumes and parses the records; here, on
+the training thread, each batch's ids go through each table's `IdSpace` (trainer/id_space.py)
+and the dense inputs are computed by `LiveSpec.dense` (publisher/live_features.py), the rule
+servers apply to raw-id requests.
+
+Position. The stream keeps, per partition it reads, the offset of the next record not yet
+trained: updated when a batch is handed out (the loop trains it before it asks for the reader
+state), and for bad records that formed no batch as soon as they are read. `reader_state`
+is that map (docs/FORMAT.md section 8.3); `resume_offset` seeks there. Offsets of partitions
+named in a resumed position but not read by this run are carried on unchanged. The sample
+`offset` of a `Batch` counts the samples of this run, from 0: a stream of several partitions
+has no single offset.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from publisher.dlrm import TABLE_PREFIX, SparseBatch, SparseFeature
+from publisher.id_map import IdMap
+from publisher.live_features import LiveSpec
+from publisher.state_dicts import OptimizerStateLayout
+from publisher.write.tracker import DirtyRowTracker, EmbeddingModule
+from schemas.events import BadEventCounts, EventFields
+from trainer.id_space import IdSpace, IdSpacePolicy
+from trainer.row_reset import RowReset
+from trainer.streams.base import Batch, DataError, InteractionStream, fingerprint_of
+from trainer.streams.event_columns import RawEvents
+from trainer.streams.kafka_reader import EventSource, KafkaReader, ReaderConfig
+
+Reader = Mapping[str, int | str | dict[str, int]]
+#: how often a stream waiting for records checks whether it should stop.
+POLL_S = 0.2
+
+
+class KafkaEventStream(InteractionStream):
+    """A never-ending stream of training batches from a Kafka topic (module docstring)."""
+
+    source = "kafka"
+
+    def __init__(
+        self,
+        address: EventSource,
+        spec: LiveSpec,
+        table_rows: Mapping[str, int],
+        policy: IdSpacePolicy | None = None,
+        *,
+        stop_event: threading.Event | None = None,
+        stop_at_end: bool = False,
+    ) -> None:
+        """`table_rows`: rows of each feature's table; `stop_event` ends the batches while
+        they wait for records; `stop_at_end`: end once every partition is read up to where it
+        ended when reading started (a catch-up run)."""
+        self.address = address
+        self.spec = spec
+        self.table_rows = {f.name: int(table_rows[f.name]) for f in spec.features}
+        self.stop_event = stop_event
+        self.stop_at_end = stop_at_end
+        hashed = spec.id_space == "hash"
+        #: table (module) name -> its id map: what the checkpointer publishes with the rows.
+        self.id_maps = {
+            TABLE_PREFIX + name: IdMap(rows, hashed=hashed)
+            for name, rows in self.table_rows.items()
+        }
+        policy = policy or IdSpacePolicy()
+        self.id_spaces = {
+            f.name: IdSpace(self.id_maps[TABLE_PREFIX + f.name], policy) for f in spec.features
+        }
+        self.fields = EventFields(
+            singles=tuple(f.name for f in spec.features if not f.bag),
+            bags=tuple(f.name for f in spec.features if f.bag),
+            rating_threshold=spec.rating_threshold,
+        )
+        self.bad = BadEventCounts()
+        self._resumed_admissions = 0
+        self._resumed_evictions = 0
+        self.lag = 0
+        #: CPU seconds the current reader process has used (as of its latest batch).
+        self.reader_cpu_s = 0.0
+        self._position: dict[int, int] = {}
+        self._highwater: dict[int, int] = {}
+        self._reader: KafkaReader | None = None
+        self._batch_size = 0
+        self._epoch = 0
+        self._counted = frozenset(spec.count_features)
+        self._fingerprint = fingerprint_of(
+            "kafka", address.topic, spec.to_json(), sorted(self.table_rows.items())
+        )
+
+    # --- InteractionStream -------------------------------------------------------------------
+
+    @property
+    def features(self) -> tuple[SparseFeature, ...]:
+        rows = self.table_rows
+        return tuple(SparseFeature(f.name, rows[f.name], f.bag) for f in self.spec.features)
+
+    @property
+    def dense_names(self) -> tuple[str, ...]:
+        return self.spec.dense_names
+
+    @property
+    def num_samples(self) -> None:
+        return None
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def reader_state(self, offset: int) -> dict[str, int | str | dict[str, int]]:
+        """Where the model stops in the topic: the next record not trained, per partition."""
+        return {
+            "source": self.source,
+            "topic": self.address.topic,
+            "fingerprint": self.fingerprint,
+            "offsets": {str(p): o for p, o in sorted(self._position.items())},
+        }
+
+    def resume_offset(self, reader: Reader) -> int:
+        """Continue at a checkpoint's per-partition offsets; the samples of this run count
+        from 0 (returned). DataError for a position of another topic or feature spec."""
+        if (reader.get("source"), reader.get("fingerprint")) != (self.source, self.fingerprint):
+            raise DataError(
+                f"the checkpoint was trained on source={reader.get('source')!r} "
+                f"topic={reader.get('topic')!r} fingerprint={reader.get('fingerprint')!r}, but "
+                f"this stream is source={self.source!r} topic={self.address.topic!r} "
+                f"fingerprint={self.fingerprint!r}: resume on the same topic with the same "
+                "--features, --id-space and --id-capacity"
+            )
+        offsets = reader.get("offsets")
+        if not isinstance(offsets, dict) or not all(
+            isinstance(o, int) and o >= 0 and p.isdigit() for p, o in offsets.items()
+        ):
+            raise DataError(f"checkpoint reader offsets {offsets!r} are not partition -> int >= 0")
+        self._position = {int(p): int(o) for p, o in offsets.items()}
+        return 0
+
+    @property
+    def admissions(self) -> int:
+        """Ids given a row (cumulative)."""
+        return self._resumed_admissions + sum(s.admitted for s in self.id_spaces.values())
+
+    @property
+    def evictions(self) -> int:
+        """Ids evicted from their row (cumulative)."""
+        return self._resumed_evictions + sum(s.evicted for s in self.id_spaces.values())
+
+    def metrics(self) -> dict[str, float]:
+        """Bad events by reason, consumer lag and id-space counters (cumulative across resumes
+        where a manifest carries them: see `restore_metrics`)."""
+        held = sum(len(m) for m in self.id_maps.values())
+        out = {
+            **self.bad.metrics(),
+            "consumer_lag": float(self.lag),
+            "ids_held": float(held),
+            "id_admissions": float(self.admissions),
+            "id_evictions": float(self.evictions),
+        }
+        if self.spec.id_space == "hash":
+            out["hash_collided_rows"] = float(sum(s.collided_rows for s in self.id_spaces.values()))
+            out["hash_collision_events"] = float(
+                sum(s.collision_events for s in self.id_spaces.values())
+            )
+        return out
+
+    def restore_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Continue the cumulative counters of a resumed version's manifest `metrics`, and
+        re-read which rows the (restored) id maps hold."""
+        self.bad = BadEventCounts.from_metrics(metrics)
+        self._resumed_admissions = int(metrics.get("id_admissions", 0.0))
+        self._resumed_evictions = int(metrics.get("id_evictions", 0.0))
+        for space in self.id_spaces.values():
+            space.sync()
+
+    # --- wiring ------------------------------------------------------------------------------
+
+    def attach(
+        self,
+        tables: Mapping[str, EmbeddingModule],
+        optimizers: list[torch.optim.Optimizer],
+        tracker: DirtyRowTracker | None,
+    ) -> None:
+        """Re-initialise evicted rows in these tables (by module name) and their optimizers'
+        state, and mark them dirty in `tracker` (trainer/row_reset.py)."""
+        weights = {name: tables[name].weight for name in self.id_maps}
+        layout = OptimizerStateLayout(optimizers, weights)
+        for feature, space in self.id_spaces.items():
+            table = TABLE_PREFIX + feature
+            space.reset_rows = RowReset(table, weights[table], layout, tracker)
+
+    # --- batches -----------------------------------------------------------------------------
+
+    def open(self, batch_size: int) -> None:
+        """Start the reader process now (connect, check the topic and the offsets), so that a
+        bad topic fails before training starts and start-up is not training time. `batches`
+        opens it if this was not called; it closes it when it ends."""
+        if self._reader is not None:
+            return
+        config = ReaderConfig(self.address, self.fields, batch_size, starts=dict(self._position))
+        self._reader = KafkaReader(config)
+        self._batch_size = batch_size
+        self._epoch = 0
+        for space in self.id_spaces.values():  # a new reader numbers the keys afresh
+            space.renumber()
+        for p, first in self._reader.starts.items():
+            self._position[p] = first
+        self._highwater.update(self._reader.ends_at_start)
+        self._update_lag()
+
+    def close(self) -> None:
+        """Stop the reader process (if open)."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
+    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
+        """Batches of at most `batch_size` events as they arrive (fewer when the topic has no
+        more yet), until `stop` samples of this run, the stop event, or (`stop_at_end`) the
+        end of the topic as it was when reading started."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self._reader is not None and self._batch_size != batch_size:
+            self.close()
+        self.open(batch_size)
+        reader = self._reader
+        assert reader is not None
+        try:
+            offset = start
+            while stop is None or offset < stop:
+                if self.stop_event is not None and self.stop_event.is_set():
+                    return
+                if self.stop_at_end and all(
+                    self._position[p] >= end for p, end in reader.ends_at_start.items()
+                ):
+                    return
+                raw = reader.next(POLL_S)
+                if raw is None:
+                    continue
+                if stop is not None and offset + raw.n > stop:
+                    raw = raw.head(stop - offset)
+                self.bad.update(raw.bad)
+                self.reader_cpu_s = raw.reader_cpu_s
+                self._highwater.update(raw.highwater)
+                if raw.n == 0:  # only bad records: consumed, nothing to train
+                    self._advance(raw)
+                    continue
+                batch = self._batch(raw, offset)
+                # The loop trains this batch before it asks for the reader state.
+                self._advance(raw)
+                offset += raw.n
+                yield batch
+        finally:
+            self.close()
+
+    def _advance(self, raw: RawEvents) -> None:
+        self._position.update(raw.ends)
+        self._update_lag()
+
+    def _update_lag(self) -> None:
+        self.lag = sum(
+            max(0, high - self._position.get(p, high)) for p, high in self._highwater.items()
+        )
+
+    def _batch(self, raw: RawEvents, offset: int) -> Batch:
+        """Map the raw ids (counting them) and compute the dense inputs."""
+        n = raw.n
+        ts = raw.ts
+        if raw.epoch != self._epoch:  # the reader's numbering started over
+            self._epoch = raw.epoch
+            for space in self.id_spaces.values():
+                space.renumber()
+        sparse: dict[str, SparseBatch] = {}
+        prior: dict[str, np.ndarray] = {}
+        single_offsets = torch.arange(n)
+        for name, (keys, numbers) in zip(self.fields.singles, raw.singles, strict=True):
+            space = self.id_spaces[name]
+            space.learn(keys)
+            mapped = space.map(numbers, ts, prior=name in self._counted)
+            sparse[name] = SparseBatch(torch.from_numpy(mapped.rows), single_offsets)
+            prior[name] = mapped.prior
+        for name, (keys, numbers, splits) in zip(self.fields.bags, raw.bags, strict=True):
+            space = self.id_spaces[name]
+            space.learn(keys)
+            mapped = space.map(numbers, np.repeat(ts, np.diff(splits)), prior=False)
+            sparse[name] = SparseBatch(
+                torch.from_numpy(mapped.rows), torch.from_numpy(splits[:-1].copy())
+            )
+        dense = self.spec.dense(ts, prior)
+        return Batch(
+            dense=torch.from_numpy(dense),
+            sparse=sparse,
+            labels=torch.from_numpy(raw.labels),
+            offset=offset,
+        )
+
+
+def live_model_extra(spec: LiveSpec) -> dict[str, Any]:
+    """The `model_config.extra` of a model trained from events: what servers read."""
+    return {"source": KafkaEventStream.source, "live": spec.to_json()}

@@ -1,0 +1,345 @@
+"""Consume and parse a Kafka event topic in a child process; hand columnar batches over.
+
+Why a process: parsing one JSON event and checking it costs a few microseconds of Python,
+about what a training step spends per sample, so on the training thread it would halve the
+throughput. In a child process it runs beside training on the other core; the training thread
+only maps each batch's distinct ids (trainer/id_space.py). Why librdkafka (confluent-kafka)
+rather than kafka-python, which the announcement bus uses: measured here, kafka-python decodes
+~25k records/s per core (~60k without CRC checks), below the ~76k samples/s the trainer
+trains; librdkafka consumes ~350k/s, leaving the core to the parsing.
+
+The child is `python -m trainer.streams.kafka_reader FD` on a socket pair, as the publisher
+process is (publisher/write/process_publisher.py)::
+
+    parent -> child   ReaderConfig                  (first message)
+    child -> parent   ("ready", starts, ends) | ("error", exception)
+    child -> parent   ("batch", RawEvents) ...      (blocks while the socket is full:
+                                                     the child reads ahead a few batches)
+
+The parent ends it by closing its end and killing it.
+
+Partitions are assigned (every partition of the topic, or the given ones), never subscribed:
+no consumer group joins, nothing is committed, and the offsets the parent keeps in each
+manifest are the only position (docs/FORMAT.md section 8.3). librdkafka requires a `group.id`
+even so; it names the trainer and is never used. A partition the config gives no start offset
+for starts at its beginning; `ready` reports every partition's start and end offsets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+from urllib.parse import parse_qsl
+
+from publisher.bus.base import BusError, parse_kafka_url
+from schemas.errors import BadDataError, UnavailableError
+from schemas.events import EventFields
+from trainer.streams.event_columns import RawEvents, RawEventsBuilder
+
+log = logging.getLogger(__name__)
+
+#: how long start-up (imports, metadata) may take before the parent gives up.
+START_TIMEOUT_S = 60.0
+#: how long the broker may take to answer a metadata or offsets request.
+METADATA_TIMEOUT_S = 10.0
+
+
+class EventStreamError(BadDataError):
+    """The event source cannot be read as configured (no such topic or partition, offsets
+    the topic no longer holds); the message says what to change."""
+
+
+class EventStreamUnavailableError(UnavailableError):
+    """The broker could not be reached, or the reader process died."""
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """What `--data kafka://HOST:PORT/TOPIC[?partitions=0,1]` names."""
+
+    bootstrap: tuple[str, ...]
+    topic: str
+    #: the partitions to read; None: every partition of the topic.
+    partitions: tuple[int, ...] | None = None
+
+    @property
+    def servers(self) -> str:
+        return ",".join(self.bootstrap)
+
+    @classmethod
+    def parse(cls, url: str) -> EventSource:
+        """Parse the URL (an empty host list takes CHECKNRUN_KAFKA_BOOTSTRAP, as --bus does);
+        EventStreamError names what is wrong."""
+        base, _, query = url.partition("?")
+        try:
+            address = parse_kafka_url(base)
+        except BusError as exc:
+            raise EventStreamError(str(exc)) from exc
+        options = dict(parse_qsl(query, keep_blank_values=True))
+        unknown = set(options) - {"partitions"}
+        if unknown:
+            raise EventStreamError(f"{url!r}: unknown options {sorted(unknown)} (partitions=0,1)")
+        partitions = None
+        if "partitions" in options:
+            try:
+                partitions = tuple(sorted({int(p) for p in options["partitions"].split(",")}))
+            except ValueError as exc:
+                raise EventStreamError(
+                    f"{url!r}: partitions must be a list of partition numbers like 0,1"
+                ) from exc
+            if not partitions or partitions[0] < 0:
+                raise EventStreamError(f"{url!r}: partitions must be numbers >= 0")
+        return cls(address.bootstrap, address.topic, partitions)
+
+
+@dataclass(frozen=True)
+class ReaderConfig:
+    """What the reader process needs."""
+
+    source: EventSource
+    fields: EventFields
+    batch_size: int
+    #: partition -> offset of the next record to read (a resume); others start at the beginning.
+    starts: dict[int, int] = field(default_factory=dict)
+    #: a batch with fewer events is handed over once its first record is this old.
+    linger_s: float = 0.05
+    client_id: str = "checknrun-trainer"
+
+
+class KafkaReader:
+    """The parent's handle on the reader process."""
+
+    def __init__(self, config: ReaderConfig) -> None:
+        self.config = config
+        parent_sock, child_sock = socket.socketpair()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "trainer.streams.kafka_reader", str(child_sock.fileno())],
+            pass_fds=(child_sock.fileno(),),
+        )
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        try:
+            self._conn.send(config)
+            if not self._conn.poll(START_TIMEOUT_S):
+                raise EventStreamUnavailableError(
+                    f"the Kafka reader did not start within {START_TIMEOUT_S:.0f} s"
+                )
+            reply = self._recv()
+            if reply[0] == "error":
+                raise reply[1]
+        except BaseException:
+            self.close()
+            raise
+        #: partition -> first offset read, and the partition's end when reading started.
+        self.starts: dict[int, int] = reply[1]
+        self.ends_at_start: dict[int, int] = reply[2]
+
+    def next(self, timeout_s: float) -> RawEvents | None:
+        """The next batch, or None if none arrived within `timeout_s`."""
+        if not self._conn.poll(timeout_s):
+            return None
+        reply = self._recv()
+        if reply[0] == "error":
+            raise reply[1]
+        batch: RawEvents = reply[1]
+        return batch
+
+    def close(self) -> None:
+        """Stop the reader process."""
+        self._conn.close()
+        # Nothing in the child needs an orderly end (no group to leave, nothing committed),
+        # and closing its consumer takes ~0.7 s here: it is killed.
+        self._process.kill()
+        self._process.wait(timeout=10)
+
+    def _recv(self) -> tuple[Any, ...]:
+        try:
+            reply: tuple[Any, ...] = self._conn.recv()
+        except (EOFError, ConnectionError, OSError) as exc:
+            raise EventStreamUnavailableError(
+                f"the Kafka reader process died (exit code {self._process.poll()})"
+            ) from exc
+        return reply
+
+
+# --- the child -------------------------------------------------------------------------------
+
+
+def _open_consumer(config: ReaderConfig) -> tuple[Any, dict[int, int], dict[int, int]]:
+    """A consumer assigned to the partitions to read at their start offsets; with the start
+    and end offset of each."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    source = config.source
+    consumer = Consumer(
+        {
+            "bootstrap.servers": source.servers,
+            "group.id": config.client_id,  # required by librdkafka; never joined (assign)
+            "client.id": config.client_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "error",  # a position the topic no longer holds is an error
+            "enable.partition.eof": False,
+            "fetch.max.bytes": 64 << 20,
+            "max.partition.fetch.bytes": 8 << 20,
+            "queued.min.messages": 200_000,
+            "allow.auto.create.topics": False,
+            "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
+        }
+    )
+    try:
+        try:
+            metadata = consumer.list_topics(source.topic, timeout=METADATA_TIMEOUT_S)
+        except KafkaException as exc:
+            raise EventStreamUnavailableError(
+                f"cannot reach Kafka at {source.servers}: {exc}"
+            ) from exc
+        topic = metadata.topics.get(source.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            raise EventStreamError(
+                f"topic {source.topic!r} does not exist on {source.servers}"
+                + (f" ({topic.error})" if topic is not None and topic.error is not None else "")
+            )
+        existing = sorted(topic.partitions)
+        wanted = list(source.partitions) if source.partitions is not None else existing
+        missing = sorted(set(wanted) - set(existing))
+        if missing:
+            raise EventStreamError(
+                f"topic {source.topic!r} has partitions {existing}, not {missing}"
+            )
+        starts: dict[int, int] = {}
+        ends: dict[int, int] = {}
+        for p in wanted:
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(source.topic, p), timeout=METADATA_TIMEOUT_S
+            )
+            start = config.starts.get(p, low)
+            if not low <= start <= high:
+                raise EventStreamError(
+                    f"partition {p} of {source.topic!r} holds offsets {low}..{high}, but reading "
+                    f"is to continue at {start}: "
+                    + (
+                        "the records before it were deleted (retention), so they cannot be "
+                        "trained exactly once"
+                        if start < low
+                        else "the topic was recreated or truncated since that checkpoint"
+                    )
+                )
+            starts[p], ends[p] = start, high
+        consumer.assign([TopicPartition(source.topic, p, starts[p]) for p in wanted])
+    except BaseException:
+        consumer.close()
+        raise
+    return consumer, starts, ends
+
+
+def _serve(conn: Connection) -> None:
+    """The child's loop: parse what the consumer returns into batches and send them."""
+    # The parent decides when to stop (it checkpoints first): Ctrl-C reaches the whole
+    # process group, so the child ignores it and waits for the parent to end it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    config: ReaderConfig = conn.recv()
+    try:
+        consumer, starts, ends = _open_consumer(config)
+    except BaseException as exc:  # handed to the parent
+        conn.send(("error", _picklable(exc)))
+        return
+    try:
+        conn.send(("ready", starts, ends))
+        _pump(conn, consumer, config, parent)
+    except (BrokenPipeError, ConnectionError, EOFError):
+        pass  # the parent is gone
+    except BaseException as exc:  # handed to the parent
+        with contextlib.suppress(BrokenPipeError, ConnectionError, OSError):
+            conn.send(("error", _picklable(exc)))
+    finally:
+        consumer.close()
+
+
+def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) -> None:
+    from confluent_kafka import KafkaError, TopicPartition
+
+    builder = RawEventsBuilder(config.fields)
+    topic = config.source.topic
+    partitions = [tp.partition for tp in consumer.assignment()]
+    size = config.batch_size
+    first_at = 0.0
+    failing = False
+
+    def send() -> None:
+        highwater = {}
+        for p in partitions:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
+            if high >= 0:
+                highwater[p] = high
+        conn.send(("batch", builder.take(highwater)))
+
+    while True:
+        if conn.poll():  # nothing is sent after the config: the parent closed its end
+            return
+        if os.getppid() != parent:  # the trainer died (SIGKILL): nothing will read this
+            return
+        wait = config.linger_s if builder.records else 0.2
+        want = size - builder.n
+        messages = consumer.consume(num_messages=want, timeout=wait)
+        if messages and not builder.records:
+            first_at = time.monotonic()
+        add = builder.add
+        for message in messages:
+            error = message.error()
+            if error is None:
+                add(message.value(), message.partition(), message.offset())
+                failing = False
+                continue
+            if error.fatal():
+                raise EventStreamUnavailableError(f"Kafka consumer failed: {error}")
+            if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                raise EventStreamError(f"reading {topic!r}: {error}")
+            log.log(logging.DEBUG if failing else logging.WARNING, "Kafka: %s", error)
+            failing = True
+        # At most `want` records came, so the batch is full only now. Fewer than asked for:
+        # the topic is drained for now, so a live stream trains what it has rather than
+        # waiting for a full batch.
+        if builder.n >= size or (
+            builder.records
+            and (len(messages) < want or time.monotonic() - first_at >= config.linger_s)
+        ):
+            send()
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """The exception itself when it survives pickling, else a stand-in of its branch."""
+    import pickle
+
+    try:
+        again = pickle.loads(pickle.dumps(exc))
+        if type(again) is type(exc) and str(again) == str(exc):
+            return exc
+    except Exception:  # any failure means: send a stand-in instead
+        pass
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, BadDataError):
+        return EventStreamError(text)
+    if isinstance(exc, UnavailableError):
+        return EventStreamUnavailableError(text)
+    return RuntimeError(text)
+
+
+if __name__ == "__main__":
+    # Run the module's own copy (not __main__'s), so that the exceptions sent to the parent
+    # pickle as trainer.streams.kafka_reader.* and unpickle there.
+    from trainer.streams import kafka_reader
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    kafka_reader._serve(Connection(int(sys.argv[1])))
