@@ -99,7 +99,7 @@ def _id_spaces(url: str, samples: int, scratch: Path, sizes: tuple[int, int]) ->
     for name, extra in arms:
         tag = uuid.uuid4().hex[:8]
         store = _store(f"ids-{name}-{tag}", scratch)
-        log(f"live: id space {name} on {samples:,} events")
+        log(f"idspace: id space {name} on {samples:,} events")
         doc = _train_live(url, samples, store, f"ids-{name}", extra)
         metrics = doc.get("metrics", {})
         summary = doc.get("summary", {})
@@ -117,7 +117,7 @@ def _id_spaces(url: str, samples: int, scratch: Path, sizes: tuple[int, int]) ->
         }
         if isinstance(doc.get("table_rows"), dict):
             out[name]["table_bytes_fp32"] = _table_bytes(doc["table_rows"])
-    log(f"live: file replay (up-front vocabulary) on {samples:,} samples")
+    log(f"idspace: file replay (up-front vocabulary) on {samples:,} samples")
     tag = uuid.uuid4().hex[:8]
     doc = _train_file(samples, _store(f"ids-file-{tag}", scratch), "ids-file")
     out["file-up-front"] = {
@@ -140,9 +140,9 @@ def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
     topic = f"checknrun-bench-live-fresh-{tag}"
     bus = f"kafka://{bootstrap}/checknrun-bench-live-bus-{tag}"
     store = _store(f"fresh-{tag}", scratch)
-    url = f"kafka://{bootstrap}/{topic}?partitions=3"
+    url = f"kafka://{bootstrap}/{topic}"
     # Warm traffic first, so the model exists before the server starts.
-    _checknrun(["replay", "--data", "movielens", "--to", url, "--max-events", "20000",
+    _checknrun(["replay", "--data", "movielens", "--to", f"{url}?partitions=3", "--max-events", "20000",
                 "--no-progress"], timeout_s=600)  # fmt: skip
     train = [sys.executable, "-m", "publisher.cli", "train", "--data", url, "--store", store]
     train += ["--model", "fresh", "--interval-seconds", "1", "--bus", bus, "--no-progress"]
@@ -174,7 +174,7 @@ def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
                     if time.monotonic() - sent > 60:
                         raise LiveBenchError(f"new id {user} not served within 60 s")
                     time.sleep(0.02)
-                log(f"live: new id {i + 1}/{new_ids} served after {latencies[-1] * 1e3:.0f} ms")
+                log(f"idspace: new id {i + 1}/{new_ids} served after {latencies[-1] * 1e3:.0f} ms")
                 time.sleep(0.3)
     finally:
         producer.close()
@@ -217,12 +217,13 @@ def run(
             "source ~/.cache/checknrun/services/env"
         )
     tag = uuid.uuid4().hex[:8]
-    url = f"kafka://{bootstrap}/checknrun-bench-live-{tag}?partitions=3"
-    with tempfile.TemporaryDirectory(prefix="checknrun-live-") as tmp:
+    # ?partitions=N is how many a topic replay creates gets; train reads every partition.
+    url = f"kafka://{bootstrap}/checknrun-bench-idspace-{tag}"
+    with tempfile.TemporaryDirectory(prefix="checknrun-idspace-") as tmp:
         scratch = Path(tmp)
-        log(f"live: replaying {samples:,} MovieLens ratings into {url}")
+        log(f"idspace: replaying {samples:,} MovieLens ratings into {url}")
         replay = _checknrun(
-            ["replay", "--data", "movielens", "--to", url, "--max-events", str(samples),
+            ["replay", "--data", "movielens", "--to", f"{url}?partitions=3", "--max-events", str(samples),
              "--no-progress"], timeout_s=1800)  # fmt: skip
         sizes = (2_000, 20_000)
         id_spaces = _id_spaces(url, samples, scratch, sizes)
