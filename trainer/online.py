@@ -196,22 +196,38 @@ def train_online(
         return {**metrics.take_window(), **stream.metrics()}
 
     checkpointed_reader = None
+    untrained = True  # nothing trained since the last checkpoint
 
-    for batch in stream.batches(batch_size, start=start, stop=stop):
-        train_step(model, optimizers, batch, metrics)
-        position = batch.end
-        steps += 1
-        samples += batch.size
-        if checkpointer is not None:
-            checkpointer.step(batch.size)
-            reader = stream.reader_state(position)
-            if checkpointer.maybe_checkpoint(reader, checkpoint_metrics) is not None:
-                checkpointed_reader = reader
-        if on_batch is not None:
-            on_batch(batch, metrics)
-        if stop_event is not None and stop_event.is_set():
-            stopped = True
-            break
+    def on_idle() -> None:
+        # The stream is quiet: publish what was trained once the interval has passed, or a
+        # new id would wait for the next event to be served.
+        nonlocal checkpointed_reader, untrained
+        if checkpointer is None or untrained:
+            return
+        reader = stream.reader_state(position)
+        if checkpointer.maybe_checkpoint(reader, checkpoint_metrics) is not None:
+            checkpointed_reader, untrained = reader, True
+
+    stream.on_idle = on_idle
+    try:
+        for batch in stream.batches(batch_size, start=start, stop=stop):
+            train_step(model, optimizers, batch, metrics)
+            position = batch.end
+            steps += 1
+            samples += batch.size
+            if checkpointer is not None:
+                checkpointer.step(batch.size)
+                reader = stream.reader_state(position)
+                untrained = False
+                if checkpointer.maybe_checkpoint(reader, checkpoint_metrics) is not None:
+                    checkpointed_reader, untrained = reader, True
+            if on_batch is not None:
+                on_batch(batch, metrics)
+            if stop_event is not None and stop_event.is_set():
+                stopped = True
+                break
+    finally:
+        stream.on_idle = None
     if checkpointer is not None and final_checkpoint and samples:
         last = checkpointer.records[-1] if len(checkpointer.records) > first_record else None
         reader = stream.reader_state(position)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +88,10 @@ class InteractionStream(ABC):
 
     #: short name stored in the reader position ("movielens", "synthetic", "file").
     source: str
+    #: called (on the consuming thread, between batches) while a live stream waits for events,
+    #: so the training loop can publish what it trained when the interval passes with the
+    #: stream quiet; a file stream never waits.
+    on_idle: Callable[[], None] | None = None
 
     @property
     @abstractmethod

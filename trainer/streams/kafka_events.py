@@ -246,6 +246,8 @@ class KafkaEventStream(InteractionStream):
                     return
                 raw = reader.next(POLL_S)
                 if raw is None:
+                    if self.on_idle is not None:
+                        self.on_idle()
                     continue
                 if stop is not None and offset + raw.n > stop:
                     raw = raw.head(stop - offset)
