@@ -39,6 +39,9 @@ from kafka import KafkaProducer
 
 from bench.child_server import REPO, ChildServer
 from bench.machine import describe_machine, log
+from publisher.read.catalog import Catalog
+from publisher.store import open_store
+from schemas.manifest import Manifest
 
 MOVIELENS_EVENTS = 1_000_209
 DIM = 16
@@ -87,36 +90,53 @@ def _rate(doc: dict[str, Any]) -> float:
     return float(doc["samples_per_s"])
 
 
-def _table_bytes(rows: dict[str, int]) -> int:
-    return sum(rows.values()) * DIM * 4
+#: tables a little over MovieLens-1M's ids (6,040 users, 3,706 items, 3,439 zip codes), and a
+#: quarter of that for the small hashed arm.
+FULL_CAPACITY = "256,user=6100,item=3800,zip_code=3500"
+QUARTER_CAPACITY = "64,user=1525,item=950,zip_code=875"
 
 
-def _id_spaces(url: str, samples: int, scratch: Path, sizes: tuple[int, int]) -> dict[str, Any]:
-    arms: list[tuple[str, list[str]]] = [("dynamic", ["--id-space", "dynamic"])]
-    for size in sizes:
-        arms.append((f"hash-{size}", ["--id-space", "hash", "--id-capacity", str(size)]))
+def _head_manifest(store: str, model: str) -> Manifest:
+    with open_store(store) as opened:
+        latest = Catalog(opened, model).latest()
+    if latest is None:
+        raise LiveBenchError(f"{model} published no version")
+    return latest.manifest
+
+
+def _id_spaces(url: str, samples: int, scratch: Path) -> dict[str, Any]:
+    arms: list[tuple[str, list[str]]] = [
+        ("dynamic", ["--id-space", "dynamic", "--id-capacity", FULL_CAPACITY]),
+        ("hash", ["--id-space", "hash", "--id-capacity", FULL_CAPACITY]),
+        ("hash-quarter", ["--id-space", "hash", "--id-capacity", QUARTER_CAPACITY]),
+    ]
     out: dict[str, Any] = {}
     for name, extra in arms:
         tag = uuid.uuid4().hex[:8]
         store = _store(f"ids-{name}-{tag}", scratch)
-        log(f"idspace: id space {name} on {samples:,} events")
+        log(f"idspace: {name} ({extra[-1]} rows) on {samples:,} events")
         doc = _train_live(url, samples, store, f"ids-{name}", extra)
-        metrics = doc.get("metrics", {})
-        summary = doc.get("summary", {})
+        manifest = _head_manifest(store, f"ids-{name}")
+        metrics, summary = doc.get("metrics", {}), doc.get("summary", {})
+        rows = {t.name: t.rows for t in manifest.tables}
+        held = {k: v for k, v in manifest.metrics.items() if k.startswith("ids_held_")}
         out[name] = {
             "auc": metrics.get("auc_cumulative"),
             "logloss": metrics.get("logloss_cumulative"),
             "samples_per_s": round(_rate(doc)),
-            "hash_collision_events": metrics.get("hash_collision_events"),
-            "live": {k: v for k, v in metrics.items() if not k.endswith("_cumulative")},
+            "table_rows": sum(rows.values()),
+            "table_mib_fp32": round(sum(rows.values()) * DIM * 4 / 2**20, 2),
+            "ids_held": {k.removeprefix("ids_held_"): int(v) for k, v in held.items()},
+            "hash_collided_rows": manifest.metrics.get("hash_collided_rows"),
+            "hash_collision_events": manifest.metrics.get("hash_collision_events"),
             "bytes_written": summary.get("bytes_written"),
             "full_fp32_bytes": summary.get("full_fp32_bytes"),
             "write_ratio": summary.get("ratio"),
             "versions": summary.get("versions"),
-            "table_rows": doc.get("table_rows"),
+            "id_map_bytes_last_version": sum(
+                t.id_map.size for t in manifest.tables if t.id_map is not None
+            ),
         }
-        if isinstance(doc.get("table_rows"), dict):
-            out[name]["table_bytes_fp32"] = _table_bytes(doc["table_rows"])
     log(f"idspace: file replay (up-front vocabulary) on {samples:,} samples")
     tag = uuid.uuid4().hex[:8]
     doc = _train_file(samples, _store(f"ids-file-{tag}", scratch), "ids-file")
@@ -142,8 +162,8 @@ def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
     store = _store(f"fresh-{tag}", scratch)
     url = f"kafka://{bootstrap}/{topic}"
     # Warm traffic first, so the model exists before the server starts.
-    _checknrun(["replay", "--data", "movielens", "--to", f"{url}?partitions=3", "--max-events", "20000",
-                "--no-progress"], timeout_s=600)  # fmt: skip
+    replay = ["replay", "--data", "movielens", "--to", f"{url}?partitions=3"]
+    _checknrun([*replay, "--max-events", "20000", "--no-progress"], timeout_s=600)
     train = [sys.executable, "-m", "publisher.cli", "train", "--data", url, "--store", store]
     train += ["--model", "fresh", "--interval-seconds", "1", "--bus", bus, "--no-progress"]
     train += ["--batch-size", "64"]
@@ -195,9 +215,6 @@ def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
 
 
 def _has_version(store: str, model: str) -> bool:
-    from publisher.read.catalog import Catalog  # bench may import the product packages
-    from publisher.store import open_store
-
     with open_store(store) as opened:
         return Catalog(opened, model).head() is not None
 
@@ -222,11 +239,10 @@ def run(
     with tempfile.TemporaryDirectory(prefix="checknrun-idspace-") as tmp:
         scratch = Path(tmp)
         log(f"idspace: replaying {samples:,} MovieLens ratings into {url}")
-        replay = _checknrun(
-            ["replay", "--data", "movielens", "--to", f"{url}?partitions=3", "--max-events", str(samples),
-             "--no-progress"], timeout_s=1800)  # fmt: skip
-        sizes = (2_000, 20_000)
-        id_spaces = _id_spaces(url, samples, scratch, sizes)
+        argv = ["replay", "--data", "movielens", "--to", f"{url}?partitions=3"]
+        argv += ["--max-events", str(samples), "--no-progress"]
+        replay = _checknrun(argv, timeout_s=1800)
+        id_spaces = _id_spaces(url, samples, scratch)
         freshness = _freshness(bootstrap, new_ids, scratch)
     return {
         "part": "idspace",
@@ -236,7 +252,7 @@ def run(
         "store": "minio" if os.environ.get("CHECKNRUN_S3_ENDPOINT") else "file",
         "replay": replay,
         "id_spaces": id_spaces,
-        "hash_sizes": list(sizes),
+        "capacities": {"full": FULL_CAPACITY, "quarter": QUARTER_CAPACITY},
         "new_id_freshness": freshness,
     }
 
