@@ -35,6 +35,7 @@ import torch
 
 from bench.machine import describe_machine
 from publisher import rowwise_kernels
+from publisher.cli import positive_int
 from publisher.codecs import CHUNK_ELEMENTS, decode_rows, encode_rows, max_abs_error_bound
 from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes, scale_bias_bytes
 
@@ -265,23 +266,16 @@ def _optional(value: float | None, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The row set, the threads and the codecs."""
     parser.add_argument(
         "--rows",
-        type=_positive_int,
+        type=positive_int,
         help=f"rows (default {ROWS[0]:,}; --quick {ROWS[1]:,}); adaptive codecs are timed on a "
         "quarter",
     )
-    parser.add_argument("--dim", type=_positive_int, default=64, help="elements per row")
-    parser.add_argument("--threads", type=_positive_int, default=1, help="torch threads")
+    parser.add_argument("--dim", type=positive_int, default=64, help="elements per row")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     parser.add_argument(
         "--codec", dest="codecs", action="append", choices=CODECS, help="only this codec"
     )

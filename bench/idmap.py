@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from bench.machine import describe_machine, log
+from publisher.cli import positive_int
 from publisher.id_map import IdCapture, IdMap
 from publisher.read.id_map_rows import NewestIdEntries
 from publisher.write.policies import make_policy
@@ -54,20 +55,13 @@ SIZES: dict[str, tuple[int, int]] = {
 FULL_REPEATS = (5, 2)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The table, the interval's dirty rows, the codec and the repeats."""
     for name, (default, quick) in SIZES.items():
         parser.add_argument(
-            f"--{name}", type=_positive_int, help=f"default {default:,}; --quick {quick:,}"
+            f"--{name}", type=positive_int, help=f"default {default:,}; --quick {quick:,}"
         )
-    parser.add_argument("--dim", type=_positive_int, default=64, help="elements per row")
+    parser.add_argument("--dim", type=positive_int, default=64, help="elements per row")
     parser.add_argument("--codec", choices=CODECS, default="int4", help="the table blob's codec")
 
 

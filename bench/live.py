@@ -35,30 +35,23 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine, log
-from publisher.cli import CommandError
+from publisher.cli import CommandError, positive_int
 
 MOVIELENS_SAMPLES = 1_000_209
 ID_CAPACITY = "64,user=6100,item=3800,zip_code=3500,release_year=128"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Samples, rounds and the topic's partitions."""
     parser.add_argument(
         "--samples",
-        type=_positive_int,
+        type=positive_int,
         help=f"MovieLens ratings to replay and train on (default {MOVIELENS_SAMPLES:,}: all; "
         "--quick 50,000)",
     )
-    parser.add_argument("--rounds", type=_positive_int, help="default 3; --quick 1")
-    parser.add_argument("--partitions", type=_positive_int, default=1, help="of the topic")
+    parser.add_argument("--rounds", type=positive_int, help="default 3; --quick 1")
+    parser.add_argument("--partitions", type=positive_int, default=1, help="of the topic")
     parser.add_argument(
         "--publish-in",
         choices=("thread", "process"),
