@@ -366,6 +366,41 @@ class LoadResult:
     versions: set[int] = field(default_factory=set)
 
 
+def _load_while_publishing(
+    url: str,
+    body: bytes,
+    args: argparse.Namespace,
+    run: SyntheticRun,
+    table: str,
+    delta_rows: int,
+) -> tuple[LoadResult, list[int]]:
+    """Predict load on `url` (`generate_load`) while a thread touches `delta_rows` rows of
+    `table` and publishes a version every `args.interval` s; the load's figures and the
+    versions published."""
+    stop = threading.Event()
+    published: list[int] = []
+
+    def publish_loop() -> None:
+        while not stop.wait(args.interval):
+            run.touch_rows(table, delta_rows)
+            published.append(run.publish().ref.version)
+
+    publisher = threading.Thread(target=publish_loop)
+    publisher.start()
+    try:
+        busy = generate_load(
+            url,
+            body,
+            concurrency=args.concurrency,
+            duration=args.duration,
+            max_requests=args.max_requests,
+        )
+    finally:
+        stop.set()
+        publisher.join()
+    return busy, published
+
+
 def generate_load(
     url: str, body: bytes, *, concurrency: int, duration: float, max_requests: int
 ) -> LoadResult:
@@ -438,25 +473,9 @@ def cmd_http(args: argparse.Namespace) -> dict[str, Any]:
             max_requests=args.max_requests,
         )
         v_before = server.info()["version"]
-        stop = threading.Event()
-        published: list[int] = []
-
-        def publish_loop() -> None:
-            while not stop.wait(args.interval):
-                run.touch_rows("embeddings.item", args.delta_rows)
-                published.append(run.publish().ref.version)
-
-        publisher = threading.Thread(target=publish_loop)
-        publisher.start()
-        busy = generate_load(
-            server.url,
-            body,
-            concurrency=args.concurrency,
-            duration=args.duration,
-            max_requests=args.max_requests,
+        busy, published = _load_while_publishing(
+            server.url, body, args, run, "embeddings.item", args.delta_rows
         )
-        stop.set()
-        publisher.join()
         info = server.info()
         rss = rss_bytes(server.proc.pid)
         run.close()
@@ -583,24 +602,7 @@ def _quantized_arm(
         # Taken after the idle phase: a bootstrap serves before its second copy is cloned.
         served_rss = rss_bytes(server.proc.pid)["VmRSS"]
         v_before = server.info()["version"]
-        stop = threading.Event()
-
-        def publish_loop() -> None:
-            while not stop.wait(args.interval):
-                run.touch_rows(big, delta_rows)
-                run.publish()
-
-        publisher = threading.Thread(target=publish_loop)
-        publisher.start()
-        busy = generate_load(
-            server.url,
-            body,
-            concurrency=args.concurrency,
-            duration=args.duration,
-            max_requests=args.max_requests,
-        )
-        stop.set()
-        publisher.join()
+        busy, _ = _load_while_publishing(server.url, body, args, run, big, delta_rows)
         info = server.info()
         rss = rss_bytes(server.proc.pid)
     finally:
