@@ -2,8 +2,9 @@
 
 The override restates commands (a Compose override replaces a command whole) with loopback
 addresses; these checks keep the restated commands equal to compose.yaml's but for their
-addresses, and make a service added to compose.yaml (the live pipeline's producer, say) fail
-here until CI runs it on the host network from a local image too. No Docker needed.
+addresses (the live pipeline's producer and trainer included), and make a service added to
+compose.yaml fail here until CI runs it on the host network from a local image too. No Docker
+needed.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_every_service_runs_on_the_host_network_from_a_local_image() -> None:
 
 def test_restated_commands_differ_only_in_their_addresses() -> None:
     restated = [name for name in CI if "command" in CI[name] and "command" in BASE[name]]
-    assert {"minio-init", "trainer", "server-1", "server-2"} <= set(restated)
+    assert {"minio-init", "producer", "trainer", "server-1", "server-2"} <= set(restated)
     for name in restated:
         if name == "minio":
             continue  # its command is nothing but addresses

@@ -2,12 +2,16 @@
 
 scripts/compose_stack.sh starts a private Docker engine and builds the images (the first run
 on a new machine builds them all, see its header); compose.ci.yaml swaps in local images and
-host networking on loopback ports. Then, against the running stack:
+host networking on loopback ports. Then, against the running stack, the live pipeline (the
+producer replays MovieLens as raw-id events, the trainer learns from them, the servers follow):
 
-* the trainer publishes at least three versions and exits cleanly;
+* the trainer publishes at least three versions while the producer still sends events, and
+  exits cleanly when stopped (SIGTERM: a last version, exit 0);
 * a server replica killed while the trainer publishes, and started again once HEAD moved on,
   catches up to HEAD;
-* both replicas answer GET /v1/model with HEAD's version and POST /v1/predict with 200;
+* both replicas answer GET /v1/model with HEAD's version and POST /v1/predict with raw ids
+  with 200 and HEAD's version, the user of the first replayed event known (`unknown_ids` 0)
+  and a user never sent unknown;
 * `down -v` leaves no container, volume or network behind, and the engine is stopped again
   if this test started it.
 """
@@ -15,6 +19,7 @@ host networking on loopback ports. Then, against the running stack:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -41,6 +46,7 @@ MODEL = "movielens"
 PREPARE_TIMEOUT_S = 60 * 60
 STACK_TIMEOUT_S = 10 * 60
 SERVERS = ("server-1", "server-2")
+EVENTS_TOPIC = "checknrun.events"
 
 if os.geteuid() != 0:
     pytest.skip("the private Docker engine runs as root", allow_module_level=True)
@@ -55,6 +61,7 @@ class Stack:
             "server-1": int(env["CHECKNRUN_CI_SERVER_1_PORT"]),
             "server-2": int(env["CHECKNRUN_CI_SERVER_2_PORT"]),
         }
+        self.kafka = f"127.0.0.1:{env['CHECKNRUN_CI_KAFKA_PORT']}"
 
     def compose(self, *args: str, timeout_s: float = 300) -> str:
         done = subprocess.run(
@@ -107,6 +114,26 @@ class Stack:
             return None
         version: int | None = r.json()["version"] if r.status_code == 200 else None
         return version
+
+    def first_event(self) -> dict[str, Any]:
+        """The first event the producer sent to partition 0: its users' earliest."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.kafka,
+                "group.id": "checknrun-compose-test",
+                "enable.auto.commit": False,
+            }
+        )
+        try:
+            consumer.assign([TopicPartition(EVENTS_TOPIC, 0, 0)])
+            message = consumer.poll(30)
+        finally:
+            consumer.close()
+        assert message is not None and message.error() is None, message and message.error()
+        event: dict[str, Any] = json.loads(message.value())
+        return event
 
     def describe(self) -> str:
         return self.compose("ps", "--all") + self.compose("logs", "--tail", "40", timeout_s=60)
@@ -162,16 +189,18 @@ def wait_stack(stack: Stack, probe: Any, what: str, timeout_s: float = STACK_TIM
     return wait_for(probe, timeout_s, lambda: f"{what}\n{stack.describe()}", poll_s=1.0)
 
 
-def example(features: list[dict[str, Any]]) -> dict[str, Any]:
-    """One valid example for the served model: id 0 in every table, 0.0 for every dense input."""
-    values = {"dense": 0.0, "sparse": 0, "bag": [0]}
-    return {f["name"]: values[f["kind"]] for f in features}
+def raw_example(features: list[dict[str, Any]], event: dict[str, Any]) -> dict[str, Any]:
+    """What a client knows of an event for the served model: its raw ids and its time (the
+    dense features are derived by the server)."""
+    example = {f["name"]: event[f["name"]] for f in features if f["kind"] != "derived"}
+    return {**example, "ts": event["ts"]}
 
 
 @pytest.mark.timeout(PREPARE_TIMEOUT_S + 4 * STACK_TIMEOUT_S)
 def test_stack_publishes_serves_recovers_and_goes_away(stack: Stack) -> None:
     stack.compose("up", "--detach", "--no-build", timeout_s=STACK_TIMEOUT_S)
     assert stack.state("minio-init") == {"status": "exited", "exit": "0", "health": ""}
+    assert stack.state("producer")["health"] == "healthy"  # the topic exists
 
     # Kill one replica while the trainer is still publishing, once it serves something.
     killed_at = wait_stack(stack, lambda: stack.served("server-1"), "server-1 to serve a version")
@@ -188,23 +217,35 @@ def test_stack_publishes_serves_recovers_and_goes_away(stack: Stack) -> None:
     )
     stack.compose("start", "server-1")
 
-    trainer = wait_stack(
-        stack,
-        lambda: (s := stack.state("trainer"))["status"] == "exited" and s,
-        "the trainer to finish",
-    )
-    assert trainer["exit"] == "0", stack.compose("logs", "trainer")
+    # A live trainer runs until stopped; stop it once it has published three versions, with
+    # events still coming.
+    wait_stack(stack, lambda: stack.head() >= 3, "the trainer to publish three versions")
+    assert stack.state("producer")["status"] == "running", "the replay ended: nothing was live"
+    stack.compose("stop", "--timeout", "60", "trainer", timeout_s=120)
+    trainer = stack.state("trainer")
+    assert (trainer["status"], trainer["exit"]) == ("exited", "0"), stack.compose("logs", "trainer")
     head = stack.head()
     assert head >= 3
+
+    event = stack.first_event()
+    never_sent = {**event, "user": "compose-test-no-such-user"}
 
     for server in SERVERS:
         wait_stack(stack, lambda s=server: stack.served(s) == head, f"{server} to serve v{head}")
         with stack.client(server) as http:
             info = http.get("/v1/model").json()
             assert info["version"] == head
-            r = http.post("/v1/predict", json={"examples": [example(info["features"])]})
-            assert r.status_code == 200, r.text
-            assert r.json()["version"] == head
+            assert info["id_space"]["mode"] == "dynamic"
+            # The first event's user has had a row since the first version; one never sent
+            # has none (so the first check is no accident of the response's shape).
+            for sent, unknown in ((event, 0), (never_sent, 1)):
+                example = raw_example(info["features"], sent)
+                r = http.post("/v1/predict", json={"examples": [example]})
+                assert r.status_code == 200, r.text
+                answer = r.json()
+                assert answer["version"] == head
+                assert len(answer["scores"]) == 1
+                assert answer["unknown_ids"]["user"] == unknown, (example, answer)
     wait_stack(
         stack, lambda: stack.state("server-1")["health"] == "healthy", "server-1 to be healthy"
     )
