@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
+from publisher.child_process import parent_connection, receive, start_child
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
@@ -87,15 +86,7 @@ class ProcessPublisher:
     def __init__(self, config: ProcessPublisherConfig) -> None:
         self.config = config
         self.model = config.model
-        # A fresh interpreter running this module (not multiprocessing's spawn, which re-runs
-        # the user's __main__ module; not fork, which would copy torch's thread pools).
-        parent_sock, child_sock = socket.socketpair()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "publisher.write.process_publisher", str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),),
-        )
-        child_sock.close()
-        self._conn = Connection(parent_sock.detach())
+        self._process, self._conn = start_child("publisher.write.process_publisher")
         self._conn.send(config)
         if not self._conn.poll(START_TIMEOUT_S):
             self._process.kill()
@@ -137,13 +128,7 @@ class ProcessPublisher:
         self._conn.close()
 
     def _recv(self) -> tuple[Any, ...]:
-        try:
-            reply: tuple[Any, ...] = self._conn.recv()
-        except (EOFError, ConnectionError, OSError) as exc:
-            raise PublisherProcessError(
-                f"the publisher process died (exit code {self._process.poll()})"
-            ) from exc
-        return reply
+        return receive(self._conn, self._process, PublisherProcessError, "publisher")
 
 
 def _serve(conn: Connection) -> None:
@@ -217,4 +202,4 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1])))
+    _serve(parent_connection())

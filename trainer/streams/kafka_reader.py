@@ -31,8 +31,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from publisher.bus.base import BusError, parse_kafka_url
+from publisher.child_process import parent_connection, receive, start_child
 from schemas.errors import BadDataError, UnavailableError
 from schemas.events import EventFields
 from trainer.streams.event_columns import RawEvents, RawEventsBuilder
@@ -120,13 +119,7 @@ class KafkaReader:
 
     def __init__(self, config: ReaderConfig) -> None:
         self.config = config
-        parent_sock, child_sock = socket.socketpair()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "trainer.streams.kafka_reader", str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),),
-        )
-        child_sock.close()
-        self._conn = Connection(parent_sock.detach())
+        self._process, self._conn = start_child("trainer.streams.kafka_reader")
         try:
             self._conn.send(config)
             if not self._conn.poll(START_TIMEOUT_S):
@@ -162,13 +155,7 @@ class KafkaReader:
         self._process.wait(timeout=10)
 
     def _recv(self) -> tuple[Any, ...]:
-        try:
-            reply: tuple[Any, ...] = self._conn.recv()
-        except (EOFError, ConnectionError, OSError) as exc:
-            raise EventStreamUnavailableError(
-                f"the Kafka reader process died (exit code {self._process.poll()})"
-            ) from exc
-        return reply
+        return receive(self._conn, self._process, EventStreamUnavailableError, "Kafka reader")
 
 
 # --- the child -------------------------------------------------------------------------------
@@ -342,4 +329,4 @@ if __name__ == "__main__":
     from trainer.streams import kafka_reader
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    kafka_reader._serve(Connection(int(sys.argv[1])))
+    kafka_reader._serve(parent_connection())
