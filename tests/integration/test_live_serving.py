@@ -23,21 +23,11 @@ from bench.synthetic_live import SyntheticLiveRun
 from publisher.read.restore import restore
 from publisher.store.s3_store import S3Store
 from server.model_buffer import id_map_digest
+from tests.integration.test_server_fleet import service_env
 
 MODEL = "live"
 TOKEN = "live-serving-admin-token-0123456789"
 TS = 1_700_000_000.0
-
-
-def service_env(services: Any) -> dict[str, str]:
-    return {
-        "CHECKNRUN_S3_ENDPOINT": services.s3_endpoint,
-        "CHECKNRUN_S3_ACCESS_KEY": services.s3_access_key,
-        "CHECKNRUN_S3_SECRET_KEY": services.s3_secret_key,
-        "CHECKNRUN_S3_SECURE": "1" if services.s3_secure else "0",
-        "CHECKNRUN_S3_REGION": services.s3_region or "us-east-1",
-        "CHECKNRUN_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
-    }
 
 
 def events(users: list[str], ts: float) -> list[dict[str, Any]]:

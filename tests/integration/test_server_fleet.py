@@ -25,20 +25,15 @@ from publisher.bus import open_announcer
 from publisher.dlrm import DLRM, DLRMConfig
 from publisher.read.restore import restore
 from publisher.store.s3_store import S3Store
+from tests.integration.test_s3_store import s3_environ
 
 MODEL = "fleet"
 TOKEN = "fleet-admin-token-0123456789"
 
 
 def service_env(services: Any) -> dict[str, str]:
-    return {
-        "CHECKNRUN_S3_ENDPOINT": services.s3_endpoint,
-        "CHECKNRUN_S3_ACCESS_KEY": services.s3_access_key,
-        "CHECKNRUN_S3_SECRET_KEY": services.s3_secret_key,
-        "CHECKNRUN_S3_SECURE": "1" if services.s3_secure else "0",
-        "CHECKNRUN_S3_REGION": services.s3_region or "us-east-1",
-        "CHECKNRUN_KAFKA_BOOTSTRAP": services.kafka_bootstrap,
-    }
+    """The S3 and Kafka variables that point a child process at the test services."""
+    return {**s3_environ(services), "CHECKNRUN_KAFKA_BOOTSTRAP": services.kafka_bootstrap}
 
 
 def digest(server: ChildServer) -> dict[str, Any]:
