@@ -173,7 +173,15 @@ class IdMap:
     def _log_keys(self, rows: Iterable[int]) -> None:
         """Before the keys of `rows` change: keep their current keys in every pending capture's
         log (the first change of a row after a capture is the one it needs)."""
-        logs = tuple(self._capture_logs.values())  # one C call: a resolver may drop one meanwhile
+        while True:
+            try:
+                logs = tuple(self._capture_logs.values())
+                break
+            except RuntimeError:
+                # "dictionary changed size during iteration": a log was dropped mid-copy (by a
+                # resolver on another thread, or a capture's finalizer run by a garbage
+                # collection the copy's allocation started); a dropped log needs nothing.
+                continue
         if not logs:
             return
         rows = [int(row) for row in rows]
