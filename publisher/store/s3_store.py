@@ -71,8 +71,12 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 #: S3 error codes worth retrying: the server is overloaded or restarting, not refusing us.
+#: ClientDisconnected (MinIO, HTTP 499) and IncompleteBody come back when a server restarting
+#: under an in-flight request lost its body: a fresh attempt sends the whole body again.
 _TRANSIENT_CODES = frozenset(
     {
+        "ClientDisconnected",
+        "IncompleteBody",
         "SlowDown",
         "SlowDownRead",
         "SlowDownWrite",
@@ -343,7 +347,7 @@ class S3Store(ObjectStore):
                     f"{what}: access denied to bucket {self.bucket!r} at {self._where()} ({code}): "
                     "check the credentials and the bucket policy"
                 )
-            if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            if code in _TRANSIENT_CODES or status >= 500 or status in (429, 499):
                 return StoreUnavailableError(f"{code or status}: {exc.message}")
             return StoreError(f"{what}: {self._where()} refused: {code} {exc.message}")
         if isinstance(exc, ServerError):
