@@ -307,6 +307,19 @@ def test_values_beyond_fp16_are_rejected_not_turned_into_inf() -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_finite_values_whose_sums_overflow_are_not_non_finite(codec: str) -> None:
+    # The finite checks sum the rows (or their minima and maxima) first; with a few rows at
+    # -3e38 those sums overflow, and only the closer look may decide.
+    x = rows_for_tests(20, 8)
+    x[4:8] = -3e38
+    if codec == "fp32":
+        assert encode_rows(codec, x).codes.view("<f4").tobytes() == x.tobytes()
+        return
+    with pytest.raises(OutOfRangeRowsError, match="row 4"):
+        encode_rows(codec, x)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 def test_empty_input(codec: str) -> None:
     q = encode_rows(codec, np.empty((0, 12), dtype=np.float32))
     assert q.n_rows == 0 and q.codes.shape == (0, row_bytes(codec, 12))

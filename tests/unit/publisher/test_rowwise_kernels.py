@@ -209,6 +209,31 @@ def test_out_of_range_rows_are_rejected_alike(
         encode_rows(codec, x, chunk_rows=8)
 
 
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "own"])
+def test_the_first_bad_chunk_decides_the_error_alike(
+    codec: str, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel path checks the fp16 fields once after all chunks; the own code, chunk by
+    # chunk. Both report the first chunk that holds a bad row, non-finite rows first within it.
+    if not kernels:
+        monkeypatch.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+    x = embedding_like_rows(40, 8)
+    x[3, 0] = -70000.0  # overflows fp16, chunk 0
+    x[27, 1] = np.nan  # chunk 3
+    with pytest.raises(OutOfRangeRowsError, match="row 3"):
+        encode_rows(codec, x, chunk_rows=8)
+    x[3, 0] = 0.0
+    x[12, 0] = np.inf  # chunk 1, before an overflow in chunk 2 and the NaN in chunk 3
+    x[21, 0] = -70000.0
+    with pytest.raises(NonFiniteRowsError, match="row 12"):
+        encode_rows(codec, x, chunk_rows=8)
+    x[12, 0] = 0.0
+    x[17, 2] = np.nan  # same chunk as the overflow in row 21: non-finite first
+    with pytest.raises(NonFiniteRowsError, match="row 17"):
+        encode_rows(codec, x, chunk_rows=8)
+
+
 @needs_kernels
 @pytest.mark.parametrize("codec", KERNEL_CODECS)
 @pytest.mark.parametrize("dim", [64, 7, 13, 1])
