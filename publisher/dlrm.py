@@ -152,21 +152,34 @@ class SparseBatch:
 class DLRM(nn.Module):
     """Bottom MLP, embedding bags, dot interaction, top MLP; returns logits (batch,)."""
 
-    def __init__(self, config: DLRMConfig) -> None:
+    def __init__(self, config: DLRMConfig, *, draw_tables: bool = True) -> None:
+        """`draw_tables=False` allocates the tables without drawing their rows, for a model
+        every row of which is written before use (a server writes a full version first): the
+        pages of a table stay unwritten, so a table that is then replaced (a server holding it
+        quantized) never becomes resident, and the others are written once, not three times."""
         super().__init__()
         config.validate()
         self.config = config
         d = config.embedding_dim
         self.bottom = _mlp([max(len(config.dense), 1), *config.bottom_mlp, d], final_relu=True)
         self.embeddings = nn.ModuleDict(
-            {f.name: nn.EmbeddingBag(f.rows, d, mode="sum", sparse=True) for f in config.sparse}
+            {
+                f.name: nn.EmbeddingBag(f.rows, d, mode="sum", sparse=True)
+                if draw_tables
+                # A weight given at construction is not reset (drawn from N(0, 1)).
+                else nn.EmbeddingBag(
+                    f.rows, d, mode="sum", sparse=True, _weight=torch.empty(f.rows, d)
+                )
+                for f in config.sparse
+            }
         )
         n = len(config.sparse) + 1
         n_pairs = n * (n - 1) // 2
         self.top = _mlp([d + n_pairs, *config.top_mlp, 1], final_relu=False)
         # Which (i, j) cells of the dot-product matrix are distinct pairs.
         self.pair_rows, self.pair_cols = (t.contiguous() for t in torch.triu_indices(n, n, 1))
-        self._init_weights()
+        if draw_tables:
+            self._init_weights()
 
     def _init_weights(self) -> None:
         for emb in self.embeddings.values():

@@ -30,6 +30,7 @@ from server.dependencies import ServerState
 from server.errors import NotBootstrappedError, shown_input
 from server.feature_problems import MAX_REPORTED_ERRORS, FeatureValidationError
 from server.follow_loop import FollowLoop
+from server.heap_policy import return_large_blocks
 from server.live_model import LiveModel
 from server.metrics import ServerMetrics
 from server.middleware import BodySizeLimit, RequestMetrics
@@ -75,6 +76,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         torch.set_num_threads(settings.torch_threads)
+        return_large_blocks()  # before the bootstrap: what a version takes goes back after it
         with ExitStack() as resources:  # closes what was opened, in reverse, even mid-start
             # Read-only: a server never creates the store. A missing directory or bucket fails
             # the start (StoreMissingError); an existing store with no version yet is waited on.

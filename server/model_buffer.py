@@ -282,7 +282,8 @@ class ModelBuffer:
         #: and then its id maps by table name, written with the rows of each version.
         self.live: LiveSpec | None = live_spec_of(config)
         self.id_maps: dict[str, IdMap] = {} if self.live is None else new_id_maps(config, self.live)
-        self.model = model if model is not None else DLRM(config)
+        # Every row is written (by a full version, or `clone`'s copy) before a reader sees it.
+        self.model = model if model is not None else DLRM(config, draw_tables=False)
         self.model.eval()
         self.model.requires_grad_(False)  # in-place writes on leaves need no autograd
         state = self.model.state_dict(keep_vars=True)

@@ -8,7 +8,7 @@ float32 server's within float32 rounding of those sums through the MLP (atol 1e-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ from torch.nn import functional
 
 from bench.synthetic_run import SyntheticRun, random_examples, small_config
 from publisher.codecs import CodecError, QuantizedRows, decode_rows, encode_rows
+from publisher.dlrm import DLRMConfig, SparseFeature
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
 from publisher.read.restore import TableState, restore
@@ -262,3 +263,33 @@ def test_a_buffer_starts_each_table_in_its_full_versions_format(tmp_path: Path) 
     assert set(ModelBuffer.for_manifest(manifest, budget, 2, quantized=False).formats.values()) == {
         "fp32"
     }
+
+
+def _peak_rss_growth(action: Callable[[], object]) -> int:
+    """Bytes the peak resident memory rose above the resident memory while `action` ran."""
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+    def status(field: str) -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if field in x)
+        return int(line.split()[1]) * 1024
+
+    before = status("VmRSS:")
+    kept = action()
+    growth = status("VmHWM:") - before
+    del kept
+    return growth
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_a_buffer_of_quantized_tables_never_writes_their_float32_tables() -> None:
+    # 64 MiB of float32 rows: drawing them (as a trained model's start does) makes every page
+    # resident, only for the int4 table (9 MiB, written by the full version) to replace them.
+    config = DLRMConfig(
+        sparse=(SparseFeature("big", 1 << 18), SparseFeature("small", 10)),
+        dense=("d0",),
+        embedding_dim=64,
+        bottom_mlp=(8,),
+        top_mlp=(8,),
+    )
+    formats: dict[str, HeldFormat] = {"embeddings.big": "int4", "embeddings.small": "int4"}
+    assert _peak_rss_growth(lambda: ModelBuffer(config, formats=formats)) < 16 * 2**20
