@@ -5,34 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pytest
-from pyarrow import csv
 
 from bench.cli import main
-
-
-def _ratings(path: Path, n: int = 3000) -> None:
-    rng = np.random.default_rng(0)
-    users = rng.integers(0, 80, n)
-    items = rng.integers(0, 60, n)
-    # Ratings that depend on the user and the item: there is something to learn.
-    rating = np.clip(np.round(3 + (users % 3) - (items % 3) + rng.normal(0, 1, n)), 1, 5)
-    table = pa.table(
-        {
-            "uid": [f"u{u}" for u in users],
-            "movie": [f"m{i}" for i in items],
-            "stars": rating,
-            "ts": np.arange(n) * 60,
-        }
-    )
-    csv.write_csv(table, path)
+from tests.support import write_ratings
 
 
 def test_the_accuracy_part_measures_a_ratings_file(tmp_path: Path) -> None:
     data, out = tmp_path / "my-ratings.csv", tmp_path / "accuracy.json"
-    _ratings(data)
+    write_ratings(data)
     argv = ["accuracy", "--quick", "--data", str(data), "--interval-samples", "1000"]
     argv += ["--user-col", "uid", "--item-col", "movie", "--rating-col", "stars"]
     argv += ["--time-col", "ts", "--json", str(out)]
@@ -50,6 +31,6 @@ def test_the_accuracy_part_measures_a_ratings_file(tmp_path: Path) -> None:
 
 def test_a_bad_column_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "r.csv"
-    _ratings(data, 100)
+    write_ratings(data, 100)
     assert main(["accuracy", "--quick", "--data", str(data), "--rating-col", "stars"]) == 1
     assert "the user column 'user' is missing" in capsys.readouterr().err

@@ -411,12 +411,14 @@ def _with(argv: list[str], **options: str) -> list[str]:
     return out
 
 
+@pytest.mark.parametrize("publish_in", ["thread", "process"])
 def test_every_version_records_its_served_loss(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], publish_in: str
 ) -> None:
     store = f"file://{tmp_path}"
     # auto, with a budget no codec exceeds: the bit rule's codec for 12 restores, throughout.
     argv = _with(SYNTHETIC, codec="auto", served_loss_budget="1", expected_restores="12")
+    argv += ["--publish-in", publish_in]  # the samples cross to the publisher process
     status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "6144", "--json")
     assert status == 0
     doc = json.loads(out)
