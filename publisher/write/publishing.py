@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal, Protocol
@@ -33,7 +33,7 @@ from schemas.announcement import Announcement
 from schemas.delta_blob import DeltaBlob, encode_delta_blob
 from schemas.errors import UnavailableError
 from schemas.id_map_blob import encode_id_entries
-from schemas.manifest import Manifest, ServedLoss, ratio_to_full_fp32
+from schemas.manifest import Manifest, ratio_to_full_fp32
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -164,11 +164,23 @@ class CheckpointPublisher:
         rows = snapshot.tables
         if self.codec_rule is not None:
             rows = tuple(replace(t, codec=self.codec_rule.codec) for t in rows)
-        quantized = [encode_rows(t.codec, t.values) for t in rows]
-        tables = [encode_table(t, self.tunables, q) for t, q in zip(rows, quantized, strict=True)]
-        measuring = time.perf_counter()
-        served_loss = self._measure(snapshot, rows, quantized)
-        measured = time.perf_counter()
+        meter = self._meter_for(snapshot)
+        tables = []
+        measure_s = 0.0
+        for t in rows:
+            q = encode_rows(t.codec, t.values)
+            tables.append(encode_table(t, self.tunables, q))
+            if meter is not None:  # table by table: one table's decoded rows at a time
+                measuring = time.perf_counter()
+                meter.apply_table(t.name, t.row_ids, t.values, decode_rows(q))
+                measure_s += time.perf_counter() - measuring
+            del q
+        served_loss = None
+        if meter is not None:
+            measuring = time.perf_counter()
+            meter.apply_dense(snapshot.dense)
+            served_loss = meter.measure(snapshot.scored)
+            measure_s += time.perf_counter() - measuring
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
             encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
@@ -219,24 +231,18 @@ class CheckpointPublisher:
             merged=snapshot.merged,
             taken_at=snapshot.taken_at,
             sequence=snapshot.sequence,
-            measure_s=measured - measuring,
+            measure_s=measure_s,
         )
 
-    def _measure(
-        self, snapshot: Snapshot, rows: Sequence[TableRows], quantized: Sequence[QuantizedRows]
-    ) -> ServedLoss | None:
-        """Write the version into the served-loss copies and score them (None: not measured)."""
+    def _meter_for(self, snapshot: Snapshot) -> ServedLossMeter | None:
+        """The served-loss copies of the snapshot's model; None when not measuring."""
         if not self.measure_served_loss:
             return None
         if self._meter is None or self._meter.model_config != snapshot.model_config:
             self._meter = ServedLossMeter.for_config(snapshot.model_config)
             if self._meter is None:
                 self.measure_served_loss = False  # not a model this module can rebuild
-                return None
-        for t, q in zip(rows, quantized, strict=True):
-            self._meter.apply_table(t.name, t.row_ids, t.values, decode_rows(q))
-        self._meter.apply_dense(snapshot.dense)
-        return self._meter.measure(snapshot.scored)
+        return self._meter
 
     def close(self) -> None:
         self.writer.close()
