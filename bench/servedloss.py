@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.machine import describe_machine, log
 from bench.stall_arms import ArmSettings, build_model
 from bench.workloads import Workload, file_workload, make_workload
@@ -91,6 +93,7 @@ def _run_arm(arm: str, settings: ArmSettings, workload: Workload, store: Path) -
         "train_s": report.seconds,
         "train_cpu_s": report.cpu_seconds,
         "samples": report.samples,
+        "stall_ms": [r.stall_ms for r in report.records],
         "flush_s": flush_s,
         "auc": report.metrics.get("auc_cumulative"),
         "versions": [
@@ -121,6 +124,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "samples_per_s_median": round(
             statistics.median(r["samples"] / r["train_s"] for r in runs), 1
         ),
+        "stall_ms_median": round(statistics.median(ms for r in runs for ms in r["stall_ms"]), 3),
         "auc_cumulative": last["auc"],
         "versions": len(last["versions"]),
         "measured_versions": len(losses),
@@ -143,6 +147,7 @@ def run(
 ) -> dict[str, Any]:
     """Alternate the arms `repeats` times on one workload; medians, the cost and the losses."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    torch.set_num_threads(1)  # `checknrun train`'s default: the publisher has the other core
     workload = _workload(data, quick, interval_samples, columns)
     settings = ArmSettings(
         embedding_dim=workload.embedding_dim,
@@ -182,6 +187,8 @@ def run(
             "samples_per_s_unmeasured": off["samples_per_s_median"],
             "samples_per_s_measured": on["samples_per_s_median"],
             "measure_ms_median": on["measure_ms_median"],
+            "stall_ms_median_unmeasured": off["stall_ms_median"],
+            "stall_ms_median_measured": on["stall_ms_median"],
         },
         "arms": arms,
     }
@@ -194,7 +201,9 @@ def _print(doc: Mapping[str, Any]) -> None:
     print(
         f"{doc['workload']['name']}: measured/unmeasured training time x{c['train_s_ratio']} "
         f"(CPU x{c['train_cpu_s_ratio']}), {c['samples_per_s_unmeasured']:,.0f} -> "
-        f"{c['samples_per_s_measured']:,.0f} samples/s, {c['measure_ms_median']} ms per version"
+        f"{c['samples_per_s_measured']:,.0f} samples/s, {c['measure_ms_median']} ms per version "
+        f"in the publisher; stall median {c['stall_ms_median_unmeasured']} -> "
+        f"{c['stall_ms_median_measured']} ms"
     )
     print(f"{'arm':<11} {'versions':>8} {'median loss':>12} {'max loss':>10} {'over':>5}  codecs")
     for arm, a in doc["arms"].items():
