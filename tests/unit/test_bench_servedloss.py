@@ -24,7 +24,9 @@ def test_the_servedloss_part_reports_cost_and_losses(
     assert doc["arms"]["unmeasured"]["measured_versions"] == 0
     for arm in ("int4", "int8", "auto"):
         a = doc["arms"][arm]
-        assert a["measured_versions"] == a["versions"] == 3  # one per 1000 of 3000 samples
+        # A checkpoint per 1000 of 3000 samples; one taken while the previous one is still
+        # being published merges into the next version.
+        assert 1 <= a["measured_versions"] == a["versions"] <= 3
     assert set(doc["arms"]["int8"]["codecs"]) == {"int8"}
     assert doc["cost"]["train_s_ratio"] > 0 and doc["cost"]["measure_ms_median"] > 0
     assert "measured/unmeasured training time" in capsys.readouterr().out
