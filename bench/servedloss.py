@@ -1,7 +1,7 @@
 """Part `servedloss`: what measuring each version's served loss costs training, and what it says.
 
     checknrun bench servedloss [--data movielens|FILE [column options]] [--interval-samples N]
-                               [--max-samples N] [--repeats R] [--quick]
+                               [--max-samples N] [--repeats R] [--publish-in thread|process]
 
 Arms train the same model on the same batches (`checknrun train`'s defaults: intermittent
 policy, thread publisher, a file store), alternating, in one process:
@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval-samples", type=positive_int, help="checkpoint every N")
     parser.add_argument("--max-samples", type=positive_int, help="samples each arm trains on")
     parser.add_argument("--repeats", type=positive_int, help="rounds of alternating arms")
+    parser.add_argument(
+        "--publish-in",
+        choices=("thread", "process"),
+        default="thread",
+        help="where every arm publishes (and measures): `checknrun train --publish-in`",
+    )
     add_file_args(parser)
 
 
@@ -62,7 +68,9 @@ def _workload(data: str, quick: bool, interval: int | None, columns: Mapping[str
     return file_workload(data, stream, quick, interval)
 
 
-def _run_arm(arm: str, settings: ArmSettings, workload: Workload, store: Path) -> dict[str, Any]:
+def _run_arm(
+    arm: str, settings: ArmSettings, workload: Workload, store: Path, publish_in: str
+) -> dict[str, Any]:
     model, optimizers = build_model(settings, workload.stream)
     shutil.rmtree(store, ignore_errors=True)
     ckpt = IncrementalCheckpointer(
@@ -75,6 +83,7 @@ def _run_arm(arm: str, settings: ArmSettings, workload: Workload, store: Path) -
         interval_samples=settings.interval_samples,
         served_loss_samples=0 if arm == "unmeasured" else DEFAULT_SCORED_SAMPLES,
         codec_rule=ServedLossCodecRule("int4") if arm == "auto" else None,
+        publish_in="process" if publish_in == "process" else "thread",
     )
     with ckpt:
         report = train_online(
@@ -143,6 +152,7 @@ def run(
     interval_samples: int | None = None,
     max_samples: int | None = None,
     repeats: int | None = None,
+    publish_in: str = "thread",
     **columns: Any,
 ) -> dict[str, Any]:
     """Alternate the arms `repeats` times on one workload; medians, the cost and the losses."""
@@ -162,7 +172,7 @@ def run(
     try:
         for repeat in range(repeats):
             for arm in ARMS:
-                result = _run_arm(arm, settings, workload, scratch / "store")
+                result = _run_arm(arm, settings, workload, scratch / "store", publish_in)
                 runs[arm].append(result)
                 log(
                     f"servedloss {workload.name} {repeat + 1}/{repeats}: {arm} "
@@ -179,6 +189,7 @@ def run(
         "workload": workload.describe(),
         "samples_per_arm": settings.max_samples,
         "repeats": repeats,
+        "publish_in": publish_in,
         "scored_samples": DEFAULT_SCORED_SAMPLES,
         "budget_auc_rel": SERVED_LOSS_BUDGET,
         "cost": {
