@@ -16,10 +16,16 @@ exactly, which the results check).
 
 The bit rule: for each number of expected restores, the fewest bits whose relative AUC
 degradation stays within 0.01% on every workload (see `bench.bit_rule`).
+
+`--data FILE` (with `checknrun train`'s column options) measures your own data set instead:
+
+    checknrun bench accuracy --data ratings.csv --rating-col rating --json accuracy.json
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -32,9 +38,13 @@ from bench.workloads import (
     Workload,
     available,
     evaluate,
+    file_workload,
     make_workload,
     quantize_in_place,
 )
+from publisher.cli import CommandError, positive_int
+from trainer.cli import add_file_args, open_stream
+from trainer.live_options import is_live
 from trainer.progressive_metrics import ProgressiveMetrics
 
 FAILURES = (0, 1, 2, 5, 10)
@@ -58,7 +68,35 @@ SERVED_CODECS = (
 QUICK_CODECS = ("int8", "int2")
 
 
-def _workloads(quick: bool) -> list[Workload]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--data FILE` (with `checknrun train`'s column options): your own data set instead."""
+    parser.add_argument(
+        "--data",
+        metavar="FILE",
+        default=None,
+        help="a .csv/.tsv/.parquet log, as `checknrun train --data FILE` takes it: measured "
+        "instead of MovieLens-1M and the synthetic stream",
+    )
+    parser.add_argument(
+        "--interval-samples",
+        type=positive_int,
+        default=None,
+        help="with --data: checkpoint every N samples (default 1/20 of the file, >= 1000)",
+    )
+    add_file_args(parser)
+
+
+def _workloads(
+    quick: bool,
+    data: str | None = None,
+    interval_samples: int | None = None,
+    columns: Mapping[str, Any] | None = None,
+) -> list[Workload]:
+    if data is not None:
+        if is_live(data):
+            raise CommandError(f"--data {data}: a live topic has no end to measure; give a file")
+        stream = open_stream(argparse.Namespace(data=data, **(columns or {})))
+        return [file_workload(data, stream, quick, interval_samples)]
     out = []
     if available("movielens"):
         # The whole MovieLens-1M stream, checkpoint every 50k samples (20 checkpoints).
@@ -165,9 +203,15 @@ def failure_run(workload: Workload, codec: str, failures: int, seed: int = 0) ->
 
 
 def run(
-    quick: bool, workloads: tuple[str, ...] | None = None, partial: str | None = None
+    quick: bool,
+    workloads: tuple[str, ...] | None = None,
+    partial: str | None = None,
+    data: str | None = None,
+    interval_samples: int | None = None,
+    **columns: Any,
 ) -> dict[str, Any]:
-    """Both workloads (or `workloads`); returns the part's document with the derived bit rule.
+    """Both workloads (or `workloads`), or the data file `data` read with the column options
+    `columns` (`add_file_args`); returns the part's document with the derived bit rule.
 
     With `partial`, the document so far is rewritten there after every run, so a run cut short
     by a deadline still leaves its measurements.
@@ -183,7 +227,7 @@ def run(
         "failures": list(ks),
         "workloads": {},
     }
-    for wl in _workloads(quick):
+    for wl in _workloads(quick, data, interval_samples, columns):
         if workloads is not None and wl.name not in workloads:
             continue
         served_codecs = codecs if quick else SERVED_CODECS

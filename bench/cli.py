@@ -46,6 +46,7 @@ PARTS = {
     "rawids": "raw-id predictions and id-map applies, next to the same model of encoded ids",
     "live": "training from a Kafka event stream next to the file trainer (needs Kafka)",
     "idspace": "MovieLens through Kafka: dynamic vs hashed id spaces, a new id's freshness",
+    "servedloss": "what measuring each version's served loss costs training, and what it says",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")

@@ -13,6 +13,7 @@ import copy
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,27 @@ def make_workload(
             f"synthetic Criteo-like stream, 26 tables capped at {cap:,} rows, Zipf ids, drift",
         )
     raise ValueError(f"unknown workload {name!r}; expected one of {WORKLOADS}")
+
+
+def file_workload(
+    path: str, stream: InteractionStream, quick: bool, interval_samples: int | None = None
+) -> Workload:
+    """A data file (`checknrun train --data FILE`), replayed like MovieLens-1M: the whole file,
+    checkpoint every 1/20 of it (at least 1,000 samples) unless `interval_samples` says; quick
+    mode stops after 3 intervals."""
+    total = int(stream.num_samples or 0)
+    if total == 0:
+        raise DataError(f"{path}: no samples to measure")
+    interval = interval_samples or max(1_000, total // 20)
+    stop = min(total, 3 * interval) if quick else total
+    return Workload(
+        Path(path).stem,
+        stream,
+        default_embedding_dim(path),
+        interval,
+        stop,
+        f"{Path(path).name} in file (or timestamp) order, {total:,} samples",
+    )
 
 
 def available(name: str) -> bool:

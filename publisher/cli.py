@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,7 +29,7 @@ from publisher.id_map import IDS_HELD_METRIC
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
-from schemas.manifest import Manifest, TableEntry, ratio_to_full_fp32
+from schemas.manifest import Manifest, ServedLoss, TableEntry, ratio_to_full_fp32
 
 DEFAULT_STORE = "file://./checknrun-store"
 #: a table's per-row optimizer columns in a `restore` file: `<table>.__optimizer_rows__`.
@@ -188,7 +188,16 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
         "step": m.position.step,
         "samples_seen": m.position.samples_seen,
         "manifest": ref.key,
+        "codec": ",".join(sorted({t.codec for t in m.tables})),
+        # What quantization costs the version as served (docs/FORMAT.md 3.2); null: unmeasured.
+        "served_loss": None if m.served_loss is None else m.served_loss.model_dump(),
     }
+
+
+def _served_auc(row: Mapping[str, Any]) -> str:
+    """The served model's AUC change against fp32, as `ls` prints it ("-" when unmeasured)."""
+    loss = row["served_loss"]
+    return "-" if loss is None else f"{-100 * loss['auc_rel_loss']:+.4f}%"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -206,15 +215,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     id_maps = any(r["id_map_bytes"] for r in rows)
     id_map_column = f" {'id maps':>10}" if id_maps else ""
     print(
-        f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12}{id_map_column} {'vs fp32':>8}  "
-        "created_at"
+        f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12}{id_map_column} {'vs fp32':>8} "
+        f"{'codec':<6} {'served AUC':>10}  created_at"
     )
     for r in rows:
         parent = "-" if r["parent"] is None else r["parent"]
         id_map_bytes = f" {r['id_map_bytes']:>10,}" if id_maps else ""
         print(
             f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,}{id_map_bytes} "
-            f"{r['ratio_vs_full_fp32']:>7}x  {r['created_at']}"
+            f"{r['ratio_vs_full_fp32']:>7}x {r['codec']:<6} {_served_auc(r):>10}  "
+            f"{r['created_at']}"
         )
     return 0
 
@@ -270,6 +280,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"step {m.position.step}, samples {m.position.samples_seen}, "
         f"{doc['bytes']:,} bytes{of_which} = {doc['ratio_vs_full_fp32']}x smaller than full fp32"
     )
+    _print_served_loss(m.served_loss)
     id_maps = any(t["id_map_bytes"] is not None for t in tables)
     id_map_columns = f" {'id map':>10} {'ids held':>10}" if id_maps else ""
     print(
@@ -289,6 +300,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if m.metrics:
         print("metrics: " + ", ".join(f"{k}={v:.5g}" for k, v in sorted(m.metrics.items())))
     return 0
+
+
+def _print_served_loss(loss: ServedLoss | None) -> None:
+    """`inspect`'s line on what quantization costs the version as served (FORMAT.md 3.2)."""
+    if loss is None:
+        print("served loss: not measured")
+        return
+    print(
+        f"served loss on the latest {loss.samples:,} samples, as served vs fp32: "
+        f"AUC {loss.auc_served:.6f} vs {loss.auc_fp32:.6f} "
+        f"({-100 * loss.auc_rel_loss:+.4f}%), log loss {loss.logloss_served:.6f} vs "
+        f"{loss.logloss_fp32:.6f} ({100 * loss.logloss_rel_increase:+.4f}%)"
+    )
 
 
 def cmd_restore(args: argparse.Namespace) -> int:

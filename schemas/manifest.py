@@ -13,6 +13,7 @@ pydantic models that forbid extra fields. Rules (MUST):
 - Every blob key lies under `model + "/blobs/"`; `parent_manifest` (and HEAD's `manifest`) under
   `model + "/manifests/"`, ending in `.json`.
 - `dense_tensor_bytes` / `optimizer_tensor_bytes`, when set, are at most their blob's size.
+- `served_loss`, when set, holds finite figures whose relative ones match the absolute ones.
 
 "x smaller than fp32", wherever a tool prints it, is `Manifest.ratio_to_full_fp32`: the bytes a
 full fp32 checkpoint of the same state holds (`Manifest.full_fp32_bytes`) over the bytes the
@@ -160,6 +161,72 @@ class Position(_Frozen):
     reader: dict[str, int | str | dict[str, int]] = Field(default_factory=dict)
 
 
+#: how far a stored relative figure may be from what its absolute ones give (float rounding).
+_RELATIVE_SLACK = 1e-9
+
+
+class ServedLoss(_Frozen):
+    """What quantization costs a version as a server holds it (docs/FORMAT.md section 3.2):
+    the served model (decoded rows of the chain) next to the writer's fp32 state, scored on
+    the same recent samples."""
+
+    samples: int = Field(ge=1)
+    auc_fp32: float = Field(ge=0.0, le=1.0)
+    auc_served: float = Field(ge=0.0, le=1.0)
+    logloss_fp32: float = Field(ge=0.0, allow_inf_nan=False)
+    logloss_served: float = Field(ge=0.0, allow_inf_nan=False)
+    #: (auc_fp32 - auc_served) / auc_fp32: positive when the served model ranks worse.
+    auc_rel_loss: float = Field(allow_inf_nan=False)
+    #: (logloss_served - logloss_fp32) / logloss_fp32.
+    logloss_rel_increase: float = Field(allow_inf_nan=False)
+
+    @classmethod
+    def of(
+        cls,
+        samples: int,
+        *,
+        auc_fp32: float,
+        auc_served: float,
+        logloss_fp32: float,
+        logloss_served: float,
+    ) -> ServedLoss:
+        """The record of one paired measurement, its relative figures computed here."""
+        return cls(
+            samples=samples,
+            auc_fp32=auc_fp32,
+            auc_served=auc_served,
+            logloss_fp32=logloss_fp32,
+            logloss_served=logloss_served,
+            auc_rel_loss=_relative(auc_fp32 - auc_served, auc_fp32),
+            logloss_rel_increase=_relative(logloss_served - logloss_fp32, logloss_fp32),
+        )
+
+    @model_validator(mode="after")
+    def _relatives(self) -> ServedLoss:
+        for name, stored, expected in (
+            (
+                "auc_rel_loss",
+                self.auc_rel_loss,
+                _relative(self.auc_fp32 - self.auc_served, self.auc_fp32),
+            ),
+            (
+                "logloss_rel_increase",
+                self.logloss_rel_increase,
+                _relative(self.logloss_served - self.logloss_fp32, self.logloss_fp32),
+            ),
+        ):
+            if abs(stored - expected) > _RELATIVE_SLACK:
+                raise ValueError(
+                    f"{name} {stored} disagrees with its absolute figures ({expected})"
+                )
+        return self
+
+
+def _relative(difference: float, reference: float) -> float:
+    # A reference of 0 (AUC 0, a perfect log loss) has no relative scale: the difference itself.
+    return difference / reference if reference > 0 else difference
+
+
 class Manifest(_Frozen):
     """Everything needed to read and verify one version."""
 
@@ -183,6 +250,8 @@ class Manifest(_Frozen):
     optimizer_tensor_bytes: int | None = Field(default=None, ge=0)
     model_config_: dict[str, Any] = Field(alias="model_config", default_factory=dict)
     metrics: dict[str, float] = Field(default_factory=dict)
+    #: null where nothing was measured and in manifests written before the field existed.
+    served_loss: ServedLoss | None = None
 
     model_config = ConfigDict(
         frozen=True, extra="forbid", strict=True, populate_by_name=True, protected_namespaces=()

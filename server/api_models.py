@@ -144,6 +144,23 @@ class IdSpaceInfo(BaseModel):
     tables: list[IdTableInfo]
 
 
+class ServedLossInfo(BaseModel):
+    """What quantization costs the served version: it and the trainer's fp32 state scored on
+    the same latest samples (docs/FORMAT.md 3.2)."""
+
+    samples: int
+    auc_fp32: float
+    auc_served: float
+    logloss_fp32: float
+    logloss_served: float
+    auc_rel_loss: float = Field(
+        description="(auc_fp32 - auc_served) / auc_fp32: positive when served ranks worse"
+    )
+    logloss_rel_increase: float = Field(
+        description="(logloss_served - logloss_fp32) / logloss_fp32"
+    )
+
+
 class ModelInfo(BaseModel):
     """The served version and how it got here."""
 
@@ -183,6 +200,16 @@ class ModelInfo(BaseModel):
         "raw ids); null for a model of encoded ids",
     )
     metrics: dict[str, float] = Field(description="online metrics the trainer recorded")
+    codecs: list[str] = Field(
+        default_factory=list,
+        description="the codecs the served version wrote its rows with (a row it did "
+        "not carry keeps the codec of the version that last wrote it)",
+    )
+    served_loss: ServedLossInfo | None = Field(
+        default=None,
+        description="the served version next to the trainer's fp32 state on the same recent "
+        "samples; null when its trainer did not measure it",
+    )
 
 
 class PinRequest(BaseModel):

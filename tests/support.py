@@ -1,5 +1,5 @@
 """What the test suites share: polling for a condition, reading scripts/services.sh's env file,
-the memory a refused input cost, and a delta blob as a reader gets it.
+the memory a refused input cost, a delta blob as a reader gets it, and a small ratings file.
 
 (Child `checknrun serve` processes come from bench/child_server.py, which the demo and the
 benchmarks use too.)
@@ -10,9 +10,12 @@ from __future__ import annotations
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
+import pyarrow as pa
+from pyarrow import csv
 
 from publisher.codecs import encode_rows
 from schemas.delta_blob import DeltaBlob, decode_delta_blob, encode_delta_blob
@@ -90,3 +93,21 @@ def delta_blob_of(
         aux=rng.normal(size=(len(ids), aux_dim)).astype(np.float32),
     )
     return decode_delta_blob(encode_delta_blob(blob))
+
+
+def write_ratings(path: Path, n: int = 3000) -> None:
+    """A ratings CSV (uid, movie, stars 1-5, ts) whose ratings depend on user and item."""
+    rng = np.random.default_rng(0)
+    users = rng.integers(0, 80, n)
+    items = rng.integers(0, 60, n)
+    # Ratings that depend on the user and the item: there is something to learn.
+    rating = np.clip(np.round(3 + (users % 3) - (items % 3) + rng.normal(0, 1, n)), 1, 5)
+    table = pa.table(
+        {
+            "uid": [f"u{u}" for u in users],
+            "movie": [f"m{i}" for i in items],
+            "stars": rating,
+            "ts": np.arange(n) * 60,
+        }
+    )
+    csv.write_csv(table, path)

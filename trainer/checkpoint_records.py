@@ -18,7 +18,7 @@ import numpy as np
 
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
-from schemas.manifest import ratio_to_full_fp32
+from schemas.manifest import ServedLoss, ratio_to_full_fp32
 
 
 @dataclass
@@ -49,6 +49,12 @@ class CheckpointRecord:
     #: the version that carried this snapshot's rows after it merged into a later one.
     merged_into: int | None = None
     publish_s: float | None = None
+    #: the codecs of the version's tables (one name when they share one).
+    codec: str | None = None
+    #: the version as a server holds it next to fp32 (docs/FORMAT.md 3.2); None: not measured.
+    served_loss: ServedLoss | None = None
+    #: of publish_s: updating the served-loss copies and scoring them.
+    measure_s: float | None = None
 
     @classmethod
     def of(
@@ -104,6 +110,9 @@ class CheckpointRecord:
             "full_fp32_bytes": self.full_fp32_bytes,
             "ratio": None if self.ratio is None else round(self.ratio, 3),
             "publish_s": None if self.publish_s is None else round(self.publish_s, 4),
+            "codec": self.codec,
+            "served_loss": None if self.served_loss is None else self.served_loss.model_dump(),
+            "measure_s": None if self.measure_s is None else round(self.measure_s, 4),
             "metrics": {k: round(v, 6) for k, v in self.metrics.items()},
         }
 
@@ -147,6 +156,9 @@ class CheckpointRecords:
                 record.bytes = result.bytes_written
                 record.full_fp32_bytes = result.full_fp32_bytes
                 record.publish_s = result.encode_s + result.commit_s
+                record.codec = ",".join(sorted({t.codec for t in result.manifest.tables}))
+                record.served_loss = result.manifest.served_loss
+                record.measure_s = result.measure_s
                 # Every earlier unpublished snapshot was merged into this one.
                 for earlier in self.records[: record.index - 1]:
                     if not earlier.published:

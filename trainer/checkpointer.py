@@ -35,17 +35,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from publisher.dlrm import SparseBatch
 from publisher.id_map import IDS_HELD_METRIC, IdMap
 from publisher.memory_budget import MemoryBudget
 from publisher.read.restore import RestoredState, restore
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
-from publisher.write.policies import Policy, make_policy
+from publisher.write.policies import Policy, ServedLossCodecRule, make_policy
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
 from publisher.write.publishing import (
     BackgroundPublisher,
@@ -67,6 +69,7 @@ from schemas.manifest import Position
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
+from trainer.recent_samples import RecentSamples
 from trainer.resume import load_restored
 from trainer.snapshot_capture import SnapshotCapture
 
@@ -105,6 +108,8 @@ class IncrementalCheckpointer:
         policy_params: Mapping[str, float] | None = None,
         on_non_finite: NonFinitePolicy = "stop",
         id_maps: Mapping[str, IdMap] | None = None,
+        served_loss_samples: int = 0,
+        codec_rule: ServedLossCodecRule | None = None,
     ) -> None:
         """
         Args:
@@ -136,6 +141,11 @@ class IncrementalCheckpointer:
                 at the state of the samples counted when `maybe_checkpoint` runs (map the next
                 batch's ids after it). `resume` and `load_state` load the restored maps into
                 these objects, in place.
+            served_loss_samples: keep the latest N samples given to `keep_scored` and record in
+                every manifest what quantization costs the version as a server holds it,
+                scored on them (publisher/served_loss.py; a DLRM only); 0 measures nothing.
+            codec_rule: `--codec auto`: the codec of each version from that measurement
+                (publisher/write/policies.py `ServedLossCodecRule`), instead of `codec`.
         """
         self.clock = CheckpointClock(interval_samples, interval_seconds)
         self.model = model
@@ -161,6 +171,12 @@ class IncrementalCheckpointer:
             model, self.tables, self.optimizers, self.codecs, self.model_config, self.id_maps
         )
         self.ledger = CheckpointRecords()
+        if codec_rule is not None and served_loss_samples == 0:
+            raise CheckpointError(
+                "codec_rule chooses from the served loss: give served_loss_samples"
+            )
+        self.recent_samples = RecentSamples(served_loss_samples)
+        self.codec_rule = codec_rule
         self.memory_budget = MemoryBudget.from_setting(tunables.memory_budget_bytes)
         self._closed = False
         #: the version `resume` loaded, if any.
@@ -213,7 +229,13 @@ class IncrementalCheckpointer:
         if publish_in == "process":
             assert isinstance(store, str)
             config = ProcessPublisherConfig(
-                store, self.model_name, bus, tunables, threads=torch.get_num_threads()
+                store,
+                self.model_name,
+                bus,
+                tunables,
+                threads=torch.get_num_threads(),
+                measure_served_loss=self.recent_samples.capacity > 0,
+                codec_rule=self.codec_rule,
             )
             return ProcessPublisher(config)
         if bus is not None:
@@ -222,7 +244,12 @@ class IncrementalCheckpointer:
             self._announcer = open_announcer(bus, self.model_name)
             announce = self._announcer.announce
         return CheckpointPublisher(
-            self.store, self.model_name, announce=announce, tunables=tunables
+            self.store,
+            self.model_name,
+            announce=announce,
+            tunables=tunables,
+            measure_served_loss=self.recent_samples.capacity > 0,
+            codec_rule=self.codec_rule,
         )
 
     # --- the training loop's calls ---------------------------------------------------------
@@ -245,6 +272,13 @@ class IncrementalCheckpointer:
     def step(self, samples: int) -> None:
         """Count one optimizer step over `samples` samples (call after every optimizer step)."""
         self.clock.step(samples)
+
+    def keep_scored(
+        self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch], labels: torch.Tensor
+    ) -> None:
+        """Keep a batch just scored by progressive validation (the model's inputs and the
+        labels) in the window the served loss is measured on (`served_loss_samples`)."""
+        self.recent_samples.add(dense, sparse, labels)
 
     def due(self) -> bool:
         """Whether the interval since the last checkpoint has passed."""
@@ -303,7 +337,7 @@ class IncrementalCheckpointer:
         record = CheckpointRecord.of(taken.snapshot, taken.dirty, self.table_rows)
         self.ledger.add(record)
         handoff = time.perf_counter()
-        self.background.submit(taken.snapshot)
+        self.background.submit(replace(taken.snapshot, scored=self.recent_samples.take()))
         started, breakdown = taken.started, taken.breakdown_ms
         del taken  # the publisher owns the copies now (buffers recycle on release)
         done = time.perf_counter()

@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -49,7 +49,12 @@ from publisher.cli import (
 )
 from publisher.dlrm import DLRM
 from publisher.read.catalog import Catalog, NoVersionError
-from publisher.write.policies import POLICIES, codec_for_expected_restores
+from publisher.write.policies import (
+    POLICIES,
+    SERVED_LOSS_BUDGET,
+    ServedLossCodecRule,
+    codec_for_expected_restores,
+)
 from publisher.write.snapshot import NonFiniteSnapshotError
 from schemas.codec_names import CODECS
 from schemas.errors import BadDataError
@@ -66,8 +71,12 @@ from trainer.online import (
     train_online,
 )
 from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.recent_samples import DEFAULT_SCORED_SAMPLES
 from trainer.streams.base import Batch, InteractionStream
 from trainer.streams.kafka_events import KafkaEventStream, live_model_extra
+
+if TYPE_CHECKING:
+    from trainer.streams.tabular import ColumnMapping
 
 #: the built-in streams `--data` names (anything else is a file).
 DATA_SETS = ("movielens", "synthetic")
@@ -100,14 +109,30 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "--codec",
         default="auto",
         choices=("auto", *CODECS),
-        help="codec of embedding rows; auto (default) picks the fewest bits measured safe for "
-        "--expected-restores (docs/benchmarks/bit_rule.json): int4 up to 2, int8 up to 10",
+        help="codec of embedding rows; auto (default) starts from the fewest bits measured safe "
+        "for --expected-restores (docs/benchmarks/bit_rule.json: int4 up to 2, int8 up to 10) "
+        "and adds bits while the served loss measured on this run exceeds "
+        "--served-loss-budget (docs/SERVED_LOSS.md)",
     )
     p.add_argument(
         "--expected-restores",
         type=float,
         default=2,
         help="restores from checkpoints expected over the run's lifetime (default %(default)s)",
+    )
+    p.add_argument(
+        "--served-loss-budget",
+        type=_positive_float,
+        default=SERVED_LOSS_BUDGET,
+        help="--codec auto: the most relative AUC a version may lose as served, next to the "
+        "fp32 model (default %(default)g, i.e. 0.01%%)",
+    )
+    p.add_argument(
+        "--served-loss-samples",
+        type=_non_negative_int,
+        default=DEFAULT_SCORED_SAMPLES,
+        help="score every version as served next to fp32 on the latest N samples and record "
+        "it in its manifest (default %(default)s; 0: no measurement, and no --codec auto)",
     )
     p.add_argument(
         "--interval-samples",
@@ -198,7 +223,11 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
         help="fraction of each table's popularity ranking rotating per 1M samples",
     )
     s.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    add_file_args(p)
 
+
+def add_file_args(p: argparse.ArgumentParser) -> None:
+    """The column options of a data file (`train`, `replay`, `bench accuracy --data FILE`)."""
     f = p.add_argument_group("data file columns")
     f.add_argument("--user-col", default="user")
     f.add_argument("--item-col", default="item")
@@ -265,7 +294,7 @@ def open_stream(
                 drift=args.drift,
             )
         )
-    from trainer.streams.tabular import CSV_SUFFIXES, PARQUET_SUFFIXES, ColumnMapping, load_table
+    from trainer.streams.tabular import CSV_SUFFIXES, PARQUET_SUFFIXES, load_table
 
     if not Path(args.data).suffix and not Path(args.data).exists():  # a mistyped data set name
         close = difflib.get_close_matches(args.data, DATA_SETS, n=1)
@@ -275,7 +304,14 @@ def open_stream(
             + f" (a file is a {', '.join(CSV_SUFFIXES + PARQUET_SUFFIXES)} log)"
         )
 
-    mapping = ColumnMapping(
+    return load_table(args.data, column_mapping(args))
+
+
+def column_mapping(args: argparse.Namespace) -> ColumnMapping:
+    """The `ColumnMapping` the data file column options (`add_file_args`) describe."""
+    from trainer.streams.tabular import ColumnMapping
+
+    return ColumnMapping(
         user=args.user_col,
         item=args.item_col,
         timestamp=args.time_col or None,
@@ -286,7 +322,6 @@ def open_stream(
         bags=tuple(args.bag_cols),
         bag_separator=args.bag_sep,
     )
-    return load_table(args.data, mapping)
 
 
 def build_model(
@@ -354,8 +389,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Run `train`; returns the exit status."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
+    codec_rule = None
+    codec = args.codec
     if args.codec == "auto":
-        args.codec = codec_for_expected_restores(args.expected_restores)
+        if args.served_loss_samples == 0:
+            raise CommandError(
+                "--codec auto chooses from the served loss it measures: give "
+                "--served-loss-samples N > 0, or a codec"
+            )
+        codec = codec_for_expected_restores(args.expected_restores)
+        codec_rule = ServedLossCodecRule(codec, budget=args.served_loss_budget)
     model_name = args.model or default_model_name(args.data)
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:
@@ -384,7 +427,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             store=args.store,
             model_name=model_name,
             policy=args.policy,
-            codec=args.codec,
+            codec=codec,
+            codec_rule=codec_rule,
+            served_loss_samples=args.served_loss_samples,
             interval_samples=interval_samples,
             interval_seconds=args.interval_seconds,
             bus=args.bus,
@@ -581,7 +626,15 @@ def _published_line(record: CheckpointRecord) -> str:
         f"{_human_bytes(record.bytes or 0):>9} ({record.ratio or 0:.1f}x < fp32)  "
         f"stall {record.stall_ms:.1f} ms  dirty rows {record.dirty_fraction_total:.2%}  "
         f"samples {record.samples_seen:,}" + (f"  auc {auc:.4f}" if auc is not None else "")
-    )
+    ) + _served_text(record)
+
+
+def _served_text(record: CheckpointRecord) -> str:
+    """The version's codec and what it loses as served (docs/FORMAT.md 3.2), when measured."""
+    loss = record.served_loss
+    if loss is None:
+        return f"  {record.codec}" if record.codec else ""
+    return f"  {record.codec} served AUC {-100 * loss.auc_rel_loss:+.4f}% vs fp32"
 
 
 def _human_bytes(n: int) -> str:

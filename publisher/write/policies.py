@@ -160,6 +160,83 @@ def codec_for_expected_restores(
     return FALLBACK_CODEC
 
 
+#: the codecs `--codec auto` moves between, fewest bits first (each a measured step: int4 and
+#: int8 are the bit rule's, fp16 its fallback, fp32 what is left when even fp16 costs too much).
+AUTO_CODEC_LADDER: tuple[str, ...] = ("int4", "int8", "fp16", "fp32")
+#: the default budget of `--codec auto`: the paper's criterion, 0.01% relative AUC.
+SERVED_LOSS_BUDGET = 1e-4
+#: versions in a row measured within half the budget before `--codec auto` steps down.
+STEP_DOWN_AFTER = 3
+#: the most versions a step down waits for, however often one was undone.
+MAX_STEP_DOWN_AFTER = 48
+
+
+class ServedLossCodecRule:
+    """`--codec auto`: the bits of each version from the served loss measured on the live run.
+
+    Starts at `floor` (the bit rule's codec for the expected restores: measured loss never
+    takes a run below what its restores need) on `AUTO_CODEC_LADDER`. After each version:
+
+    - measured `auc_rel_loss` > `budget`: one step up (more bits) for the next version;
+    - within `budget / 2` for `patience` versions in a row: one step down, never below `floor`;
+    - anything else, or no measurement: stay.
+
+    Hysteresis: between budget/2 and budget nothing moves, and a step down waits for
+    `patience` calm versions. A step down undone by the very next measurement doubles
+    `patience` (up to MAX_STEP_DOWN_AFTER), so a run whose loss sits at the edge settles on the
+    safe codec instead of flapping. A step changes the rows written from the next version on;
+    rows not rewritten since keep their codec until a baseline rewrites them.
+    """
+
+    def __init__(
+        self,
+        floor: str = AUTO_CODEC_LADDER[0],
+        *,
+        budget: float = SERVED_LOSS_BUDGET,
+        patience: int = STEP_DOWN_AFTER,
+    ) -> None:
+        if floor not in AUTO_CODEC_LADDER:
+            raise PolicyError(
+                f"--codec auto starts from one of {', '.join(AUTO_CODEC_LADDER)}, got {floor!r}"
+            )
+        if not budget > 0:
+            raise PolicyError(f"the served-loss budget must be > 0, got {budget}")
+        if patience < 1:
+            raise PolicyError(f"patience must be >= 1 version, got {patience}")
+        self.floor = AUTO_CODEC_LADDER.index(floor)
+        self.budget = budget
+        self.patience = patience
+        self._step = self.floor
+        self._calm = 0
+        self._just_stepped_down = False
+
+    @property
+    def codec(self) -> str:
+        """The codec of the next version."""
+        return AUTO_CODEC_LADDER[self._step]
+
+    def observe(self, auc_rel_loss: float | None) -> str:
+        """Take one version's measured loss (None: not measured); return the next codec."""
+        stepped_down, self._just_stepped_down = self._just_stepped_down, False
+        if auc_rel_loss is None:
+            return self.codec
+        if auc_rel_loss > self.budget:
+            self._calm = 0
+            if self._step + 1 < len(AUTO_CODEC_LADDER):
+                self._step += 1
+                if stepped_down:
+                    self.patience = min(2 * self.patience, MAX_STEP_DOWN_AFTER)
+        elif auc_rel_loss <= self.budget / 2:
+            self._calm += 1
+            if self._calm >= self.patience and self._step > self.floor:
+                self._step -= 1
+                self._calm = 0
+                self._just_stepped_down = True
+        else:
+            self._calm = 0
+        return self.codec
+
+
 def make_policy(name: str, table_rows: Mapping[str, int], **params: float) -> Policy:
     """The policy called `name` (one of POLICIES)."""
     classes: dict[str, type[Policy]] = {

@@ -34,6 +34,7 @@ import numpy as np
 
 from publisher.child_process import parent_connection, receive, start_child
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.policies import ServedLossCodecRule
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
 from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
@@ -78,6 +79,9 @@ class ProcessPublisherConfig:
     tunables: Tunables = DEFAULT_TUNABLES
     #: torch intra-op threads in the child (the codecs use torch kernels).
     threads: int = 1
+    #: `CheckpointPublisher`'s options of the same names.
+    measure_served_loss: bool = False
+    codec_rule: ServedLossCodecRule | None = None
 
 
 class ProcessPublisher:
@@ -152,6 +156,8 @@ def _serve(conn: Connection) -> None:
             config.model,
             announce=None if announcer is None else announcer.announce,
             tunables=config.tunables,
+            measure_served_loss=config.measure_served_loss,
+            codec_rule=config.codec_rule,
         )
     except BaseException as exc:  # handed to the parent
         conn.send(("error", _picklable(exc)))

@@ -17,14 +17,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal, Protocol
 
-from publisher.codecs import encode_rows
+from publisher.codecs import QuantizedRows, decode_rows, encode_rows
 from publisher.read.catalog import VersionRef
+from publisher.served_loss import ServedLossMeter
 from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.policies import ServedLossCodecRule
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
@@ -51,6 +53,8 @@ class PublishResult:
     taken_at: float
     #: the `Snapshot.sequence` of the newest snapshot this version holds.
     sequence: int
+    #: of `encode_s`: updating the served-loss copies and scoring them.
+    measure_s: float = 0.0
 
     @property
     def manifest(self) -> Manifest:
@@ -73,10 +77,15 @@ class PublishResult:
         return ratio_to_full_fp32(self.full_fp32_bytes, self.bytes_written)
 
 
-def encode_table(rows: TableRows, tunables: Tunables = DEFAULT_TUNABLES) -> TableBlob:
-    """Quantize and encode one table's copied rows as a delta blob, and their id-map entries
-    (if the table has an id map) as an id-map blob."""
-    q = encode_rows(rows.codec, rows.values)
+def encode_table(
+    rows: TableRows,
+    tunables: Tunables = DEFAULT_TUNABLES,
+    quantized: QuantizedRows | None = None,
+) -> TableBlob:
+    """Quantize (unless `quantized` holds the rows already quantized with `rows.codec`) and
+    encode one table's copied rows as a delta blob, and their id-map entries (if the table has
+    an id map) as an id-map blob."""
+    q = quantized if quantized is not None else encode_rows(rows.codec, rows.values)
     id_entries = rows.id_map_entries()
     blob = DeltaBlob(
         table=rows.name,
@@ -117,7 +126,13 @@ class SnapshotPublisher(Protocol):
 
 
 class CheckpointPublisher:
-    """Encodes, commits and announces snapshots of one model, one at a time."""
+    """Encodes, commits and announces snapshots of one model, one at a time.
+
+    With `measure_served_loss`, each version's manifest records what quantization costs it as
+    a server holds it (publisher/served_loss.py), scored on the samples its snapshot carries.
+    With `codec_rule` (`--codec auto`), that measurement picks the codec of every table of the
+    next version, whatever codec the snapshot names.
+    """
 
     def __init__(
         self,
@@ -127,12 +142,17 @@ class CheckpointPublisher:
         announce: Callable[[Announcement], None] | None = None,
         writer: VersionWriter | None = None,
         tunables: Tunables = DEFAULT_TUNABLES,
+        measure_served_loss: bool = False,
+        codec_rule: ServedLossCodecRule | None = None,
     ) -> None:
         self.store = store
         self.model = model
         self.tunables = tunables
         self.writer = writer or VersionWriter(store, model, tunables=tunables)
         self.announce = announce
+        self.measure_served_loss = measure_served_loss
+        self.codec_rule = codec_rule
+        self._meter: ServedLossMeter | None = None
 
     def publish(self, snapshot: Snapshot) -> PublishResult:
         """Encode, commit and announce one snapshot; return the committed version.
@@ -141,7 +161,26 @@ class CheckpointPublisher:
         """
         started = time.perf_counter()
         snapshot.check_finite()
-        tables = [encode_table(t, self.tunables) for t in snapshot.tables]
+        rows = snapshot.tables
+        if self.codec_rule is not None:
+            rows = tuple(replace(t, codec=self.codec_rule.codec) for t in rows)
+        meter = self._meter_for(snapshot)
+        tables = []
+        measure_s = 0.0
+        for t in rows:
+            q = encode_rows(t.codec, t.values)
+            tables.append(encode_table(t, self.tunables, q))
+            if meter is not None:  # table by table: one table's decoded rows at a time
+                measuring = time.perf_counter()
+                meter.apply_table(t.name, t.row_ids, t.values, decode_rows(q))
+                measure_s += time.perf_counter() - measuring
+            del q
+        served_loss = None
+        if meter is not None:
+            measuring = time.perf_counter()
+            meter.apply_dense(snapshot.dense)
+            served_loss = meter.measure(snapshot.scored)
+            measure_s += time.perf_counter() - measuring
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
             encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
@@ -161,9 +200,22 @@ class CheckpointPublisher:
             optimizer_tensor_bytes=None if optimizer is None else tensor_bytes(optimizer),
             model_config=snapshot.model_config,
             metrics=snapshot.metrics,
+            served_loss=served_loss,
         )
         ref = self.writer.commit(draft)
         committed = time.perf_counter()
+        if self.codec_rule is not None:
+            before = self.codec_rule.codec
+            after = self.codec_rule.observe(
+                None if served_loss is None else served_loss.auc_rel_loss
+            )
+            if after != before:
+                log.info(
+                    "--codec auto: version %d lost %.4f%% relative AUC served; next codec %s",
+                    ref.version,
+                    100 * served_loss.auc_rel_loss if served_loss is not None else float("nan"),
+                    after,
+                )
         if self.announce is not None:
             # The version is committed whatever happens here: subscribers reconcile from HEAD.
             try:
@@ -179,7 +231,18 @@ class CheckpointPublisher:
             merged=snapshot.merged,
             taken_at=snapshot.taken_at,
             sequence=snapshot.sequence,
+            measure_s=measure_s,
         )
+
+    def _meter_for(self, snapshot: Snapshot) -> ServedLossMeter | None:
+        """The served-loss copies of the snapshot's model; None when not measuring."""
+        if not self.measure_served_loss:
+            return None
+        if self._meter is None or self._meter.model_config != snapshot.model_config:
+            self._meter = ServedLossMeter.for_config(snapshot.model_config)
+            if self._meter is None:
+                self.measure_served_loss = False  # not a model this module can rebuild
+        return self._meter
 
     def close(self) -> None:
         self.writer.close()

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 
 from publisher.id_map import IdCapture
+from publisher.served_loss import ScoredBatch
 from schemas.errors import BadDataError
 from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position
@@ -122,6 +123,9 @@ class Snapshot:
     sequence: int = 0
     #: how many snapshots were merged into this one (1 = none).
     merged: int = 1
+    #: the trainer's most recent progressive-validation samples, to score this version on
+    #: (publisher/served_loss.py); a merged snapshot carries the newer one's.
+    scored: tuple[ScoredBatch, ...] = ()
 
     @property
     def nbytes(self) -> int:

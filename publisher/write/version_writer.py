@@ -45,6 +45,7 @@ from schemas.manifest import (
     Lease,
     Manifest,
     Position,
+    ServedLoss,
     TableEntry,
     check_model_name,
     utc_now,
@@ -100,6 +101,8 @@ class VersionDraft:
     optimizer_tensor_bytes: int | None = None
     model_config: Mapping[str, Any] = field(default_factory=dict)
     metrics: Mapping[str, float] = field(default_factory=dict)
+    #: the version as a server holds it next to the fp32 state (docs/FORMAT.md 3.2).
+    served_loss: ServedLoss | None = None
 
 
 def default_owner() -> str:
@@ -300,6 +303,7 @@ class VersionWriter:
             optimizer_tensor_bytes=draft.optimizer_tensor_bytes,
             model_config=dict(draft.model_config),
             metrics={k: float(v) for k, v in draft.metrics.items()},
+            served_loss=draft.served_loss,
         )
         key = manifest_key(self.model, version, self.token)
         self.store.put(key, manifest.to_json())

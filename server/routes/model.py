@@ -18,6 +18,7 @@ from server.api_models import (
     IdTableInfo,
     ModelInfo,
     PinRequest,
+    ServedLossInfo,
     UnpinResponse,
 )
 from server.dependencies import AdminDep, LiveModelDep, StateDep
@@ -112,6 +113,8 @@ def _model_info(live: LiveModel, buffer: ModelBuffer, rejected: int) -> ModelInf
         features=features,
         id_space=id_space_info(buffer),
         metrics=dict(m.metrics),
+        codecs=sorted({t.codec for t in m.tables}),
+        served_loss=None if m.served_loss is None else ServedLossInfo(**m.served_loss.model_dump()),
     )
 
 

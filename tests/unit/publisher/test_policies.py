@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
-from publisher.write.policies import POLICIES, PolicyError, make_policy
+from publisher.write.policies import POLICIES, PolicyError, ServedLossCodecRule, make_policy
 
 TABLES = {"a": 5000, "b": 300}
 
@@ -117,3 +119,52 @@ def test_bit_rule_from_measurements() -> None:
     assert codec_for_expected_restores(50) == "fp16"
     with pytest.raises(PolicyError):
         codec_for_expected_restores(-1)
+
+
+def drive(rule: ServedLossCodecRule, losses: list[float | None]) -> list[str]:
+    """The codec of each next version as the rule takes each synthetic measurement."""
+    return [rule.observe(loss) for loss in losses]
+
+
+def test_auto_codec_escalates_one_step_per_version_over_budget() -> None:
+    rule = ServedLossCodecRule("int4", budget=1e-4)
+    assert rule.codec == "int4"
+    over = 2e-4
+    assert drive(rule, [None, 5e-5, over, over, over, over]) == [
+        "int4",  # not measured: stay
+        "int4",  # within budget (not within half of it): stay
+        "int8",
+        "fp16",
+        "fp32",
+        "fp32",  # the top of the ladder
+    ]
+
+
+def test_auto_codec_steps_down_after_patience_calm_versions_never_below_its_floor() -> None:
+    rule = ServedLossCodecRule("int8", budget=1e-4, patience=3)
+    assert drive(rule, [2e-4, 2e-4]) == ["fp16", "fp32"]
+    calm = 4e-5  # within budget / 2
+    # 7e-5 is within budget but not half of it: the calm count starts over.
+    assert drive(rule, [calm, calm, 7e-5, calm, calm, calm]) == ["fp32"] * 5 + ["fp16"]
+    assert drive(rule, [calm, calm, calm]) == ["fp16", "fp16", "int8"]
+    assert drive(rule, [calm] * 10) == ["int8"] * 10  # the floor: what restores need
+    assert drive(rule, [-5e-4]) == ["int8"]  # served better than fp32 is calm too
+
+
+def test_a_step_down_undone_at_once_doubles_the_patience() -> None:
+    rule = ServedLossCodecRule("int4", budget=1e-4, patience=2)
+    calm, over = 1e-5, 3e-4
+    assert drive(rule, [over, calm, calm]) == ["int8", "int8", "int4"]
+    assert drive(rule, [over]) == ["int8"]  # undone by the next measurement
+    assert rule.patience == 4
+    assert drive(rule, [calm] * 4) == ["int8"] * 3 + ["int4"]
+    assert drive(rule, [calm, over]) == ["int4", "int8"]  # not at once: patience stays
+    assert rule.patience == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"floor": "int2"}, {"budget": 0.0}, {"budget": float("nan")}, {"patience": 0}]
+)
+def test_auto_codec_rejects_bad_settings(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError):
+        ServedLossCodecRule(**kwargs)

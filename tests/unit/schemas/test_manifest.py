@@ -9,7 +9,7 @@ import pytest
 
 from schemas.announcement import Announcement
 from schemas.errors import AnnouncementError, ManifestError
-from schemas.manifest import Head, Manifest, full_fp32_bytes, ratio_to_full_fp32
+from schemas.manifest import Head, Manifest, ServedLoss, full_fp32_bytes, ratio_to_full_fp32
 
 SHA = "ab" * 32
 
@@ -268,3 +268,50 @@ def test_announcement_round_trip() -> None:
 def test_announcement_rejections(raw: bytes) -> None:
     with pytest.raises(AnnouncementError):
         Announcement.from_json(raw)
+
+
+SERVED = {
+    "samples": 16384,
+    "auc_fp32": 0.8,
+    "auc_served": 0.79,
+    "logloss_fp32": 0.5,
+    "logloss_served": 0.51,
+    "auc_rel_loss": (0.8 - 0.79) / 0.8,
+    "logloss_rel_increase": (0.51 - 0.5) / 0.5,
+}
+
+
+def test_served_loss_round_trips_and_old_manifests_read_without_it() -> None:
+    m = parse(manifest_doc(served_loss=SERVED))
+    assert m.served_loss is not None and m.served_loss.samples == 16384
+    assert m.served_loss == ServedLoss.of(
+        16384, auc_fp32=0.8, auc_served=0.79, logloss_fp32=0.5, logloss_served=0.51
+    )
+    assert Manifest.from_json(m.to_json()) == m
+    old = manifest_doc()
+    assert "served_loss" not in old  # a manifest written before the field existed
+    assert parse(old).served_loss is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"auc_rel_loss": 0.0},  # disagrees with the absolute figures
+        {"logloss_rel_increase": -0.02},
+        {"samples": 0},
+        {"auc_served": 1.5},
+        {"logloss_fp32": -0.1},
+        {"extra": 1},
+    ],
+)
+def test_served_loss_rejections(change: dict[str, Any]) -> None:
+    with pytest.raises(ManifestError):
+        parse(manifest_doc(served_loss={**SERVED, **change}))
+
+
+def test_served_loss_refuses_non_finite_figures() -> None:
+    raw = json.dumps(manifest_doc(served_loss=SERVED)).replace(
+        json.dumps(SERVED["auc_rel_loss"]), "1e999"
+    )
+    with pytest.raises(ManifestError):
+        Manifest.from_json(raw.encode())

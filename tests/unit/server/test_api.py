@@ -11,7 +11,7 @@ import json
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from bench.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 from publisher.bus import open_announcer
+from publisher.served_loss import ScoredBatch
 from publisher.store import FileStore
 from schemas.announcement import Announcement
 from server.app import create_app
@@ -171,6 +172,30 @@ def test_model_info(served: Served) -> None:
     kinds = {f["name"]: f["kind"] for f in info["features"]}
     assert kinds == {"d0": "dense", "d1": "dense", "f0": "sparse", "f1": "sparse", "tags": "bag"}
     assert info["id_space"] is None  # the client sends encoded ids
+    assert info["served_loss"] is None and info["codecs"] == [served.run.codec]  # not measured
+
+
+def test_model_info_shows_the_served_loss_its_trainer_measured(factory: ServerFactory) -> None:
+    run = factory.trainer()
+    run.publisher.measure_served_loss = True
+    rng = np.random.default_rng(0)
+    n = 400
+    scored = ScoredBatch(
+        dense=rng.normal(size=(n, len(run.config.dense))).astype(np.float32),
+        sparse={
+            f.name: (rng.integers(0, f.rows, n), np.arange(n, dtype=np.int64))
+            for f in run.config.sparse
+        },
+        labels=(rng.random(n) < 0.5).astype(np.float32),
+    )
+    run.train(2)
+    result = run.publisher.publish(replace(run.snapshot("full"), scored=(scored,)))
+    loss = result.manifest.served_loss
+    assert loss is not None and loss.samples == n
+    s = factory.start(run)
+    s.wait_version(1)
+    info = s.client.get("/v1/model").json()
+    assert info["served_loss"] == loss.model_dump() and info["codecs"] == [run.codec]
 
 
 def test_openapi_documents_the_api(served: Served) -> None:

@@ -397,3 +397,66 @@ def test_a_codec_error_reads_the_same_in_both_publish_modes(
         reports.append((err, json.loads(out)))
     assert reports[0] == reports[1]
     assert reports[0][1]["error"]["type"] == "OutOfRangeRowsError"
+
+
+def _with(argv: list[str], **options: str) -> list[str]:
+    """`argv` with each `--flag value` of `options` replaced or added (flag_name: value)."""
+    out = list(argv)
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
+
+
+@pytest.mark.parametrize("publish_in", ["thread", "process"])
+def test_every_version_records_its_served_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], publish_in: str
+) -> None:
+    store = f"file://{tmp_path}"
+    # auto, with a budget no codec exceeds: the bit rule's codec for 12 restores, throughout.
+    argv = _with(SYNTHETIC, codec="auto", served_loss_budget="1", expected_restores="12")
+    argv += ["--publish-in", publish_in]  # the samples cross to the publisher process
+    status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "6144", "--json")
+    assert status == 0
+    doc = json.loads(out)
+    published = [r for r in doc["checkpoints"] if r["version"] is not None]
+    assert all(r["codec"] == "fp16" and r["served_loss"] is not None for r in published)
+    assert all(r["served_loss"]["samples"] == 2048 for r in published[:1])  # the window so far
+    versions = Catalog(FileStore(tmp_path), "synthetic").versions()
+    for ref in versions:
+        loss = ref.manifest.served_loss
+        assert loss is not None and {t.codec for t in ref.manifest.tables} == {"fp16"}
+        assert abs(loss.auc_rel_loss) < 1e-3  # fp16 is all but lossless
+    # `ls` and `inspect` show it.
+    assert store_main(["ls", "--store", store, "--model", "synthetic", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["versions"]
+    assert [r["served_loss"] for r in rows] == [
+        ref.manifest.served_loss.model_dump() for ref in versions if ref.manifest.served_loss
+    ]
+    assert store_main(["ls", "--store", store, "--model", "synthetic"]) == 0
+    assert re.search(r"fp16\s+[+-]\d\.\d{4}%", capsys.readouterr().out)
+    assert store_main(["inspect", "--store", store, "--model", "synthetic"]) == 0
+    assert "served loss on the latest 6,144 samples" in capsys.readouterr().out  # all it saw
+    assert store_main(["inspect", "--store", store, "--model", "synthetic", "--version", "1"]) == 0
+    assert "served loss on the latest 2,048 samples, as served vs fp32: AUC" in (
+        capsys.readouterr().out
+    )
+
+
+def test_served_loss_off_and_auto_needs_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = f"file://{tmp_path}"
+    argv = _with(SYNTHETIC, served_loss_samples="0")
+    status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "2048", "--json")
+    assert status == 0
+    assert all(r["served_loss"] is None for r in json.loads(out)["checkpoints"])
+    assert store_main(["inspect", "--store", store, "--model", "synthetic"]) == 0
+    assert "served loss: not measured" in capsys.readouterr().out
+    status, out, err = run(
+        capsys, *_with(argv, codec="auto"), "--store", f"{store}/b", "--max-samples", "2048"
+    )
+    assert status == 1 and "--codec auto chooses from the served loss" in err

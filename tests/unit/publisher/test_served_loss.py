@@ -1,0 +1,200 @@
+"""The served loss each version records (docs/FORMAT.md 3.2) and `--codec auto`'s use of it."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from publisher.codecs import decode_rows, encode_rows
+from publisher.dlrm import DLRM, DLRMConfig, SparseFeature, table_weight_names
+from publisher.read.catalog import Catalog
+from publisher.served_loss import ScoredBatch, ServedLossMeter, roc_auc
+from publisher.state_dicts import module_tensors
+from publisher.store import FileStore
+from publisher.write.policies import ServedLossCodecRule
+from publisher.write.publishing import CheckpointPublisher
+from publisher.write.snapshot import Snapshot, TableRows
+from schemas.manifest import Position
+
+CONFIG = DLRMConfig(
+    sparse=(SparseFeature("user", 60), SparseFeature("item", 40)),
+    dense=("x",),
+    embedding_dim=8,
+    bottom_mlp=(8,),
+    top_mlp=(8,),
+)
+
+
+def _model() -> DLRM:
+    torch.manual_seed(0)
+    model = DLRM(CONFIG)
+    with torch.no_grad():  # rows spread wider than the initial ones: quantization shows
+        for emb in model.embeddings.values():
+            assert isinstance(emb, torch.nn.EmbeddingBag)
+            emb.weight.normal_(0, 1.0)
+    return model
+
+
+def _samples(n: int = 2000, batch: int = 500, seed: int = 1) -> tuple[ScoredBatch, ...]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n // batch):
+        sparse = {
+            f.name: (rng.integers(0, f.rows, batch), np.arange(batch, dtype=np.int64))
+            for f in CONFIG.sparse
+        }
+        out.append(
+            ScoredBatch(
+                dense=rng.normal(size=(batch, 1)).astype(np.float32),
+                sparse=sparse,
+                labels=(rng.random(batch) < 0.4).astype(np.float32),
+            )
+        )
+    return tuple(out)
+
+
+def _snapshot(
+    model: DLRM,
+    codec: str,
+    rows: dict[str, np.ndarray] | None = None,
+    scored: tuple[ScoredBatch, ...] = (),
+) -> Snapshot:
+    """A full snapshot of `model` (every row) or a delta of `rows`."""
+    weights = {t: model.state_dict()[k].numpy() for t, k in table_weight_names(model).items()}
+    tables = []
+    for name, w in weights.items():
+        ids = np.arange(len(w)) if rows is None else rows[name]
+        tables.append(
+            TableRows(
+                name=name,
+                table_rows=len(w),
+                codec=codec,
+                row_ids=ids.astype(np.int64),
+                values=w[ids].copy(),
+                aux=np.zeros((len(ids), 0), dtype=np.float32),
+            )
+        )
+    return Snapshot(
+        kind="full" if rows is None else "delta",
+        relative_to=None if rows is None else "parent",
+        policy="consecutive",
+        tables=tuple(tables),
+        position=Position(step=1, samples_seen=1),
+        dense=module_tensors(model, set(table_weight_names(model).values())),
+        model_config=CONFIG.to_json(),
+        scored=scored,
+    )
+
+
+def _score(model: DLRM, samples: tuple[ScoredBatch, ...]) -> np.ndarray:
+    with torch.no_grad():
+        return torch.cat([model(*b.inputs()) for b in samples]).numpy()
+
+
+def test_roc_auc_counts_every_pair_and_ties_one_half() -> None:
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 60).astype(np.float64)  # many ties
+    labels = (rng.random(60) < 0.5).astype(np.float32)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = [1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg)]
+    assert roc_auc(scores, labels) == pytest.approx(sum(pairs) / len(pairs), abs=1e-12)
+    assert roc_auc(scores, np.zeros(60, dtype=np.float32)) is None
+
+
+def test_fp32_is_served_exactly_and_a_codec_loss_is_the_decoded_models() -> None:
+    model, samples = _model(), _samples()
+    labels = np.concatenate([b.labels for b in samples])
+    meter = ServedLossMeter(CONFIG.to_json())
+    for codec in ("fp32", "int2"):
+        snap = _snapshot(model, codec, scored=samples)
+        for t in snap.tables:
+            meter.apply_table(
+                t.name, t.row_ids, t.values, decode_rows(encode_rows(codec, t.values))
+            )
+        meter.apply_dense(snap.dense)
+        loss = meter.measure(samples)
+        assert loss is not None and loss.samples == 2000
+        assert loss.auc_fp32 == pytest.approx(roc_auc(_score(model, samples), labels))
+        if codec == "fp32":
+            assert loss.auc_served == loss.auc_fp32 and loss.logloss_served == loss.logloss_fp32
+            continue
+        # The served copy is the model with every row as int2 decodes it.
+        quantized = _model()
+        with torch.no_grad():
+            for emb in quantized.embeddings.values():
+                assert isinstance(emb, torch.nn.EmbeddingBag)
+                w = emb.weight.numpy()
+                w[:] = decode_rows(encode_rows("int2", w))
+        assert loss.auc_served == pytest.approx(roc_auc(_score(quantized, samples), labels))
+        assert loss.logloss_served != loss.logloss_fp32
+
+
+def test_nothing_is_measured_before_a_full_version_or_without_samples() -> None:
+    model, samples = _model(), _samples()
+    meter = ServedLossMeter(CONFIG.to_json())
+    some = {"embeddings.user": np.arange(5), "embeddings.item": np.arange(3)}
+    for t in _snapshot(model, "int8", some).tables:
+        meter.apply_table(t.name, t.row_ids, t.values, t.values)
+    assert meter.measure(samples) is None  # rows of the tables never written yet
+    assert ServedLossMeter.for_config({"architecture": "custom"}) is None
+
+
+def test_each_manifest_records_the_chain_as_served(tmp_path: Path) -> None:
+    """A delta's rows carry its codec; the rows it did not carry keep the full's."""
+    model, samples = _model(), _samples()
+    store = FileStore(tmp_path)
+    publisher = CheckpointPublisher(store, "m", measure_served_loss=True)
+    publisher.publish(_snapshot(model, "int2", scored=samples))
+    touched = {"embeddings.user": np.arange(0, 60, 2), "embeddings.item": np.arange(10)}
+    with torch.no_grad():
+        for emb in model.embeddings.values():
+            assert isinstance(emb, torch.nn.EmbeddingBag)
+            emb.weight.mul_(1.01)  # every row moves; only `touched` are written
+    publisher.publish(_snapshot(model, "fp32", touched, scored=samples))
+    meter = publisher._meter
+    assert meter is not None
+    for table, key in table_weight_names(model).items():
+        served = meter.served.state_dict()[key].numpy()
+        fp32 = meter.fp32.state_dict()[key].numpy()
+        now = model.state_dict()[key].numpy()
+        rows = touched[table]
+        others = np.setdiff1d(np.arange(len(now)), rows)
+        assert np.array_equal(served[rows], now[rows]) and np.array_equal(fp32[rows], now[rows])
+        before = now[others] / np.float32(1.01)
+        expected = decode_rows(encode_rows("int2", before))
+        assert np.allclose(served[others], expected, atol=1e-5)
+        assert np.allclose(fp32[others], before, atol=1e-5)
+    versions = [ref.manifest for ref in Catalog(store, "m").versions()]
+    assert [m.served_loss is not None for m in versions] == [True, True]
+    assert all(m.served_loss.samples == 2000 for m in versions if m.served_loss is not None)
+
+
+def test_a_publisher_without_measurement_writes_none(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    CheckpointPublisher(store, "m").publish(_snapshot(_model(), "int8", scored=_samples()))
+    (ref,) = Catalog(store, "m").versions()
+    assert ref.manifest.served_loss is None
+
+
+def test_the_codec_rule_picks_each_versions_codec_from_the_last_measurement(
+    tmp_path: Path,
+) -> None:
+    store = FileStore(tmp_path)
+    rule = ServedLossCodecRule("int4", budget=1.0, patience=1)
+    publisher = CheckpointPublisher(store, "m", measure_served_loss=True, codec_rule=rule)
+    model, samples = _model(), _samples()
+    rule.observe(2.0)  # over budget: the next version gets more bits
+    assert rule.codec == "int8"
+    publisher.publish(_snapshot(model, "int2", scored=samples))  # the snapshot's codec yields
+    (first,) = Catalog(store, "m").versions()
+    assert {t.codec for t in first.manifest.tables} == {"int8"}
+    # |loss| is far within half of a budget of 1.0: one calm version steps back down.
+    assert first.manifest.served_loss is not None
+    assert rule.codec == "int4"
+    publisher.publish(_snapshot(model, "int2", scored=samples))
+    second = Catalog(store, "m").versions()[-1]
+    assert {t.codec for t in second.manifest.tables} == {"int4"}

@@ -1,0 +1,58 @@
+"""The most recent progressive-validation samples, kept to score each version on.
+
+Each version's manifest records what quantization costs it as a server holds it, scored on the
+samples the run saw last (publisher/served_loss.py). The training thread only appends the
+batch it just scored (numpy views of its tensors, no copy) and drops the oldest whole batches
+beyond `capacity` samples; a checkpoint hands the window over as an immutable tuple. The streams
+build fresh tensors (or views of columns nobody writes) for every batch, so a kept batch never
+changes under the publisher.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+import torch
+
+from publisher.dlrm import SparseBatch
+from publisher.served_loss import ScoredBatch
+
+#: the default window: enough for AUC differences of a few 1e-5 to stand out (paired on the same
+#: samples), small enough to score twice per version in tens of milliseconds.
+DEFAULT_SCORED_SAMPLES = 16_384
+
+
+class RecentSamples:
+    """A bounded window of the latest batches: at most `capacity` samples (0: keeps nothing)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 samples, got {capacity}")
+        self.capacity = capacity
+        self._batches: deque[ScoredBatch] = deque()
+        self._held = 0
+
+    def add(
+        self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch], labels: torch.Tensor
+    ) -> None:
+        """Keep one batch (dropping the oldest ones the window no longer needs)."""
+        if self.capacity == 0:
+            return
+        batch = ScoredBatch(
+            dense=dense.detach().numpy(),
+            sparse={n: (b.values.numpy(), b.offsets.numpy()) for n, b in sparse.items()},
+            labels=labels.detach().numpy(),
+        )
+        self._batches.append(batch)
+        self._held += batch.size
+        while self._held - self._batches[0].size >= self.capacity:
+            self._held -= self._batches.popleft().size
+
+    def take(self) -> tuple[ScoredBatch, ...]:
+        """The window now, oldest first (the window itself goes on)."""
+        return tuple(self._batches)
+
+    def __len__(self) -> int:
+        """Samples held."""
+        return self._held
