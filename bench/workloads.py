@@ -21,6 +21,8 @@ import torch
 
 from publisher.codecs import decode_rows, encode_rows
 from publisher.dlrm import DLRM, TABLE_PREFIX
+from publisher.write.publishing import aux_encoding_for
+from schemas.delta_blob import round_to_bfloat16
 from trainer.cli import default_embedding_dim
 from trainer.online import (
     DLRMSettings,
@@ -203,7 +205,9 @@ class BenchTrainer:
         }
 
     def load_state(self, state: dict[str, Any], codec: str) -> None:
-        """Restore a saved state with every table row passed through `codec`."""
+        """Restore a saved state as a checkpoint of `codec` holds it: every table row passed
+        through `codec`, and the per-row optimizer columns stored as the publisher stores them
+        for that codec (`publishing.aux_encoding_for`: bfloat16 for a lossy one)."""
         self.model.load_state_dict(state["model"])
         for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(copy.deepcopy(sd))
@@ -212,6 +216,21 @@ class BenchTrainer:
             with torch.no_grad():
                 for table in self.table_rows:
                     quantize_in_place(self.weight(table), codec)
+        if aux_encoding_for(codec) == "bfloat16":
+            self._round_row_state()
+
+    def _round_row_state(self) -> None:
+        """The sparse optimizer's per-row columns (a table's aux) rounded to bfloat16."""
+        sparse = self.optimizers[0]
+        with torch.no_grad():
+            for group in sparse.param_groups:
+                for param in group["params"]:
+                    for value in sparse.state[param].values():
+                        # per-row columns only: never a step count
+                        per_row = isinstance(value, torch.Tensor) and value.dim() >= 1
+                        if per_row and value.shape[0] == param.shape[0]:
+                            rows = value.numpy()
+                            rows[...] = round_to_bfloat16(rows)
 
 
 def quantize_in_place(weight: torch.Tensor, codec: str) -> None:

@@ -5,7 +5,7 @@ A blob holds either every row of a table (a full checkpoint) or the modified row
 
     offset      size        field
     0           8           magic  b"CNRDELTA"
-    8           2           format_version u16 = 1
+    8           2           format_version u16 = 1, or 2 for a bfloat16 aux
     10          2           flags u16 = 0 (reserved, MUST be 0)
     12          4           header_len u32 (1 .. 65536)
     16          header_len  header: UTF-8 JSON object, exactly the fields below
@@ -15,13 +15,15 @@ A blob holds either every row of a table (a full checkpoint) or the modified row
     header: table (str, 1..256 chars), codec (schemas.codec_names.CODECS), dim (1..65536),
             table_rows (1..2^31), n_rows (0..table_rows), aux_dim (0..65536),
             row_encoding ("all" | "bitmap" | "varint"; "all" only if n_rows == table_rows),
-            sections: exactly 4 x {name, compression ("none" | "zstd"), stored_len, raw_len}
+            sections: exactly 4 x {name, compression ("none" | "zstd"), stored_len, raw_len},
+            and in version 2 only: aux_encoding ("float32" | "bfloat16")
 
     section      raw bytes                       contents
     rows         0 | ceil(table_rows/8) | varint  see schemas.row_index
     codes        n_rows * row_bytes(codec, dim)   row-major; int codes packed LSB first
     scale_bias   4 * n_rows (int codecs) | 0      n_rows fp16 scales, then n_rows fp16 biases
-    aux          4 * n_rows * aux_dim             float32 optimizer state, row-major
+    aux          4|2 * n_rows * aux_dim           optimizer state, row-major: float32, or
+                                                 bfloat16 (a float32's upper 16 bits)
 
 Rules (MUST):
 
@@ -84,7 +86,11 @@ from schemas.row_index import (
 )
 
 MAGIC: Final[bytes] = b"CNRDELTA"
+#: the version of a blob whose aux is float32 (what every writer produced before version 2).
 FORMAT_VERSION: Final[int] = 1
+#: the version that adds the header field `aux_encoding` (docs/FORMAT.md section 4).
+AUX_ENCODING_VERSION: Final[int] = 2
+FORMAT_VERSIONS: Final[tuple[int, ...]] = (FORMAT_VERSION, AUX_ENCODING_VERSION)
 _PREFIX: Final[struct.Struct] = struct.Struct("<8sHHI")
 _CRC: Final[struct.Struct] = struct.Struct("<I")
 PREFIX_BYTES: Final[int] = _PREFIX.size
@@ -103,6 +109,10 @@ SectionName = Literal["rows", "codes", "scale_bias", "aux"]
 SECTION_NAMES: Final[tuple[SectionName, ...]] = ("rows", "codes", "scale_bias", "aux")
 Compression = Literal["none", "zstd"]
 COMPRESSIONS: Final[tuple[Compression, ...]] = ("none", "zstd")
+AuxEncoding = Literal["float32", "bfloat16"]
+AUX_ENCODINGS: Final[tuple[AuxEncoding, ...]] = ("float32", "bfloat16")
+#: bytes per stored aux value.
+_AUX_ITEMSIZE: Final[dict[AuxEncoding, int]] = {"float32": 4, "bfloat16": 2}
 
 _HEADER_FIELDS: Final[tuple[str, ...]] = (
     "table",
@@ -114,6 +124,7 @@ _HEADER_FIELDS: Final[tuple[str, ...]] = (
     "row_encoding",
     "sections",
 )
+_V2_HEADER_FIELDS: Final[tuple[str, ...]] = (*_HEADER_FIELDS, "aux_encoding")
 _SECTION_FIELDS: Final[tuple[str, ...]] = ("name", "compression", "stored_len", "raw_len")
 # Bytes per decoded row id (int64): part of what a blob costs to decode, so it counts to the cap.
 _ROW_ID_BYTES: Final[int] = 8
@@ -152,7 +163,10 @@ class BlobLimits:
         rows_len = max(bitmap_size(table_rows), MAX_VARINT_BYTES * n_rows)
         return cls(
             max_total_bytes=max(size, MIN_BLOB_BYTES),
-            max_decoded_bytes=_decoded_bytes(codec, dim, n_rows, aux_dim, rows_len),
+            max_decoded_bytes=max(
+                _decoded_bytes(codec, dim, n_rows, aux_dim, rows_len, encoding)
+                for encoding in AUX_ENCODINGS
+            ),
             max_dim=dim,
             max_aux_dim=aux_dim,
             max_table_rows=table_rows,
@@ -199,6 +213,8 @@ class BlobHeader:
     row_encoding: RowEncoding
     sections: tuple[SectionHeader, SectionHeader, SectionHeader, SectionHeader]
     header_len: int
+    #: "float32" for a version 1 blob, which has no such field.
+    aux_encoding: AuxEncoding = "float32"
 
     @property
     def data_offset(self) -> int:
@@ -216,9 +232,11 @@ class DeltaBlob:
     """The decoded content of a delta blob: the encoded rows `row_ids` of one table.
 
     Row `row_ids[i]` is `codes[i]` (bytes of the codec), with `scale[i]`/`bias[i]` for integer
-    codecs (both empty for fp32/fp16) and optimizer state `aux[i]`. A decoded blob's arrays are
-    read-only and may be views into the decoded bytes. Equality compares every array bit for
-    bit (so NaN payloads count); blobs are unhashable.
+    codecs (both empty for fp32/fp16) and optimizer state `aux[i]`, float32 in memory whatever
+    `aux_encoding` stores: with "bfloat16" every aux value must be a bfloat16 value (its low 16
+    bits zero; `round_to_bfloat16` makes one). A decoded blob's arrays are read-only and may be
+    views into the decoded bytes. Equality compares every array bit for bit (so NaN payloads
+    count); blobs are unhashable.
     """
 
     table: str
@@ -230,6 +248,7 @@ class DeltaBlob:
     scale: npt.NDArray[np.float16]
     bias: npt.NDArray[np.float16]
     aux: npt.NDArray[np.float32]
+    aux_encoding: AuxEncoding = "float32"
 
     @property
     def n_rows(self) -> int:
@@ -287,11 +306,21 @@ class DeltaBlob:
         if aux.shape[0] != n:
             raise ValueError(f"aux shape {aux.shape}, expected {n} rows")
         _check_int("aux_dim", aux.shape[1], 0, MAX_AUX_DIM, ValueError)
+        if self.aux_encoding not in AUX_ENCODINGS:
+            raise ValueError(f"aux_encoding {self.aux_encoding!r}, expected one of {AUX_ENCODINGS}")
+        if self.aux_encoding == "bfloat16" and aux.size:
+            low = _little_endian(aux).view("<u4") & 0xFFFF
+            if low.any():
+                row = int(np.flatnonzero(low.any(axis=1))[0])
+                raise ValueError(
+                    f"aux row {row} holds values that are not bfloat16 (low 16 bits set): "
+                    "round them with round_to_bfloat16 first"
+                )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DeltaBlob):
             return NotImplemented
-        scalars = ("table", "codec", "dim", "table_rows")
+        scalars = ("table", "codec", "dim", "table_rows", "aux_encoding")
         arrays = ("row_ids", "codes", "scale", "bias", "aux")
         return all(getattr(self, f) == getattr(other, f) for f in scalars) and all(
             _same_bits(getattr(self, f), getattr(other, f)) for f in arrays
@@ -349,6 +378,21 @@ def _check_table_name(value: object, error: type[ValueError]) -> str:
 # --- encoding ---------------------------------------------------------------------------------
 
 
+def round_to_bfloat16(values: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """float32 `values` rounded to the nearest bfloat16 (ties to even), as float32: what a
+    bfloat16 aux section holds. Overflow rounds to inf, as IEEE rounding does; a NaN stays NaN."""
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4")
+    # Adding 0x7FFF plus the kept part's lowest bit and truncating rounds to nearest, ties to
+    # even; in uint64 so the carry out of the top cannot wrap.
+    wide = bits.astype(np.uint64)
+    rounded = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16 << 16).astype("<u4")
+    # A NaN whose payload sits only in the low bits would round to inf: keep it a (quiet) NaN.
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = (bits[nan] & 0xFFFF0000) | 0x00400000
+    return rounded.view("<f4").astype(np.float32, copy=False)
+
+
 def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int = 3) -> bytes:
     """The bytes of `blob` in the delta blob format.
 
@@ -365,7 +409,7 @@ def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int
         encode_row_ids(blob.row_ids, blob.table_rows, encoding),
         blob.codes.tobytes(),
         scale_bias.tobytes(),
-        blob.aux.astype("<f4", copy=False).tobytes(),
+        _aux_bytes(blob.aux, blob.aux_encoding),
     )
     compressor = zstandard.ZstdCompressor(level=zstd_level) if compress else None
     stored: list[bytes] = []
@@ -386,7 +430,7 @@ def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int
                 "raw_len": len(raw),
             }
         )
-    header = {
+    header: dict[str, object] = {
         "table": blob.table,
         "codec": blob.codec,
         "dim": blob.dim,
@@ -396,15 +440,28 @@ def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int
         "row_encoding": encoding,
         "sections": sections,
     }
+    # A float32 aux stays version 1, byte for byte what readers before version 2 read.
+    version = FORMAT_VERSION
+    if blob.aux_encoding != "float32":
+        header["aux_encoding"] = blob.aux_encoding
+        version = AUX_ENCODING_VERSION
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     if len(header_bytes) > MAX_HEADER_BYTES:  # pragma: no cover - a 256-char name stays far below
         raise ValueError(f"header of {len(header_bytes)} bytes exceeds {MAX_HEADER_BYTES}")
-    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header_bytes)), header_bytes, *stored]
+    parts = [_PREFIX.pack(MAGIC, version, 0, len(header_bytes)), header_bytes, *stored]
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
     parts.append(_CRC.pack(crc))
     return b"".join(parts)
+
+
+def _aux_bytes(aux: npt.NDArray[np.float32], encoding: AuxEncoding) -> bytes:
+    little = aux.astype("<f4", copy=False)
+    if encoding == "float32":
+        return little.tobytes()
+    # validate() checked the low halves are zero: the upper halves are the bfloat16 values.
+    return (np.ascontiguousarray(little).view("<u4") >> 16).astype("<u2").tobytes()
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -463,7 +520,11 @@ def decode_delta_blob(data: BytesLike, *, limits: BlobLimits = DEFAULT_LIMITS) -
     sb = np.frombuffer(scale_bias, dtype="<f2")
     # For fp codecs the section is empty, so both slices are the (0,) arrays the blob wants.
     scale, bias = sb[:n], sb[n:]
-    aux_arr = np.frombuffer(aux, dtype="<f4").reshape(n, header.aux_dim)
+    if header.aux_encoding == "float32":
+        aux_arr = np.frombuffer(aux, dtype="<f4").reshape(n, header.aux_dim)
+    else:
+        halves = np.frombuffer(aux, dtype="<u2").reshape(n, header.aux_dim)
+        aux_arr = (halves.astype("<u4") << 16).view("<f4")
     for arr in (row_ids, codes_arr, scale, bias, aux_arr):
         arr.flags.writeable = False
     return DeltaBlob(
@@ -476,6 +537,7 @@ def decode_delta_blob(data: BytesLike, *, limits: BlobLimits = DEFAULT_LIMITS) -
         scale=scale,
         bias=bias,
         aux=aux_arr,
+        aux_encoding=header.aux_encoding,
     )
 
 
@@ -501,8 +563,10 @@ def _read_header(buf: memoryview, limits: BlobLimits, *, whole_blob: bool) -> Bl
     magic, version, flags, header_len = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise BadMagicError(f"magic is {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersionError(f"format_version is {version}, expected {FORMAT_VERSION}")
+    if version not in FORMAT_VERSIONS:
+        raise UnsupportedVersionError(
+            f"format_version is {version}, expected one of {FORMAT_VERSIONS}"
+        )
     if flags != 0:
         raise UnsupportedVersionError(f"flags are 0x{flags:04x}, expected 0 (reserved)")
     if header_len == 0:
@@ -516,15 +580,22 @@ def _read_header(buf: memoryview, limits: BlobLimits, *, whole_blob: bool) -> Bl
         raise TruncatedBlobError(
             f"blob is {len(buf)} bytes, header_len {header_len} needs at least {needed}"
         )
-    header = _parse_header(bytes(buf[PREFIX_BYTES : PREFIX_BYTES + header_len]))
+    header = _parse_header(bytes(buf[PREFIX_BYTES : PREFIX_BYTES + header_len]), version)
     _check_sizes(header, limits)
     return header
 
 
-def _parse_header(raw: bytes) -> BlobHeader:
-    """The header from its JSON bytes, with every field's type and range checked."""
+def _parse_header(raw: bytes, version: int) -> BlobHeader:
+    """The header from its JSON bytes, with every field's type and range checked (the fields of
+    format `version`)."""
     obj = strict_json.loads(raw, BadHeaderError, "header")
-    fields = _exact_fields(obj, _HEADER_FIELDS, "header")
+    names = _HEADER_FIELDS if version == FORMAT_VERSION else _V2_HEADER_FIELDS
+    fields = _exact_fields(obj, names, f"a version {version} header")
+    aux_encoding = fields.get("aux_encoding", "float32")
+    if not isinstance(aux_encoding, str) or aux_encoding not in AUX_ENCODINGS:
+        raise BadHeaderError(
+            f"aux_encoding {aux_encoding!r} unknown, expected one of {AUX_ENCODINGS}"
+        )
 
     table = _check_table_name(fields["table"], BadHeaderError)
     codec = fields["codec"]
@@ -554,6 +625,7 @@ def _parse_header(raw: bytes) -> BlobHeader:
         row_encoding=row_encoding,
         sections=sections,
         header_len=len(raw),
+        aux_encoding=aux_encoding,
     )
 
 
@@ -618,23 +690,31 @@ def _expected_raw_len(header: BlobHeader, name: SectionName) -> int:
         if header.row_encoding == "bitmap":
             return bitmap_size(header.table_rows)
         return 0  # "all"; varint lengths are a range, handled by the caller
-    return _row_sections(header.codec, header.dim, header.n_rows, header.aux_dim)[name]
+    return _row_sections(
+        header.codec, header.dim, header.n_rows, header.aux_dim, header.aux_encoding
+    )[name]
 
 
-def _row_sections(codec: str, dim: int, n_rows: int, aux_dim: int) -> dict[SectionName, int]:
+def _row_sections(
+    codec: str, dim: int, n_rows: int, aux_dim: int, aux_encoding: AuxEncoding
+) -> dict[SectionName, int]:
     """The raw lengths of the sections that hold `n_rows` rows: codes, scale_bias and aux."""
     return {
         "codes": n_rows * row_bytes(codec, dim),
         "scale_bias": scale_bias_bytes(codec, n_rows),
-        "aux": 4 * n_rows * aux_dim,
+        "aux": _AUX_ITEMSIZE[aux_encoding] * n_rows * aux_dim,
     }
 
 
-def _decoded_bytes(codec: str, dim: int, n_rows: int, aux_dim: int, rows_len: int) -> int:
+def _decoded_bytes(
+    codec: str, dim: int, n_rows: int, aux_dim: int, rows_len: int, aux_encoding: AuxEncoding
+) -> int:
     """What decoding costs (`BlobLimits.max_decoded_bytes` caps it): every raw section, the
-    `rows_len` bytes of the row index included, plus 8 bytes per decoded row id."""
-    sections = sum(_row_sections(codec, dim, n_rows, aux_dim).values())
-    return _ROW_ID_BYTES * n_rows + rows_len + sections
+    `rows_len` bytes of the row index included, plus 8 bytes per decoded row id and, for a
+    bfloat16 aux, the float32 values it widens to."""
+    sections = sum(_row_sections(codec, dim, n_rows, aux_dim, aux_encoding).values())
+    widened = 0 if aux_encoding == "float32" else 4 * n_rows * aux_dim
+    return _ROW_ID_BYTES * n_rows + rows_len + sections + widened
 
 
 def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
@@ -665,7 +745,12 @@ def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
     if header.row_encoding == "varint":
         expected["rows"] = header.sections[0].raw_len
     decoded = _decoded_bytes(
-        header.codec, header.dim, header.n_rows, header.aux_dim, expected["rows"]
+        header.codec,
+        header.dim,
+        header.n_rows,
+        header.aux_dim,
+        expected["rows"],
+        header.aux_encoding,
     )
     if decoded > limits.max_decoded_bytes:
         raise BlobTooLargeError(

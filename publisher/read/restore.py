@@ -8,7 +8,8 @@ of the model plus, per worker, one blob and one table's codes. The target's stat
 is checked against the memory budget before anything is fetched (publisher/memory_budget.py),
 and every blob against the sha256 in its manifest before it is decoded. With the fp32 codec the
 result is bitwise equal to the trainer's state at that version; with a lossy codec each row is
-within its codec's error bound.
+within its codec's error bound and its optimizer columns are the trainer's rounded to bfloat16
+(docs/FORMAT.md section 4).
 
 A table with an id map (an open id space, docs/FORMAT.md section 7) gets its map rebuilt by the
 same rule, from the id-map blob beside each table blob (publisher/read/id_map_rows.py), so the

@@ -20,6 +20,7 @@ import json
 import struct
 import sys
 import zlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from schemas.delta_blob import (
     decode_delta_blob,
     encode_delta_blob,
     peek_header,
+    round_to_bfloat16,
 )
 from schemas.errors import FormatError
 
@@ -79,6 +81,9 @@ def _seed_corpus() -> list[bytes]:
         blob = _seed_blob(*shape)
         corpus.append(encode_delta_blob(blob, compress=False))
         corpus.append(encode_delta_blob(blob, compress=True))
+        # The same rows with a bfloat16 aux: format version 2.
+        v2 = replace(blob, aux=round_to_bfloat16(blob.aux), aux_encoding="bfloat16")
+        corpus.append(encode_delta_blob(v2, compress=True))
     return corpus
 
 

@@ -12,6 +12,7 @@ import struct
 import tracemalloc
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from schemas.delta_blob import (
     decode_delta_blob,
     encode_delta_blob,
     peek_header,
+    round_to_bfloat16,
 )
 from schemas.errors import (
     BadHeaderError,
@@ -99,6 +101,25 @@ GOLDEN_ZSTD = (
 )
 
 
+# Version 2: the golden blob with its aux stored as bfloat16 (0.25 and 2.0 are bfloat16 values).
+GOLDEN_V2_HEADER = GOLDEN_HEADER.replace(
+    b'"stored_len":8,"raw_len":8}]}', b'"stored_len":4,"raw_len":4}],"aux_encoding":"bfloat16"}'
+)
+GOLDEN_V2_AUX = b"\x80\x3e" + b"\x00\x40"  # bfloat16 0.25, 2.0: float32 0x3e800000, 0x40000000
+GOLDEN_V2 = (
+    b"CNRDELTA"
+    b"\x02\x00"  # format_version 2
+    b"\x00\x00"
+    b"\x90\x01\x00\x00"  # header_len 400
+    + GOLDEN_V2_HEADER
+    + GOLDEN_ROWS
+    + GOLDEN_CODES
+    + GOLDEN_SCALE_BIAS
+    + GOLDEN_V2_AUX
+    + b"\xf0\xe1\xdc\x3e"  # crc32 0x3edce1f0
+)
+
+
 def golden_blob() -> DeltaBlob:
     return DeltaBlob(
         table="t",
@@ -118,6 +139,59 @@ def test_golden_bytes_pin_the_layout() -> None:
     assert struct.unpack("<I", GOLDEN[-4:]) == (zlib.crc32(GOLDEN[:-4]),)
     assert encode_delta_blob(golden_blob(), compress=False) == GOLDEN
     assert decode_delta_blob(GOLDEN) == golden_blob()
+
+
+def golden_v2_blob() -> DeltaBlob:
+    return replace(golden_blob(), aux_encoding="bfloat16")
+
+
+def test_golden_v2_pins_the_bfloat16_aux() -> None:
+    assert struct.unpack("<I", GOLDEN_V2[12:16]) == (len(GOLDEN_V2_HEADER),)
+    assert struct.unpack("<I", GOLDEN_V2[-4:]) == (zlib.crc32(GOLDEN_V2[:-4]),)
+    assert encode_delta_blob(golden_v2_blob(), compress=False) == GOLDEN_V2
+    decoded = decode_delta_blob(GOLDEN_V2)
+    assert decoded == golden_v2_blob()
+    assert decoded.aux.dtype == np.float32 and decoded.aux.tolist() == [[0.25], [2.0]]
+    assert not decoded.aux.flags.writeable
+
+
+def test_a_float32_aux_is_still_written_as_version_1() -> None:
+    # Readers older than version 2 keep reading what a float32 writer produces.
+    assert encode_delta_blob(golden_blob())[8:10] == b"\x01\x00"
+    assert decode_delta_blob(GOLDEN).aux_encoding == "float32"
+
+
+def test_validate_refuses_an_aux_that_is_not_bfloat16() -> None:
+    aux = np.array([[0.25], [1 + 2**-10]], dtype=np.float32)
+    with pytest.raises(ValueError, match="aux row 1 holds values that are not bfloat16"):
+        encode_delta_blob(replace(golden_v2_blob(), aux=aux))
+    with pytest.raises(ValueError, match="aux_encoding 'float16'"):
+        encode_delta_blob(replace(golden_blob(), aux_encoding="float16"))  # type: ignore[arg-type]
+
+
+def test_round_to_bfloat16_is_nearest_ties_to_even() -> None:
+    x = np.array(
+        [1.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-12, -2.5, 0.0, -0.0, np.inf, 3.4e38],
+        dtype=np.float32,
+    )
+    expected = [1.0, 1.0, 1 + 2**-6, 1 + 2**-7, -2.5, 0.0, -0.0, np.inf, np.inf]
+    rounded = round_to_bfloat16(x)
+    assert rounded.dtype == np.float32 and rounded.tolist() == expected
+    assert np.signbit(rounded[6])
+    # A NaN whose payload is only in the low bits must not round to inf.
+    nan = np.array([0x7F800001, 0xFF800001], dtype="<u4").view("<f4")
+    assert np.isnan(round_to_bfloat16(nan)).all()
+
+
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=50))
+@settings(max_examples=100, deadline=None)
+def test_round_to_bfloat16_is_within_half_a_bfloat16_step(values: list[float]) -> None:
+    x = np.array(values, dtype=np.float32)
+    rounded = round_to_bfloat16(x)
+    assert not (rounded.view("<u4") & 0xFFFF).any()
+    finite = np.isfinite(rounded)
+    err = np.abs(rounded[finite].astype(np.float64) - x[finite].astype(np.float64))
+    assert (err <= np.abs(x[finite].astype(np.float64)) * 2**-8 + 2**-133).all()
 
 
 def test_golden_compression_skips_sections_it_cannot_shrink() -> None:
@@ -180,6 +254,7 @@ def tiny_blob(
     stored_len: dict[str, int] | None = None,
     compression: dict[str, str] | None = None,
     edit: Callable[[dict[str, Any]], object] | None = None,
+    version: int = 1,
     **fields: Any,
 ) -> bytes:
     """The golden blob rebuilt by hand, with any payload, length or header field replaced."""
@@ -206,7 +281,7 @@ def tiny_blob(
     header.update(fields)
     if edit is not None:
         edit(header)
-    return assemble(header, b"".join(payloads.values()))
+    return assemble(header, b"".join(payloads.values()), version=version)
 
 
 def zstd(raw: bytes, *, content_size: bool = True) -> bytes:
@@ -391,9 +466,10 @@ def test_bad_magic(magic: bytes) -> None:
 # --- UnsupportedVersionError ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
 def test_unsupported_version(version: int) -> None:
-    with pytest.raises(UnsupportedVersionError, match=f"format_version is {version}, expected 1"):
+    match = rf"format_version is {version}, expected one of \(1, 2\)"
+    with pytest.raises(UnsupportedVersionError, match=match):
         decode_delta_blob(assemble(GOLDEN_HEADER, GOLDEN[16 + 374 : -4], version=version))
 
 
@@ -701,7 +777,7 @@ def test_checks_run_in_the_documented_order() -> None:
     with pytest.raises(BadMagicError):
         decode_delta_blob(b"XXXXXXXX\x02\x00" + GOLDEN[10:])
     with pytest.raises(UnsupportedVersionError):
-        decode_delta_blob(assemble(b"not json", version=2))
+        decode_delta_blob(assemble(b"not json", version=3))
     with pytest.raises(BadHeaderError):
         decode_delta_blob(tiny_blob(dim=0, raw_len={"codes": 2**50}))
     with pytest.raises(BlobTooLargeError):
@@ -1042,3 +1118,79 @@ def test_a_zstd_bomb_is_refused_by_the_caps_of_its_table() -> None:
         codec="fp32", dim=8, table_rows=1000, n_rows=1000, aux_dim=0, size=len(bomb)
     )
     _assert_small_peak(lambda: decode_delta_blob(bomb, limits=limits), BlobTooLargeError)
+
+
+# --- version 2: aux_encoding ------------------------------------------------------------------
+
+
+def test_tiny_blob_version_2_is_the_golden_v2_blob() -> None:
+    hand_made = tiny_blob(version=2, aux=GOLDEN_V2_AUX, aux_encoding="bfloat16")
+    assert decode_delta_blob(hand_made) == golden_v2_blob()
+
+
+@pytest.mark.parametrize(
+    ("version", "fields", "match"),
+    [
+        (
+            1,
+            {"aux_encoding": "float32"},
+            r"version 1 header has unknown field\(s\) \['aux_enc",
+        ),
+        (2, {}, r"version 2 header lacks field\(s\) \['aux_encoding'\]"),
+        (2, {"aux_encoding": "float16"}, "aux_encoding 'float16' unknown"),
+        (2, {"aux_encoding": 2}, "aux_encoding 2 unknown"),
+    ],
+)
+def test_aux_encoding_belongs_to_version_2(
+    version: int, fields: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(BadHeaderError, match=match):
+        decode_delta_blob(tiny_blob(version=version, **fields))
+
+
+def test_a_float32_aux_under_version_2_reads_as_version_1() -> None:
+    assert decode_delta_blob(tiny_blob(version=2, aux_encoding="float32")) == golden_blob()
+
+
+def test_bfloat16_aux_section_length() -> None:
+    # 2 rows x 1 column of bfloat16 is 4 bytes: the float32 length is refused.
+    with pytest.raises(SectionLengthError, match="aux has raw_len 8, expected 4"):
+        decode_delta_blob(tiny_blob(version=2, aux_encoding="bfloat16"))
+
+
+def test_bfloat16_widening_counts_to_the_decoded_cap() -> None:
+    # raw sections 2 + 4 + 8 + 4 = 18, row ids 16, widened aux 8: 42 bytes.
+    with pytest.raises(BlobTooLargeError, match="decoding needs 42 bytes"):
+        decode_delta_blob(GOLDEN_V2, limits=BlobLimits(max_decoded_bytes=41))
+    assert decode_delta_blob(GOLDEN_V2, limits=BlobLimits(max_decoded_bytes=42)).n_rows == 2
+
+
+def test_table_limits_admit_either_aux_encoding() -> None:
+    for data in (GOLDEN, GOLDEN_V2):
+        limits = BlobLimits.for_table(
+            codec="int4", dim=3, table_rows=10, n_rows=2, aux_dim=1, size=len(data)
+        )
+        assert decode_delta_blob(data, limits=limits).n_rows == 2
+
+
+@given(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=0, max_size=12),
+    st.booleans(),
+)
+@settings(max_examples=60, deadline=None)
+def test_bfloat16_round_trip(values: list[float], compress: bool) -> None:
+    n = len(values)
+    ids = np.arange(n, dtype=np.int64)
+    blob = DeltaBlob(
+        table="t",
+        codec="int8",
+        dim=1,
+        table_rows=max(n, 1),
+        row_ids=ids,
+        codes=np.zeros((n, 1), dtype=np.uint8),
+        scale=np.ones(n, dtype=np.float16),
+        bias=np.zeros(n, dtype=np.float16),
+        aux=round_to_bfloat16(np.array(values, dtype=np.float32).reshape(n, 1)),
+        aux_encoding="bfloat16",
+    )
+    assert decode_delta_blob(encode_delta_blob(blob, compress=compress)) == blob
