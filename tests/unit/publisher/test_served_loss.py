@@ -12,7 +12,13 @@ import torch
 from publisher.codecs import decode_rows, encode_rows
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature, table_weight_names
 from publisher.read.catalog import Catalog
-from publisher.served_loss import ScoredBatch, ServedLossMeter, roc_auc, rows_carried
+from publisher.served_loss import (
+    MeterOrderError,
+    ScoredBatch,
+    ServedLossMeter,
+    roc_auc,
+    rows_carried,
+)
 from publisher.state_dicts import module_tensors
 from publisher.store import FileStore
 from publisher.write.policies import ServedLossCodecRule
@@ -316,3 +322,20 @@ def test_a_selection_keeps_whole_bags_of_any_length() -> None:
     (empty_bag,) = rows_carried([batch], {"f": np.zeros(6, dtype=bool)})
     assert empty_bag.dense[:, 0].tolist() == [1.0] and empty_bag.sparse["f"][0].size == 0
     assert rows_carried([batch], {"f": np.ones(6, dtype=bool)}) == (batch,)  # no copy
+
+
+def test_a_version_left_half_applied_is_never_measured_on_fp32_rows() -> None:
+    """Between `score_fp32` and the last `apply_table` the served copy holds fp32 rows: measuring
+    then is refused, and a version that failed there leaves its tables unknown until the next
+    full one."""
+    model, samples = _model(), _samples()
+    meter = ServedLossMeter(CONFIG.to_json())
+    full = _snapshot(model, "int2", scored=samples)
+    some = {"embeddings.user": np.arange(0, 60, 2), "embeddings.item": np.arange(0, 40, 2)}
+    delta = _snapshot(model, "int2", some, scored=samples)
+    assert _measure(meter, full) is not None and _measure(meter, delta) is not None
+    fp32 = meter.score_fp32(delta.tables, delta.dense, delta.scored)
+    with pytest.raises(MeterOrderError, match=r"embeddings\.user"):
+        meter.measure(fp32)
+    assert _measure(meter, delta) is None
+    assert _measure(meter, full) is not None and _measure(meter, delta) is not None
