@@ -308,7 +308,7 @@ def _print_served_loss(loss: ServedLoss | None) -> None:
         print("served loss: not measured")
         return
     print(
-        f"served loss on the latest {loss.samples:,} samples, as served vs fp32: "
+        f"served loss on {loss.samples:,} recent samples, as served vs fp32: "
         f"AUC {loss.auc_served:.6f} vs {loss.auc_fp32:.6f} "
         f"({-100 * loss.auc_rel_loss:+.4f}%), log loss {loss.logloss_served:.6f} vs "
         f"{loss.logloss_fp32:.6f} ({100 * loss.logloss_rel_increase:+.4f}%)"

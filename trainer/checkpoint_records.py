@@ -53,7 +53,7 @@ class CheckpointRecord:
     codec: str | None = None
     #: the version as a server holds it next to fp32 (docs/FORMAT.md 3.2); None: not measured.
     served_loss: ServedLoss | None = None
-    #: of publish_s: updating the served-loss copies and scoring them.
+    #: of publish_s: updating the served-loss copy and scoring it.
     measure_s: float | None = None
 
     @classmethod

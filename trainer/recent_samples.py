@@ -1,11 +1,12 @@
 """The most recent progressive-validation samples, kept to score each version on.
 
 Each version's manifest records what quantization costs it as a server holds it, scored on the
-samples the run saw last (publisher/served_loss.py). The training thread only appends the
-batch it just scored (numpy views of its tensors, no copy) and drops the oldest whole batches
-beyond `capacity` samples; a checkpoint hands the window over as an immutable tuple. The streams
-build fresh tensors (or views of columns nobody writes) for every batch, so a kept batch never
-changes under the publisher.
+samples the run saw last whose rows the version carries (publisher/served_loss.py: all of them in
+a full version, at least those of the version's own interval in a delta). The training thread
+only appends the batch it just scored (numpy views of its tensors, no copy) and drops the oldest
+whole batches beyond `capacity` samples; a checkpoint hands the window over as an immutable
+tuple. The streams build fresh tensors (or views of columns nobody writes) for every batch, so a
+kept batch never changes under the publisher.
 """
 
 from __future__ import annotations

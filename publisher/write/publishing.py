@@ -53,7 +53,7 @@ class PublishResult:
     taken_at: float
     #: the `Snapshot.sequence` of the newest snapshot this version holds.
     sequence: int
-    #: of `encode_s`: updating the served-loss copies and scoring them.
+    #: of `encode_s`: updating the served-loss copy and scoring it.
     measure_s: float = 0.0
 
     @property
@@ -181,21 +181,27 @@ class CheckpointPublisher:
         if self.codec_rule is not None:
             rows = tuple(replace(t, codec=self.codec_rule.codec) for t in rows)
         meter = self._meter_for(snapshot)
-        tables = []
+        fp32_scores = None
         measure_s = 0.0
+        if meter is not None:
+            # The snapshot's rows, not what the blobs end up holding: a row a delta would leave
+            # out as unchanged once encoded still moved in fp32 (publisher/served_loss.py).
+            measuring = time.perf_counter()
+            fp32_scores = meter.score_fp32(rows, snapshot.dense, snapshot.scored)
+            measure_s += time.perf_counter() - measuring
+        tables = []
         for t in rows:
             q = encode_rows(t.codec, t.values)
             tables.append(encode_table(t, self.tunables, q))
             if meter is not None:  # table by table: one table's decoded rows at a time
                 measuring = time.perf_counter()
-                meter.apply_table(t.name, t.row_ids, t.values, decode_rows(q))
+                meter.apply_table(t.name, t.row_ids, decode_rows(q))
                 measure_s += time.perf_counter() - measuring
             del q
         served_loss = None
         if meter is not None:
             measuring = time.perf_counter()
-            meter.apply_dense(snapshot.dense)
-            served_loss = meter.measure(snapshot.scored)
+            served_loss = meter.measure(fp32_scores)
             measure_s += time.perf_counter() - measuring
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
@@ -251,7 +257,7 @@ class CheckpointPublisher:
         )
 
     def _meter_for(self, snapshot: Snapshot) -> ServedLossMeter | None:
-        """The served-loss copies of the snapshot's model; None when not measuring."""
+        """The served-loss copy of the snapshot's model; None when not measuring."""
         if not self.measure_served_loss:
             return None
         if self._meter is None or self._meter.model_config != snapshot.model_config:

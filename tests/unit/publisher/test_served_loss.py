@@ -12,13 +12,19 @@ import torch
 from publisher.codecs import decode_rows, encode_rows
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature, table_weight_names
 from publisher.read.catalog import Catalog
-from publisher.served_loss import ScoredBatch, ServedLossMeter, roc_auc
+from publisher.served_loss import (
+    MeterOrderError,
+    ScoredBatch,
+    ServedLossMeter,
+    roc_auc,
+    rows_carried,
+)
 from publisher.state_dicts import module_tensors
 from publisher.store import FileStore
 from publisher.write.policies import ServedLossCodecRule
 from publisher.write.publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot, TableRows
-from schemas.manifest import Position
+from schemas.manifest import Position, ServedLoss
 
 CONFIG = DLRMConfig(
     sparse=(SparseFeature("user", 60), SparseFeature("item", 40)),
@@ -95,6 +101,48 @@ def _score(model: DLRM, samples: tuple[ScoredBatch, ...]) -> np.ndarray:
         return torch.cat([model(*b.inputs()) for b in samples]).numpy()
 
 
+def _measure(meter: ServedLossMeter, snap: Snapshot) -> ServedLoss | None:
+    """One version through the meter, as `CheckpointPublisher.publish` drives it."""
+    fp32 = meter.score_fp32(snap.tables, snap.dense, snap.scored)
+    for t in snap.tables:
+        meter.apply_table(t.name, t.row_ids, decode_rows(encode_rows(t.codec, t.values)))
+    return meter.measure(fp32)
+
+
+def _samples_of(rows: dict[str, np.ndarray], n: int, seed: int) -> ScoredBatch:
+    """One batch of `n` samples looking up only `rows` (feature name -> row ids)."""
+    rng = np.random.default_rng(seed)
+    return ScoredBatch(
+        dense=rng.normal(size=(n, 1)).astype(np.float32),
+        sparse={
+            f.name: (rng.choice(rows[f"embeddings.{f.name}"], n), np.arange(n, dtype=np.int64))
+            for f in CONFIG.sparse
+        },
+        labels=(rng.random(n) < 0.4).astype(np.float32),
+    )
+
+
+def _fp32_loss(model: DLRM, samples: tuple[ScoredBatch, ...]) -> tuple[float | None, float]:
+    """AUC and log loss of a real fp32 model on `samples`."""
+    logits = _score(model, samples)
+    labels = np.concatenate([b.labels for b in samples])
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(
+        torch.from_numpy(logits), torch.from_numpy(labels)
+    )
+    return roc_auc(logits, labels), float(loss)
+
+
+def _train_rows(model: DLRM, rows: dict[str, np.ndarray]) -> None:
+    """What an interval of training does: the looked-up rows and the dense layers move."""
+    with torch.no_grad():
+        for name, emb in model.embeddings.items():
+            assert isinstance(emb, torch.nn.EmbeddingBag)
+            ids = torch.from_numpy(rows[f"embeddings.{name}"])
+            emb.weight[ids] = emb.weight[ids] * 1.05 + 0.01
+        for p in model.top.parameters():
+            p.mul_(1.02)
+
+
 def test_roc_auc_counts_every_pair_and_ties_one_half() -> None:
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 5, 60).astype(np.float64)  # many ties
@@ -110,13 +158,7 @@ def test_fp32_is_served_exactly_and_a_codec_loss_is_the_decoded_models() -> None
     labels = np.concatenate([b.labels for b in samples])
     meter = ServedLossMeter(CONFIG.to_json())
     for codec in ("fp32", "int2"):
-        snap = _snapshot(model, codec, scored=samples)
-        for t in snap.tables:
-            meter.apply_table(
-                t.name, t.row_ids, t.values, decode_rows(encode_rows(codec, t.values))
-            )
-        meter.apply_dense(snap.dense)
-        loss = meter.measure(samples)
+        loss = _measure(meter, _snapshot(model, codec, scored=samples))
         assert loss is not None and loss.samples == 2000
         assert loss.auc_fp32 == pytest.approx(roc_auc(_score(model, samples), labels))
         if codec == "fp32":
@@ -137,9 +179,10 @@ def test_nothing_is_measured_before_a_full_version_or_without_samples() -> None:
     model, samples = _model(), _samples()
     meter = ServedLossMeter(CONFIG.to_json())
     some = {"embeddings.user": np.arange(5), "embeddings.item": np.arange(3)}
-    for t in _snapshot(model, "int8", some).tables:
-        meter.apply_table(t.name, t.row_ids, t.values, t.values)
-    assert meter.measure(samples) is None  # rows of the tables never written yet
+    # Rows of the tables never written yet, then a full version without samples.
+    assert _measure(meter, _snapshot(model, "int8", some, scored=samples)) is None
+    assert _measure(meter, _snapshot(model, "int8")) is None
+    assert _measure(meter, _snapshot(model, "int8", some, scored=samples)) is not None
     assert ServedLossMeter.for_config({"architecture": "custom"}) is None
 
 
@@ -159,18 +202,29 @@ def test_each_manifest_records_the_chain_as_served(tmp_path: Path) -> None:
     assert meter is not None
     for table, key in table_weight_names(model).items():
         served = meter.served.state_dict()[key].numpy()
-        fp32 = meter.fp32.state_dict()[key].numpy()
         now = model.state_dict()[key].numpy()
         rows = touched[table]
         others = np.setdiff1d(np.arange(len(now)), rows)
-        assert np.array_equal(served[rows], now[rows]) and np.array_equal(fp32[rows], now[rows])
+        assert np.array_equal(served[rows], now[rows])
         before = now[others] / np.float32(1.01)
         expected = decode_rows(encode_rows("int2", before))
         assert np.allclose(served[others], expected, atol=1e-5)
-        assert np.allclose(fp32[others], before, atol=1e-5)
     versions = [ref.manifest for ref in Catalog(store, "m").versions()]
     assert [m.served_loss is not None for m in versions] == [True, True]
-    assert all(m.served_loss.samples == 2000 for m in versions if m.served_loss is not None)
+    # The full scores every sample; the delta those whose rows it carries.
+    carried = sum(
+        int(
+            (
+                np.isin(b.sparse["user"][0], touched["embeddings.user"])
+                & np.isin(b.sparse["item"][0], touched["embeddings.item"])
+            ).sum()
+        )
+        for b in samples
+    )
+    assert [m.served_loss.samples for m in versions if m.served_loss is not None] == [
+        2000,
+        carried,
+    ]
 
 
 def test_a_publisher_without_measurement_writes_none(tmp_path: Path) -> None:
@@ -198,3 +252,90 @@ def test_the_codec_rule_picks_each_versions_codec_from_the_last_measurement(
     publisher.publish(_snapshot(model, "int2", scored=samples))
     second = Catalog(store, "m").versions()[-1]
     assert {t.codec for t in second.manifest.tables} == {"int4"}
+
+
+def test_the_fp32_side_is_the_trainers_model_on_the_current_intervals_samples(
+    tmp_path: Path,
+) -> None:
+    """One served copy: the delta's fp32 rows overlaid on it score as the real fp32 model."""
+    model = _model()
+    publisher = CheckpointPublisher(FileStore(tmp_path), "m", measure_served_loss=True)
+    publisher.publish(_snapshot(model, "int2", scored=_samples()))
+    rng = np.random.default_rng(3)
+    touched = {
+        "embeddings.user": np.sort(rng.choice(60, 20, replace=False)),
+        "embeddings.item": np.sort(rng.choice(40, 15, replace=False)),
+    }
+    current = tuple(_samples_of(touched, 400, seed) for seed in (4, 5))
+    _train_rows(model, touched)
+    result = publisher.publish(_snapshot(model, "int2", touched, scored=current))
+    loss = result.manifest.served_loss
+    assert loss is not None and loss.samples == 800  # every sample of the interval counts
+    auc, logloss = _fp32_loss(model, current)
+    assert loss.auc_fp32 == pytest.approx(auc, abs=1e-12)
+    assert loss.logloss_fp32 == pytest.approx(logloss, rel=1e-6)
+    assert loss.logloss_served != loss.logloss_fp32  # int2 on the served side
+
+
+def test_samples_looking_up_rows_the_version_does_not_carry_are_not_scored() -> None:
+    """Older samples whose rows the delta left out would score their served (int2) values as
+    fp32: they are left out, and the fp32 side stays the real fp32 model's."""
+    model = _model()
+    meter = ServedLossMeter(CONFIG.to_json())
+    assert _measure(meter, _snapshot(model, "int2", scored=_samples())) is not None
+    touched = {"embeddings.user": np.arange(0, 60, 2), "embeddings.item": np.arange(0, 40, 2)}
+    older = _samples(seed=6)  # rows of every kind: about a quarter are carried
+    _train_rows(model, touched)
+    current = (_samples_of(touched, 300, seed=7),)
+    loss = _measure(meter, _snapshot(model, "int2", touched, scored=older + current))
+    kept = rows_carried(
+        older + current,
+        {
+            "user": np.arange(60) % 2 == 0,
+            "item": np.arange(40) % 2 == 0,
+        },
+    )
+    even = [
+        (b.sparse["user"][0] % 2 == 0) & (b.sparse["item"][0] % 2 == 0) for b in older + current
+    ]
+    assert loss is not None and loss.samples == sum(int(e.sum()) for e in even)
+    assert 300 < loss.samples < 2300
+    labels = np.concatenate([b.labels[e] for b, e in zip(older + current, even, strict=True)])
+    assert np.array_equal(np.concatenate([b.labels for b in kept]), labels)
+    # Every row moved since the int2 full (rows 2k moved again), so a sample scored on served
+    # values of rows outside the delta could not match the real fp32 model.
+    auc, logloss = _fp32_loss(model, kept)
+    assert loss.auc_fp32 == pytest.approx(auc, abs=1e-12)
+    assert loss.logloss_fp32 == pytest.approx(logloss, rel=1e-6)
+
+
+def test_a_selection_keeps_whole_bags_of_any_length() -> None:
+    batch = ScoredBatch(
+        dense=np.arange(4, dtype=np.float32).reshape(4, 1),
+        sparse={"f": (np.array([1, 2, 3, 4, 5], dtype=np.int64), np.array([0, 2, 2, 3]))},
+        labels=np.array([0, 1, 0, 1], dtype=np.float32),
+    )
+    # bags: [1, 2], [], [3], [4, 5]; row 2 and row 4 not carried
+    (kept,) = rows_carried([batch], {"f": np.array([1, 1, 0, 1, 0, 1], dtype=bool)})
+    assert kept.dense[:, 0].tolist() == [1.0, 2.0]
+    assert kept.sparse["f"][0].tolist() == [3] and kept.sparse["f"][1].tolist() == [0, 0]
+    (empty_bag,) = rows_carried([batch], {"f": np.zeros(6, dtype=bool)})
+    assert empty_bag.dense[:, 0].tolist() == [1.0] and empty_bag.sparse["f"][0].size == 0
+    assert rows_carried([batch], {"f": np.ones(6, dtype=bool)}) == (batch,)  # no copy
+
+
+def test_a_version_left_half_applied_is_never_measured_on_fp32_rows() -> None:
+    """Between `score_fp32` and the last `apply_table` the served copy holds fp32 rows: measuring
+    then is refused, and a version that failed there leaves its tables unknown until the next
+    full one."""
+    model, samples = _model(), _samples()
+    meter = ServedLossMeter(CONFIG.to_json())
+    full = _snapshot(model, "int2", scored=samples)
+    some = {"embeddings.user": np.arange(0, 60, 2), "embeddings.item": np.arange(0, 40, 2)}
+    delta = _snapshot(model, "int2", some, scored=samples)
+    assert _measure(meter, full) is not None and _measure(meter, delta) is not None
+    fp32 = meter.score_fp32(delta.tables, delta.dense, delta.scored)
+    with pytest.raises(MeterOrderError, match=r"embeddings\.user"):
+        meter.measure(fp32)
+    assert _measure(meter, delta) is None
+    assert _measure(meter, full) is not None and _measure(meter, delta) is not None

@@ -439,9 +439,13 @@ def test_every_version_records_its_served_loss(
     assert store_main(["ls", "--store", store, "--model", "synthetic"]) == 0
     assert re.search(r"fp16\s+[+-]\d\.\d{4}%", capsys.readouterr().out)
     assert store_main(["inspect", "--store", store, "--model", "synthetic"]) == 0
-    assert "served loss on the latest 6,144 samples" in capsys.readouterr().out  # all it saw
+    # A delta scores the samples of the window (6,144: all it saw) whose rows it carries: at
+    # least those of its own interval (2,048), every row of which was trained and written.
+    latest = versions[-1].manifest.served_loss
+    assert latest is not None and 2048 <= latest.samples <= 6144
+    assert f"served loss on {latest.samples:,} recent samples" in capsys.readouterr().out
     assert store_main(["inspect", "--store", store, "--model", "synthetic", "--version", "1"]) == 0
-    assert "served loss on the latest 2,048 samples, as served vs fp32: AUC" in (
+    assert "served loss on 2,048 recent samples, as served vs fp32: AUC" in (
         capsys.readouterr().out
     )
 
