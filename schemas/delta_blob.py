@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -800,7 +801,7 @@ def _inflate(stored: memoryview, section: SectionHeader) -> bytes:
         raise DecompressionError(
             f"{where}: the zstd frame declares {declared} bytes, expected raw_len {raw_len}"
         )
-    decompressor = zstandard.ZstdDecompressor()
+    decompressor = _decompressor()
     try:
         if raw_len > 0:
             out = decompressor.decompress(stored, max_output_size=raw_len, allow_extra_data=False)
@@ -822,3 +823,18 @@ def _inflate(stored: memoryview, section: SectionHeader) -> bytes:
             f"{where} decompressed to {len(out)} bytes, expected raw_len {raw_len}"
         )
     return out
+
+
+#: One zstd decompressor per thread: a new one allocates its context on first use, ~30 us (a
+#: quiet core) against 5 us to inflate a small section, and a 20-version restore of 26 tables
+#: inflates 2,000 sections. Each call resets it; it is not thread-safe, hence one per thread.
+_THREAD_DECOMPRESSOR = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    decompressor: zstandard.ZstdDecompressor | None = getattr(
+        _THREAD_DECOMPRESSOR, "decompressor", None
+    )
+    if decompressor is None:
+        decompressor = _THREAD_DECOMPRESSOR.decompressor = zstandard.ZstdDecompressor()
+    return decompressor

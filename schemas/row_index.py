@@ -215,12 +215,15 @@ def decode_varint(data: npt.ArrayLike | bytes, table_rows: int, n_rows: int) -> 
         raise RowIndexError(
             f"varint {i} is {int(lengths[i])} bytes long, expected at most {MAX_VARINT_BYTES}"
         )
-    starts = ends - lengths + 1
-    values = np.zeros(count, dtype=np.int64)
-    for k in range(MAX_VARINT_BYTES):
-        # Reading at min(start + k, end) keeps the index in bounds; np.where drops those bytes.
-        byte = raw[np.minimum(starts + k, ends)].astype(np.int64) & 0x7F
-        values |= np.where(lengths > k, byte << (7 * k), 0)
+    # Horner's rule from each varint's last byte (its top 7 bits) back to its first, on the
+    # varints still that long only: most gaps fit one byte, so the loop touches few.
+    values = raw[ends].astype(np.int64)
+    longer = np.flatnonzero(lengths > 1)
+    back = 1
+    while longer.size:
+        values[longer] = (values[longer] << 7) | (raw[ends[longer] - back] & 0x7F)
+        back += 1
+        longer = longer[lengths[longer] > back]
     return _ids_from_gaps(values, table_rows)
 
 

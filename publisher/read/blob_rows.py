@@ -105,10 +105,13 @@ class NewestRows:
             write_blob(blob, self._weights, self._aux)  # the newest holds every row: in place
             self._filled[:] = True
             return blob.n_rows
-        positions = np.flatnonzero(~self._filled[blob.row_ids])
-        if not len(positions):
+        if blob.n_rows == len(self._filled):  # a full blob's row ids are its positions
+            ids = positions = np.flatnonzero(~self._filled)
+        else:
+            positions = np.flatnonzero(~self._filled[blob.row_ids])
+            ids = blob.row_ids[positions]
+        if not len(ids):
             return 0
-        ids = blob.row_ids[positions]
         if blob.codec not in self._encoded:
             self._encoded[blob.codec] = _EncodedRows.empty(blob.codec, blob.dim, len(self._filled))
         self._encoded[blob.codec].put(ids, blob, positions)
@@ -153,8 +156,8 @@ class _EncodedRows:
         """Keep the rows at `positions` of `blob` (of this codec) as table rows `ids`."""
         _row_items(self.codes)[ids] = _row_items(np.take(blob.codes, positions, axis=0))
         if len(self.scale):
-            self.scale[ids] = blob.scale[positions]
-            self.bias[ids] = blob.bias[positions]
+            self.scale[ids] = np.take(blob.scale, positions)
+            self.bias[ids] = np.take(blob.bias, positions)
         self.held[ids] = True
 
     def decode_into(self, weights: npt.NDArray[np.float32]) -> None:

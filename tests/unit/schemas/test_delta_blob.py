@@ -706,6 +706,25 @@ def test_zstd_followed_by_extra_data() -> None:
         decode_delta_blob(_compressed_codes(frame + frame))
 
 
+def test_a_failed_inflate_leaves_the_next_blob_whole() -> None:
+    # Each thread reuses one zstd decompressor: a frame that failed half-way (the streaming
+    # path for an empty section, the one-shot path for a corrupt block) must leave nothing
+    # behind for the next section it inflates.
+    frame = zstd(GOLDEN_CODES * 8)
+    head = zstandard.frame_header_size(frame)
+    corrupt = tiny_blob(
+        codes=frame[:head] + b"\xff" * (len(frame) - head),
+        compression={"codes": "zstd"},
+        raw_len={"codes": 32},
+        dim=32,
+    )
+    for bad in (corrupt, _empty_aux(zstd(b"hello", content_size=False))):
+        with pytest.raises(DecompressionError):
+            decode_delta_blob(bad)
+        assert decode_delta_blob(_compressed_codes(zstd(GOLDEN_CODES))) == golden_blob()
+        assert decode_delta_blob(_empty_aux(zstd(b""))).aux.shape == (2, 0)
+
+
 def _empty_aux(frame: bytes) -> bytes:
     return tiny_blob(aux=frame, aux_dim=0, compression={"aux": "zstd"}, raw_len={"aux": 0})
 
