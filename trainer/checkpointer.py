@@ -58,6 +58,7 @@ from publisher.write.publishing import (
 )
 from publisher.write.tracker import (
     EmbeddingModule,
+    RowIds,
     TrackedEmbeddings,
     attach,
     check_optimizers,
@@ -169,6 +170,9 @@ class IncrementalCheckpointer:
         #: while a full is copied in chunks: the step count, reader and metrics of the latest
         #: `maybe_checkpoint` call, with which `close` completes it.
         self._pending_at: tuple[int, Reader | None, Metrics | None] | None = None
+        #: the rows the interval before the latest checkpoint changed, per table (sorted ids):
+        #: what `UntrackedRowVerifier.after` checks against.
+        self.last_dirty: dict[str, RowIds] = {}
         #: the version `resume` loaded, if any.
         self.last_restored_version: int | None = None
 
@@ -326,6 +330,7 @@ class IncrementalCheckpointer:
             self.tracked.tracker, position, values, sequence=self.ledger.next_index
         )
         record = CheckpointRecord.of(taken.snapshot, taken.dirty, self.table_rows)
+        self.last_dirty = taken.dirty
         self.ledger.add(record)
         handoff = time.perf_counter()
         self.background.submit(taken.snapshot)

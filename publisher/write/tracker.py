@@ -38,8 +38,8 @@ Bitmaps are `torch.bool` (one byte per row: 1 GB per billion rows). Marking is o
 `index_fill_` under a lock; a snapshot swaps in the spare (zeroed) bitmaps under the lock and
 reads the old ones outside it, so training threads wait only for a dict swap. The old ones are
 then zeroed and kept as the next spare: no allocation, and no page faults on the marking path
-(a fresh `torch.zeros` maps its pages lazily). Reading a CPU bitmap is `np.flatnonzero`, 40x
-faster than `torch.nonzero` on a mostly clear bitmap (0.3 ms vs 13 ms for 4.2M rows).
+(a fresh `torch.zeros` maps its pages lazily). Reading a CPU bitmap is `np.flatnonzero`, about
+twice as fast as `torch.nonzero` (4.2M rows, 4% set: 2.5-3.3 ms vs 5.0-5.5 ms of CPU).
 """
 
 from __future__ import annotations
