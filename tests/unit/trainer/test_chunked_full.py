@@ -142,3 +142,34 @@ def test_every_version_equals_the_model_at_its_position(tmp_path: Path) -> None:
         assert state.position.reader == {"offset": state.position.step * 32}
         for name in ("users", "items"):
             np.testing.assert_array_equal(state.tables[name].weights, want[f"{name}.weight"])
+
+
+def test_close_publishes_a_full_still_being_copied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TwoTower()
+    opts: list[torch.optim.Optimizer] = [
+        RowWiseAdagrad([model.users.weight, model.items.weight], lr=0.1),
+        torch.optim.Adam(model.head.parameters(), lr=0.01),
+    ]
+    ckpt = IncrementalCheckpointer(
+        model,
+        opts,
+        store=f"file://{tmp_path}",
+        model_name="m",
+        policy="consecutive",
+        codec="fp32",
+        interval_samples=32,
+        tunables=replace(DEFAULT_TUNABLES, full_copy_chunk_bytes=4000),
+        preallocate=False,
+    )
+    with ckpt:
+        model(torch.tensor([1]), torch.tensor([2])).sum().backward()
+        for o in opts:
+            o.step()
+        ckpt.step(32)
+        assert ckpt.maybe_checkpoint(reader={"offset": 32}) is None  # first chunk copied
+        assert ckpt.capture.copying_full
+    state = restore(FileStore(tmp_path), "m")
+    assert state.position.step == 1 and state.position.reader == {"offset": 32}
+    np.testing.assert_array_equal(state.tables["users"].weights, model.users.weight.detach())
+    assert ckpt.records[0].kind == "full" and ckpt.last_dirty["users"].tolist() == [1]
