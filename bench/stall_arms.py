@@ -166,18 +166,18 @@ class BareCopy:
         self.buffers: dict[str, torch.Tensor] = {}
         self._evict = torch.zeros(16 << 20)
 
-    def __call__(self, rows: dict[str, np.ndarray]) -> float:
-        """Seconds to copy `rows` (table -> sorted ids)."""
+    def __call__(self, rows: dict[str, np.ndarray]) -> tuple[float, float]:
+        """Seconds (wall, CPU of this thread) to copy `rows` (table -> sorted ids)."""
         for name, ids in rows.items():  # (re)allocated and touched outside the timing
             if name not in self.buffers or len(self.buffers[name]) < len(ids):
                 shape = (int(len(ids) * 1.25), int(self.weights[name].shape[1]))
                 self.buffers[name] = torch.zeros(shape).fill_(0.0)
         self._evict.fill_(1.0)
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         for name, ids in rows.items():
             out = self.buffers[name][: len(ids)]
             torch.index_select(self.weights[name], 0, torch.from_numpy(ids), out=out)
-        return time.perf_counter() - started
+        return time.perf_counter() - started, time.thread_time() - started_cpu
 
 
 def run_on(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
@@ -194,7 +194,8 @@ def run_on(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[
         interval_samples=args.interval_samples,
     )
     bare_copy = BareCopy({name: t.weight.detach() for name, t in ckpt.tables.items()})
-    copies: dict[int, float] = {}  # record index -> seconds of the bare copy of its rows
+    #: record index -> seconds (wall, CPU) of the bare copy of its rows
+    copies: dict[int, tuple[float, float]] = {}
     copies_cpu = 0.0
 
     def on_batch(batch: Batch, _: object) -> None:
@@ -224,9 +225,10 @@ def run_on(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[
     records = [r.to_json() for r in report.records]
     for rec in records:
         if rec["index"] in copies:
-            rec["bare_copy_ms"] = round(copies[rec["index"]] * 1e3, 3)
+            wall, cpu = copies[rec["index"]]
+            rec["bare_copy_ms"], rec["bare_copy_cpu_ms"] = round(wall * 1e3, 3), round(cpu * 1e3, 3)
     return {
-        "train_s": report.seconds - sum(copies.values()),
+        "train_s": report.seconds - sum(wall for wall, _ in copies.values()),
         "train_cpu_s": report.cpu_seconds - copies_cpu,
         "samples": report.samples,
         "flush_s": flush_s,
@@ -275,6 +277,22 @@ def summarise_tracking(
         ),
         "delta_stall_over_bare_copy_median": (
             round(statistics.median(rec["stall_ms"] / rec["bare_copy_ms"] for rec in deltas), 3)
+            if deltas
+            else None
+        ),
+        "delta_stall_cpu_ms_median": (
+            round(statistics.median(rec["stall_cpu_ms"] for rec in deltas), 3) if deltas else None
+        ),
+        "bare_copy_cpu_ms_median": (
+            round(statistics.median(rec["bare_copy_cpu_ms"] for rec in deltas), 3)
+            if deltas
+            else None
+        ),
+        "delta_stall_cpu_over_bare_copy_cpu_median": (
+            round(
+                statistics.median(rec["stall_cpu_ms"] / rec["bare_copy_cpu_ms"] for rec in deltas),
+                3,
+            )
             if deltas
             else None
         ),

@@ -335,8 +335,10 @@ class IncrementalCheckpointer:
         handoff = time.perf_counter()
         self.background.submit(taken.snapshot)
         started, breakdown, pauses = taken.started, taken.breakdown_ms, taken.pauses_ms
+        started_cpu = taken.started_cpu
         del taken  # the publisher owns the copies now (buffers recycle on release)
         done = time.perf_counter()
+        record.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
         # The longest single stop: a chunked full's chunks are stops of their own.
         record.stall_ms = max([(done - started) * 1e3, *pauses])
         # "handoff" includes merging into a pending snapshot

@@ -58,6 +58,8 @@ class Capture:
     dirty: dict[str, RowIds]
     #: `time.perf_counter()` when the stall began.
     started: float
+    #: `time.thread_time()` then: the stall's CPU time is what a shared machine cannot inflate.
+    started_cpu: float
     #: milliseconds: "bitmaps_and_plan" (swap + policy), "copy" (rows and dense state), and
     #: with id maps "id_maps" (their entries of the copied rows); for a full copied in chunks
     #: also "chunk_pauses" (every stop before the last, `begin`'s included) and
@@ -89,6 +91,7 @@ class _Begun:
     policy: str
     dirty: dict[str, RowIds]
     started: float
+    started_cpu: float
     plan_ms: float
     full: _ChunkedFull | None
     pauses_ms: list[float] = field(default_factory=list)
@@ -151,9 +154,8 @@ class SnapshotCapture:
         no stall pays page faults for it (one model copy of memory)."""
         for name, rows in self.table_rows.items():
             dim = int(self.tables[name].weight.shape[1])
-            aux_dim = sum(s.width for s in self.layout.row_state(name))
             self._buffers.reserve(f"{name}/w", rows, dim)
-            self._buffers.reserve(f"{name}/aux", rows, aux_dim)
+            self._buffers.reserve(f"{name}/aux", rows, self._aux_width(name))
             self._all_rows[name] = np.arange(rows, dtype=np.int64)
 
     def take(
@@ -199,7 +201,7 @@ class SnapshotCapture:
         """
         if self._begun is not None:
             raise CheckpointError("a capture is in progress: finish it before beginning another")
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         dirty = tracker.snapshot_and_reset()
         if force_full:
             policy.force_full()
@@ -210,7 +212,7 @@ class SnapshotCapture:
             raise CheckpointError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if plan.kind == "full" and chunk_bytes is not None and self._full_bytes() > chunk_bytes:
             full = self._chunked_full(chunk_bytes)
-        begun = _Begun(plan, policy.name, dirty, started, plan_ms, full)
+        begun = _Begun(plan, policy.name, dirty, started, started_cpu, plan_ms, full)
         self._begun = begun
         if full is not None:
             begun.copied = self._copy_next_chunk(full)
@@ -245,7 +247,9 @@ class SnapshotCapture:
         if begun is None:
             raise CheckpointError("finish() without begin()")
         self._begun = None
-        started = begun.started if begun.full is None else time.perf_counter()
+        started, started_cpu = begun.started, begun.started_cpu
+        if begun.full is not None:  # the last stop is a stop of its own
+            started, started_cpu = time.perf_counter(), time.thread_time()
         self._id_map_s = 0.0
         if begun.full is None:
             layouts = {name: self.layout.row_state(name) for name in self.tables}
@@ -270,7 +274,9 @@ class SnapshotCapture:
             breakdown["longest_chunk_pause"] = max(begun.pauses_ms)
         if self.id_maps:
             breakdown["id_maps"] = self._id_map_s * 1e3
-        return Capture(snapshot, begun.dirty, started, breakdown, tuple(begun.pauses_ms))
+        return Capture(
+            snapshot, begun.dirty, started, started_cpu, breakdown, tuple(begun.pauses_ms)
+        )
 
     def abandon(self) -> None:
         """Drop a capture in progress (its buffers go back to the pool)."""

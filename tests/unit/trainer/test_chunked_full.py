@@ -173,3 +173,4 @@ def test_close_publishes_a_full_still_being_copied(tmp_path: Path) -> None:
     assert state.position.step == 1 and state.position.reader == {"offset": 32}
     np.testing.assert_array_equal(state.tables["users"].weights, model.users.weight.detach())
     assert ckpt.records[0].kind == "full" and ckpt.last_dirty["users"].tolist() == [1]
+    assert ckpt.records[0].stall_cpu_ms > 0
