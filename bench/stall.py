@@ -13,6 +13,9 @@ Three arms train the same model on the same batches, alternating, in one process
   child process, off the training process's GIL).
 - `dcp`: `torch.distributed.checkpoint.async_save` of the same state (single process) at every
   boundary; its stall is the call's blocking time plus any wait for the previous save.
+- `bare`, `tracker`, `tracker-lookup` (bench/stall_arms.py): plain training, and training with
+  the dirty-row tracking alone, marked at the optimizer step or per lookup: the "tracking"
+  section's ratios, with each delta's stall next to a bare copy of its rows.
 
 Overhead is training time relative to `off`'s, from medians over repeats. Restore of the `on`
 arm's latest version (baseline + chain) is timed next to `torch.load` of the same state.
@@ -26,6 +29,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, cast
@@ -35,7 +39,15 @@ import torch.distributed.checkpoint as dcp
 
 from bench.machine import describe_machine, log
 from bench.paper import restore_vs_torch_load
-from bench.stall_arms import ArmSettings, build_model, run_off, run_on, summarise
+from bench.stall_arms import (
+    ArmSettings,
+    build_model,
+    run_bare,
+    run_off,
+    run_on,
+    summarise,
+    summarise_tracking,
+)
 from bench.workloads import DEFAULT_CODEC, DEFAULT_POLICY, WORKLOADS, available, make_workload
 from publisher.store import open_store
 from publisher.write.policies import POLICIES
@@ -165,9 +177,16 @@ def run_workload(
     ons: list[dict[str, Any]] = []
     dcps: list[dict[str, Any]] = []
     procs: list[dict[str, Any]] = []
+    bare: list[dict[str, Any]] = []
+    tracker: list[dict[str, Any]] = []
+    lookup: list[dict[str, Any]] = []
+    arms: tuple[tuple[str, Callable[[ArmSettings, InteractionStream, Path], Any], list[Any]], ...]
     arms = (
+        ("bare", lambda a, s, _: run_bare(a, s), bare),
         ("off", run_off, offs),
+        ("tracker", lambda a, s, _: run_bare(a, s, "step"), tracker),
         ("on", run_on, ons),
+        ("tracker-lookup", lambda a, s, _: run_bare(a, s, "lookup"), lookup),
         ("on-process", run_on_process, procs),
         ("dcp", run_dcp, dcps),
     )
@@ -201,6 +220,7 @@ def run_workload(
         "policy": policy,
         "codec": codec,
         "summary": summary,
+        "tracking": summarise_tracking(bare, tracker, lookup, ons),
         "dcp": {
             "train_s": round(dcp_s, 3),
             "overhead_pct": round((dcp_s / off_s - 1) * 100, 2),

@@ -136,24 +136,27 @@ class OptimizerStateLayout:
         self,
         table: str,
         layout: Sequence[RowState],
-        index: torch.Tensor | None,
+        index: torch.Tensor | slice | None,
         out: np.ndarray,
     ) -> None:
-        """Copy the aux columns (`layout`, from `row_state`) of rows `index` (None: all rows)
-        into `out`, a float32 (n, aux width) array."""
+        """Copy the aux columns (`layout`, from `row_state`) of rows `index` (ids, a slice of
+        rows, or None: all rows) into `out`, a float32 (n, aux width) array."""
         target = torch.from_numpy(out)
         rows = int(self.weights[table].shape[0])
         col = 0
+        ids = None if isinstance(index, slice) else index
         for entry in layout:
             source = self._state_tensor(entry).detach().reshape(rows, -1)
+            if isinstance(index, slice):
+                source = source[index]
             width = entry.width
             if len(layout) == 1:  # the common case: straight into the contiguous buffer
-                if index is None:
+                if ids is None:
                     target.copy_(source)
                 else:
-                    torch.index_select(source, 0, index, out=target)
+                    torch.index_select(source, 0, ids, out=target)
             else:
-                picked = source if index is None else source.index_select(0, index)
+                picked = source if ids is None else source.index_select(0, ids)
                 target[:, col : col + width] = picked
             col += width
 

@@ -41,6 +41,9 @@ class CheckpointRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     #: where the stall went: dirty bitmaps + policy, copies, hand-off to the publisher.
     stall_breakdown_ms: dict[str, float] = field(default_factory=dict)
+    #: CPU time of the training thread in the stall's last stop (not inflated by other
+    #: processes taking the cores, unlike `stall_ms`).
+    stall_cpu_ms: float = 0.0
     #: set when published; None until then or when merged into a later snapshot.
     version: int | None = None
     published_kind: str | None = None
@@ -102,6 +105,7 @@ class CheckpointRecord:
             "step": self.step,
             "samples_seen": self.samples_seen,
             "stall_ms": round(self.stall_ms, 3),
+            "stall_cpu_ms": round(self.stall_cpu_ms, 3),
             "stall_breakdown_ms": {k: round(v, 3) for k, v in self.stall_breakdown_ms.items()},
             "dirty_fraction": {k: round(v, 6) for k, v in self.dirty_fraction.items()},
             "dirty_fraction_total": round(self.dirty_fraction_total, 6),

@@ -16,7 +16,9 @@ and `resume` loads the version's maps into those same objects.
 
 This is the paper's first stage (decoupled checkpointing). At an interval boundary the training
 thread stops only for the copies of trainer/snapshot_capture.py and hands them to a
-`BackgroundPublisher`. Quantization, encoding, upload, commit and announcement run on the
+`BackgroundPublisher`; a full baseline is copied in chunks, one per `maybe_checkpoint` call
+(`Tunables.full_copy_chunk_bytes`), and published at the step its copy completes.
+Quantization, encoding, upload, commit and announcement run on the
 publisher's thread (or in a child process); if it falls behind, its merger thread folds the
 waiting snapshots into one, so memory stays bounded and training never waits for storage or for
 a merge.
@@ -58,6 +60,7 @@ from publisher.write.publishing import (
 )
 from publisher.write.tracker import (
     EmbeddingModule,
+    RowIds,
     TrackedEmbeddings,
     attach,
     check_optimizers,
@@ -179,6 +182,13 @@ class IncrementalCheckpointer:
         self.codec_rule = codec_rule
         self.memory_budget = MemoryBudget.from_setting(tunables.memory_budget_bytes)
         self._closed = False
+        self._chunk_bytes = tunables.full_copy_chunk_bytes
+        #: while a full is copied in chunks: the step count, reader and metrics of the latest
+        #: `maybe_checkpoint` call, with which `close` completes it.
+        self._pending_at: tuple[int, Reader | None, Metrics | None] | None = None
+        #: the rows the interval before the latest checkpoint changed, per table (sorted ids):
+        #: what `UntrackedRowVerifier.after` checks against.
+        self.last_dirty: dict[str, RowIds] = {}
         #: the version `resume` loaded, if any.
         self.last_restored_version: int | None = None
 
@@ -209,7 +219,9 @@ class IncrementalCheckpointer:
         self.background = BackgroundPublisher(
             self.publisher, on_published=self._on_published, on_non_finite=on_non_finite
         )
-        self.tracked: TrackedEmbeddings = attach(model)
+        # Marked at the optimizer step where the tables allow it: the sparse gradients hold the
+        # rows already, so no hook runs per lookup (publisher/write/tracker.py).
+        self.tracked: TrackedEmbeddings = attach(model, optimizers=self.optimizers)
         if preallocate:
             try:
                 self.capture.preallocate()
@@ -293,9 +305,23 @@ class IncrementalCheckpointer:
         stops at the batch after it rather than at the next interval.
         """
         self.background.raise_if_failed()
+        if self.capture.in_progress:
+            # A full baseline copied in chunks: one per step, then the version, at the step
+            # after the last chunk (so no stop holds both).
+            self._pending_at = (self.clock.step_count, reader, metrics)
+            if self.capture.copying_full:
+                self.capture.copy_chunk()
+                return None
+            return self._finish(reader, metrics)
         if not self.due():
             return None
-        return self.checkpoint_now(reader, metrics)
+        if self._closed:
+            raise CheckpointError("checkpointer is closed")
+        self.capture.begin(self.tracked.tracker, self.policy, chunk_bytes=self._chunk_bytes)
+        if self.capture.copying_full:
+            self._pending_at = (self.clock.step_count, reader, metrics)
+            return None
+        return self._finish(reader, metrics)
 
     def checkpoint_now(
         self,
@@ -306,10 +332,18 @@ class IncrementalCheckpointer:
     ) -> CheckpointRecord:
         """Snapshot now and hand the copy to the background publisher; returns its record.
 
-        `reader` is stored as the manifest's `position.reader` (where the data resumes).
+        `reader` is stored as the manifest's `position.reader` (where the data resumes). A full
+        baseline being copied in chunks is completed now (in one stop) and is this snapshot.
         """
         if self._closed:
             raise CheckpointError("checkpointer is closed")
+        if not self.capture.in_progress:
+            self.capture.begin(self.tracked.tracker, self.policy, force_full=force_full)
+        return self._finish(reader, metrics)
+
+    def _finish(self, reader: Reader | None, metrics: Metrics | None) -> CheckpointRecord:
+        """The last stop of the capture in progress: its snapshot, record and hand-off."""
+        self._pending_at = None
         raw = metrics() if callable(metrics) else (metrics or {})
         # The manifest holds finite floats only (an AUC is NaN while one class is missing).
         values = {k: float(v) for k, v in raw.items() if math.isfinite(v)}
@@ -326,22 +360,21 @@ class IncrementalCheckpointer:
             samples_seen=self.clock.samples_seen,
             reader=dict(reader or {}),
         )
-        taken = self.capture.take(
-            self.tracked.tracker,
-            self.policy,
-            position,
-            values,
-            sequence=self.ledger.next_index,
-            force_full=force_full,
+        taken = self.capture.finish(
+            self.tracked.tracker, position, values, sequence=self.ledger.next_index
         )
         record = CheckpointRecord.of(taken.snapshot, taken.dirty, self.table_rows)
+        self.last_dirty = taken.dirty
         self.ledger.add(record)
         handoff = time.perf_counter()
         self.background.submit(replace(taken.snapshot, scored=self.recent_samples.take()))
-        started, breakdown = taken.started, taken.breakdown_ms
+        started, breakdown, pauses = taken.started, taken.breakdown_ms, taken.pauses_ms
+        started_cpu = taken.started_cpu
         del taken  # the publisher owns the copies now (buffers recycle on release)
         done = time.perf_counter()
-        record.stall_ms = (done - started) * 1e3
+        record.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
+        # The longest single stop: a chunked full's chunks are stops of their own.
+        record.stall_ms = max([(done - started) * 1e3, *pauses])
         # "handoff" includes merging into a pending snapshot
         record.stall_breakdown_ms = {**breakdown, "handoff": (done - handoff) * 1e3}
         self.clock.restart()
@@ -382,6 +415,11 @@ class IncrementalCheckpointer:
         """Flush (optionally), stop the publisher, release the lease and detach the hooks."""
         if self._closed:
             return
+        pending = self._pending_at
+        if flush and pending is not None and pending[0] == self.clock.step_count:
+            # A full copied in chunks since the last checkpoint call, no step since: publish it
+            # as that call would have. (After further steps its reader no longer matches.)
+            self.checkpoint_now(pending[1], pending[2])
         self._closed = True
         try:
             self.background.close(flush=flush)
@@ -430,6 +468,8 @@ class IncrementalCheckpointer:
             id_maps=self.id_maps,
         )
         self.clock.resume_at(state.position.step, state.position.samples_seen)
+        self.capture.abandon()  # a full being copied in chunks was of the state replaced here
+        self._pending_at = None
         self.tracked.tracker.snapshot_and_reset()  # loading is not training: nothing is dirty
         self.policy.force_full()
 

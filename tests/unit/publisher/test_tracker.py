@@ -361,15 +361,16 @@ SOUND_SETUPS: dict[str, tuple[bool, OptFactory]] = {
 }
 
 
+@pytest.mark.parametrize("at_step", [False, True], ids=["marked-at-lookup", "marked-at-step"])
 @pytest.mark.parametrize("setup", list(SOUND_SETUPS))
-def test_sound_setup_tracker_covers_every_changed_row_and_state(setup: str) -> None:
+def test_sound_setup_tracker_covers_every_changed_row_and_state(setup: str, at_step: bool) -> None:
     sparse, make_opt = SOUND_SETUPS[setup]
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     model = Rec(sparse=sparse)
-    tracked = attach(model)
     emb_params = [model.user.weight, model.tower.items.weight]
     optimizers = [make_opt(emb_params), torch.optim.Adam(model.mlp.parameters(), lr=0.01)]
+    tracked = attach(model, optimizers=optimizers if at_step else ())
     check_optimizers(model, optimizers)  # Adam on the dense part does not matter
     verifier = UntrackedRowVerifier(tracked.tables, sample=1000, seed=1)
 
@@ -395,6 +396,67 @@ def test_sound_setup_tracker_covers_every_changed_row_and_state(setup: str) -> N
             assert dirty[name].size < module.num_embeddings  # not vacuous: rows stayed clean
             assert np.isin(changed, dirty[name]).all(), (name, changed, dirty[name])
         assert verifier.after(dirty) > 0
+
+
+def lookup_hooks(model: nn.Module) -> dict[str, int]:
+    return {n: len(m._forward_pre_hooks) for n, m in find_embedding_tables(model).items()}
+
+
+def test_sparse_tables_in_the_optimizers_are_marked_at_the_step_not_per_lookup() -> None:
+    model = Rec(sparse=True)
+    opt = torch.optim.SGD([model.user.weight, model.tower.items.weight], lr=0.1)
+    tracked = attach(model, optimizers=[opt])
+    assert lookup_hooks(model) == {"user": 0, "tower.items": 0}
+    user, items = torch.tensor([3, 5]), torch.tensor([7, 8, 9])
+    offsets, w = torch.tensor([0, 1]), torch.ones(3)
+    model(user, items, offsets, w).sum().backward()
+    # Gradient accumulated for a later step changes nothing yet: nothing is dirty.
+    assert tracked.tracker.dirty_counts() == {"user": 0, "tower.items": 0}
+    model(torch.tensor([1, 3]), torch.tensor([2, 2]), offsets, torch.ones(2)).sum().backward()
+    before = model.user.weight.detach().clone()
+    opt.step()
+    np.testing.assert_array_equal(tracked.tracker.peek("user"), ids(1, 3, 5))
+    np.testing.assert_array_equal(tracked.tracker.peek("tower.items"), ids(2, 7, 8, 9))
+    changed = (model.user.weight.detach() != before).any(1).nonzero().flatten().numpy()
+    np.testing.assert_array_equal(changed, ids(1, 3, 5))
+    tracked.detach()
+    opt.step()
+    assert tracked.tracker.snapshot_and_reset()["user"].size == 3
+    opt.step()
+    assert tracked.tracker.dirty_counts() == {"user": 0, "tower.items": 0}
+
+
+def test_tables_the_step_cannot_see_keep_the_lookup_hook() -> None:
+    # Dense gradients, max_norm (renormalised by the forward itself) and a weight in no listed
+    # optimizer are marked per lookup even when optimizers are given.
+    model = nn.ModuleDict(
+        {
+            "dense": nn.Embedding(10, 2),
+            "max_norm": nn.Embedding(10, 2, sparse=True, max_norm=0.01),
+            "unlisted": nn.Embedding(10, 2, sparse=True),
+            "listed": nn.Embedding(10, 2, sparse=True),
+        }
+    )
+    opt = torch.optim.SGD([model[k].weight for k in ("dense", "max_norm", "listed")], lr=0.1)
+    tracked = attach(model, optimizers=[opt])
+    assert lookup_hooks(model) == {"dense": 1, "max_norm": 1, "unlisted": 1, "listed": 0}
+    for name in ("dense", "max_norm", "unlisted", "listed"):
+        model[name](torch.tensor([4]))
+    assert tracked.tracker.dirty_counts() == {
+        "dense": 1,
+        "max_norm": 1,
+        "unlisted": 1,
+        "listed": 0,
+    }
+
+
+def test_snapshots_reuse_cleared_bitmaps() -> None:
+    tracker = DirtyRowTracker({"t": 100})
+    for round_ in range(4):
+        marked = np.arange(round_, 100, 7)
+        tracker.mark("t", marked)
+        np.testing.assert_array_equal(tracker.snapshot_and_reset()["t"], marked)
+        assert tracker.dirty_counts() == {"t": 0}
 
 
 def test_verifier_catches_deliberately_modified_untracked_row() -> None:
