@@ -144,6 +144,21 @@ class IdSpaceInfo(BaseModel):
     tables: list[IdTableInfo]
 
 
+class ApplyTimesInfo(BaseModel):
+    """Where the last apply's time went on this server, stage by stage (seconds)."""
+
+    versions: list[int] = Field(description="the versions it applied, in order")
+    heard_at: datetime | None = Field(
+        description="when the announcement came off the bus, or the HEAD poll that found the "
+        "version began (UTC); null for a bootstrap, pin or catch-up"
+    )
+    plan_s: float | None = Field(description="heard -> HEAD and the manifest read")
+    queue_s: float | None = Field(description="planned -> the apply began")
+    fetch_s: float = Field(description="fetching, verifying and parsing the blobs")
+    write_s: float = Field(description="the rest until the version served: decode, write, swap")
+    level_s: float = Field(description="served -> the previous copy drained and brought level")
+
+
 class ModelInfo(BaseModel):
     """The served version and how it got here."""
 
@@ -183,6 +198,9 @@ class ModelInfo(BaseModel):
         "raw ids); null for a model of encoded ids",
     )
     metrics: dict[str, float] = Field(description="online metrics the trainer recorded")
+    last_apply: ApplyTimesInfo | None = Field(
+        default=None, description="where the last apply's time went (null before one)"
+    )
 
 
 class PinRequest(BaseModel):

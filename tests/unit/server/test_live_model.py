@@ -129,6 +129,21 @@ def test_follow_applies_announced_versions_in_order(world: World) -> None:
     assert world.live.staleness_s() == 0.0
 
 
+def test_an_apply_records_when_each_stage_ended(world: World) -> None:
+    world.publish("full")
+    world.loop.run(max_messages=1, timeout=5)
+    boot = world.live.last_times
+    assert boot is not None and boot.versions == (1,) and boot.heard_at is None
+    v2 = world.publish()
+    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+    t = world.live.last_times
+    assert t is not None and t.versions == (v2,)
+    assert t.heard_at is not None and t.planned_at is not None
+    assert t.heard_at <= t.planned_at <= t.started_at <= t.served_at <= t.finished_at
+    assert 0 < t.fetch_s <= t.finished_at - t.started_at
+    assert t.served_at == world.live.served.applied_at.timestamp()  # type: ignore[union-attr]
+
+
 def test_gap_is_filled_from_the_store(world: World) -> None:
     world.publish("full")
     world.loop.run(max_messages=1, timeout=5)
