@@ -734,6 +734,10 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
     moment each server serves that version or a newer one (its `applied_at`), and where that
     time went, stage by stage. With `--load-rate`, each server takes that many predict
     requests per second (bench/predict_load.py) throughout."""
+    # The trainer's threads, as `checknrun train` sets them (--threads, default 1): with torch's
+    # default of one thread per core, the codec's small kernels waited for OpenMP workers on
+    # this busy 2-core machine (a 900-row int8 delta encoded in 17 ms p50 instead of 0.7 ms).
+    torch.set_num_threads(args.torch_threads)
     workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
     servers: list[ChildServer] = []
     run: SyntheticRun | None = None
@@ -1044,7 +1048,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sized(p, "freshness", "--interval", float, "seconds between versions")
     p.add_argument("--steps-per-version", type=int, default=5)
     p.add_argument("--rows-per-step", type=int, default=512)
-    p.add_argument("--poll-s", type=float, default=0.005, help="watcher poll interval")
+    # The servers stamp applied_at themselves: the watcher only has to see each version's
+    # last_apply before the next one replaces it. At 5 ms the two watchers sent 400 GET
+    # /v1/model a second, 10x the predict load, competing for the GIL with the follow loop.
+    p.add_argument("--poll-s", type=float, default=0.05, help="watcher poll interval")
     p.add_argument(
         "--load-rate",
         type=float,
