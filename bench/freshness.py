@@ -1,15 +1,21 @@
 """Part `freshness`: train step -> served latency, apply time vs delta size, predict p99.
 
+    checknrun bench freshness [--load-rate R] [--quick]
+
 Runs the `serving` part's `freshness`, `apply` and `http` commands, each in a child process:
 the apply figures include the growth of the measuring process's own memory, which a process
 that has just run the other parts (and holds their freed heap) would misstate. Freshness goes
 through real Kafka + MinIO when CHECKNRUN_KAFKA_BOOTSTRAP and CHECKNRUN_S3_ENDPOINT are set
 (source ~/.cache/checknrun/services/env), else through a file store and a file bus (said in the
-result).
+result). While freshness is measured, each server takes R predict requests per second of 64
+examples over HTTP (bench/predict_load.py; `--load-rate 0` for idle servers), and the result
+says where the time went, stage by stage (trainer: encode, upload, commit; bus; server: heard,
+plan, queue, fetch + verify, write + swap).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -24,6 +30,8 @@ from bench.machine import describe_machine, log
 
 #: the target: snapshot -> served p99.
 FRESHNESS_P99_S = 2.0
+#: predict requests per second to each server while freshness is measured (default).
+LOAD_RATE = 20.0
 
 
 def services() -> tuple[str | None, str | None]:
@@ -54,11 +62,22 @@ def _serving(argv: list[str]) -> dict[str, Any]:
     return doc
 
 
-def run(quick: bool) -> dict[str, Any]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--load-rate",
+        type=float,
+        default=LOAD_RATE,
+        help="predict requests per second to each server while freshness is measured "
+        "(default %(default)s; 0: idle servers)",
+    )
+
+
+def run(quick: bool, load_rate: float = LOAD_RATE) -> dict[str, Any]:
     """The three measurements (small and short in quick mode)."""
     store, bus = services()
     size = ["--quick"] if quick else []
     fresh_argv = ["--max-seconds", "300" if quick else "900", "freshness", *size]
+    fresh_argv += ["--load-rate", str(load_rate)]
     if store and bus:
         fresh_argv += ["--store", store, "--bus", bus]
     if not quick:

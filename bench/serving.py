@@ -37,11 +37,14 @@ import torch
 from bench.child_server import ChildServer, free_port
 from bench.cli import add_run_options
 from bench.machine import describe_machine
+from bench.predict_load import LoadProcess
 from bench.synthetic_run import SyntheticRun, random_examples
-from publisher.bus import open_announcer
+from publisher.bus import open_announcer, open_source
+from publisher.bus.base import AnnouncementSource
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig, SparseFeature
 from publisher.read.catalog import Catalog
 from publisher.store import ObjectStore, open_store
+from schemas.announcement import Announcement
 from server.feature_batch import build_batch
 from server.live_model import LiveModel
 from trainer.streams.synthetic import N_DENSE, criteo_like_cardinalities
@@ -728,10 +731,17 @@ def plot_quantized(doc: dict[str, Any], path: Path) -> None:
 
 def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
     """Publish versions at an interval; time from the snapshot (end of the train step) to the
-    moment each server serves that version or a newer one (its `applied_at`)."""
+    moment each server serves that version or a newer one (its `applied_at`), and where that
+    time went, stage by stage. With `--load-rate`, each server takes that many predict
+    requests per second (bench/predict_load.py) throughout."""
+    # The trainer's threads, as `checknrun train` sets them (--threads, default 1): with torch's
+    # default of one thread per core, the codec's small kernels waited for OpenMP workers on
+    # this busy 2-core machine (a 900-row int8 delta encoded in 17 ms p50 instead of 0.7 ms).
+    torch.set_num_threads(args.torch_threads)
     workdir = Path(tempfile.mkdtemp(prefix="cnr-bench-"))
     servers: list[ChildServer] = []
     run: SyntheticRun | None = None
+    load: LoadProcess | None = None
     try:
         store_url = args.store or f"file://{workdir / 'store'}"
         bus_url = args.bus or f"file://{workdir / 'bus.log'}"
@@ -743,9 +753,20 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
             servers.append(start_server(store_url, bus_url, scheme=args.scheme, log_dir=workdir))
         for s in servers:
             s.wait_ready(SERVER_START_S)
+        if args.load_rate:
+            body_file = workdir / "predict.json"
+            examples = random_examples(run.config, args.load_batch, seed=2)
+            body_file.write_text(json.dumps({"examples": examples}), encoding="utf-8")
+            load = LoadProcess([s.url for s in servers], body_file, args.load_rate)
+            load.start()
+            time.sleep(2.0)  # the clients connect and the servers warm up before versions come
         taken: dict[int, float] = {}
         created: dict[int, float] = {}
+        committed: dict[int, float] = {}
+        encode_s: dict[int, float] = {}
         served_at: list[dict[int, float]] = [{} for _ in servers]
+        applies: list[dict[int, dict[str, Any]]] = [{} for _ in servers]
+        on_bus: dict[int, float] = {}
         stop = threading.Event()
 
         def watch(i: int, server: ChildServer) -> None:
@@ -760,27 +781,43 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
                         applied = _ts(info["applied_at"])
                         for v in range(last + 1, info["version"] + 1):
                             served_at[i].setdefault(v, applied)
+                        if info.get("last_apply"):
+                            applies[i][info["version"]] = info["last_apply"]
                         last = info["version"]
                     time.sleep(args.poll_s)
 
-        watchers = [
+        def tap(source: AnnouncementSource) -> None:
+            """When each announcement can be read off the bus (an idle reader's view)."""
+            while not stop.is_set():
+                for raw in source.poll(0.2):
+                    on_bus.setdefault(Announcement.from_json(raw).version, time.time())
+
+        bus_reader = open_source(bus_url)
+        bus_reader.start_reading()
+        threads = [
             threading.Thread(target=watch, args=(i, s), daemon=True) for i, s in enumerate(servers)
         ]
-        for w in watchers:
-            w.start()
+        threads.append(threading.Thread(target=tap, args=(bus_reader,), daemon=True))
+        for t in threads:
+            t.start()
         for _ in range(args.versions):
             time.sleep(args.interval)
             run.train(args.steps_per_version, rows_per_step=args.rows_per_step)
             result = run.publish()
-            taken[result.ref.version] = result.taken_at
-            created[result.ref.version] = result.manifest.created_at.timestamp()
+            v = result.ref.version
+            committed[v] = time.time()
+            taken[v] = result.taken_at
+            encode_s[v] = result.encode_s
+            created[v] = result.manifest.created_at.timestamp()
         last_version = max(taken)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(last_version in s for s in served_at):
             time.sleep(0.05)
+        load_figures = None if load is None else load.stop()
         stop.set()
-        for w in watchers:
-            w.join(timeout=5)
+        for t in threads:
+            t.join(timeout=5)
+        bus_reader.close()
         fresh, publish_part, serve_part = [], [], []
         for per_server in served_at:
             for v, t_taken in taken.items():
@@ -789,6 +826,11 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
                     publish_part.append(created[v] - t_taken)
                     serve_part.append(per_server[v] - created[v])
         missing = sum(1 for s in served_at for v in taken if v not in s)
+        per_version = _stage_rows(taken, encode_s, created, committed, on_bus, served_at, applies)
+        stages = {
+            name: percentiles([row[name] for row in per_version if name in row])
+            for name in FRESHNESS_STAGES
+        }
         sizes = [r.bytes_written for r in run.published[1:]]
         doc = {
             "bench": "freshness",
@@ -804,22 +846,89 @@ def cmd_freshness(args: argparse.Namespace) -> dict[str, Any]:
             "train_step_to_served": percentiles(fresh),
             "train_step_to_committed": percentiles(publish_part),
             "committed_to_served": percentiles(serve_part),
+            "stages": stages,
+            "per_version": [{k: round(x, 6) for k, x in row.items()} for row in per_version],
+            "predict_load": load_figures,
             "never_seen": missing,
         }
         print(
             f"\nfreshness ({doc['store']} store, {doc['bus']} bus, {len(servers)} servers, "
             f"{len(taken)} versions every {args.interval} s, median delta "
-            f"{doc['delta_bytes_median']:,} bytes):"
+            f"{doc['delta_bytes_median']:,} bytes, predict load "
+            f"{args.load_rate or 0} req/s per server, batch {args.load_batch}):"
         )
         for key in ("train_step_to_served", "train_step_to_committed", "committed_to_served"):
             print(f"  {key:<24} {doc[key]}")
+        print(f"  {'stage':<24} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9}")
+        for name, figures in stages.items():
+            if figures.get("n"):
+                print(
+                    f"  {name:<24} {figures['p50_ms']:>9} {figures['p99_ms']:>9} "
+                    f"{figures['max_ms']:>9}"
+                )
+        if load_figures is not None:
+            print(f"  predict load             {load_figures}")
         return doc
     finally:
+        if load is not None:
+            load.kill()
         for s in servers:
             s.stop()
         if run is not None:
             run.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+#: the stages of `snapshot -> served`, in order, as `_freshness_stages` names them.
+FRESHNESS_STAGES = (
+    "encode",  # the snapshot encoded (quantized) into blobs
+    "upload",  # the blobs written to the store (until the manifest's created_at)
+    "commit",  # manifest written, lease renewed, HEAD moved, announcement queued
+    "committed_to_on_bus",  # an idle reader of the bus has the announcement
+    "committed_to_heard",  # the server's follower has it
+    "plan",  # the follower read HEAD and the manifest
+    "queue",  # until the apply began
+    "fetch_verify",  # blobs fetched, sha256 checked, parsed
+    "write_swap",  # decoded, written into the standby copy and swapped in
+)
+
+
+def _stage_rows(
+    taken: dict[int, float],
+    encode_s: dict[int, float],
+    created: dict[int, float],
+    committed: dict[int, float],
+    on_bus: dict[int, float],
+    served_at: list[dict[int, float]],
+    applies: list[dict[int, dict[str, Any]]],
+) -> list[dict[str, float]]:
+    """One row per version and server: the seconds of each stage of `FRESHNESS_STAGES` it
+    has, plus `version`, `server` and `served` (snapshot -> served). The server-side stages
+    come from the server's `last_apply`, for the versions applied one by one (the usual case;
+    a version applied in a plan of several shares its stages with the others)."""
+    rows = []
+    for i, per_server in enumerate(applies):
+        for v, t in taken.items():
+            row = {
+                "version": float(v),
+                "server": float(i),
+                "encode": encode_s[v],
+                "upload": created[v] - t - encode_s[v],
+                "commit": committed[v] - created[v],
+            }
+            if v in served_at[i]:
+                row["served"] = served_at[i][v] - t
+            if v in on_bus:
+                row["committed_to_on_bus"] = on_bus[v] - committed[v]
+            times = per_server.get(v)
+            if times is not None and times["heard_at"] is not None and times["versions"] == [v]:
+                row["committed_to_heard"] = _ts(times["heard_at"]) - committed[v]
+                row["plan"] = times["plan_s"]
+                row["queue"] = times["queue_s"]
+                row["fetch_verify"] = times["fetch_s"]
+                row["write_swap"] = times["write_s"]
+            rows.append(row)
+    return rows
 
 
 def _ts(iso: str) -> float:
@@ -939,7 +1048,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sized(p, "freshness", "--interval", float, "seconds between versions")
     p.add_argument("--steps-per-version", type=int, default=5)
     p.add_argument("--rows-per-step", type=int, default=512)
-    p.add_argument("--poll-s", type=float, default=0.005, help="watcher poll interval")
+    # The servers stamp applied_at themselves: the watcher only has to see each version's
+    # last_apply before the next one replaces it. At 5 ms the two watchers sent 400 GET
+    # /v1/model a second, 10x the predict load, competing for the GIL with the follow loop.
+    p.add_argument("--poll-s", type=float, default=0.05, help="watcher poll interval")
+    p.add_argument(
+        "--load-rate",
+        type=float,
+        default=0.0,
+        help="predict requests per second to each server while measuring (default 0: none)",
+    )
+    p.add_argument("--load-batch", type=int, default=64, help="examples per predict request")
 
 
 def run(quick: bool, *, command: str, max_seconds: float = 900.0, **options: Any) -> dict[str, Any]:

@@ -161,6 +161,21 @@ class ServedLossInfo(BaseModel):
     )
 
 
+class ApplyTimesInfo(BaseModel):
+    """Where the last apply's time went on this server, stage by stage (seconds)."""
+
+    versions: list[int] = Field(description="the versions it applied, in order")
+    heard_at: datetime | None = Field(
+        description="when the announcement came off the bus, or the HEAD poll that found the "
+        "version began (UTC); null for a bootstrap, pin or catch-up"
+    )
+    plan_s: float | None = Field(description="heard -> HEAD and the manifest read")
+    queue_s: float | None = Field(description="planned -> the apply began")
+    fetch_s: float = Field(description="fetching, verifying and parsing the blobs")
+    write_s: float = Field(description="the rest until the version served: decode, write, swap")
+    level_s: float = Field(description="served -> the previous copy drained and brought level")
+
+
 class ModelInfo(BaseModel):
     """The served version and how it got here."""
 
@@ -209,6 +224,9 @@ class ModelInfo(BaseModel):
         default=None,
         description="the served version next to the trainer's fp32 state on the same recent "
         "samples; null when its trainer did not measure it",
+    )
+    last_apply: ApplyTimesInfo | None = Field(
+        default=None, description="where the last apply's time went (null before one)"
     )
 
 

@@ -169,6 +169,7 @@ class FollowLoop:
 
     def _follow(self, wait: float) -> list[int]:
         refs = self.follower.poll(current=self.live.version, timeout_s=wait)
+        planned_at = time.time()
         self._sync_follower_stats()
         self.live.note_known(refs)
         if not refs:
@@ -179,7 +180,9 @@ class FollowLoop:
         applied: list[int] = []
         for ref in refs:
             try:
-                applied += self.live.advance(ref)
+                applied += self.live.advance(
+                    ref, heard_at=self.follower.heard_at, planned_at=planned_at
+                )
             except PinnedError:
                 break
             except BadDataError as exc:

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from publisher.memory_budget import MemoryBudget
@@ -50,6 +51,26 @@ from server.model_buffer import (
 from server.settings import ConsistencyScheme
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApplyTimes:
+    """When each stage of one apply ended (unix seconds): where freshness goes on this server."""
+
+    versions: tuple[int, ...]
+    #: the announcement came off the bus, or the HEAD poll that found the plan began (None for
+    #: a bootstrap, pin or catch-up, which no announcement started).
+    heard_at: float | None
+    #: the follower had read HEAD and the manifest: the plan was known.
+    planned_at: float | None
+    #: the apply began (the mutation lock taken).
+    started_at: float
+    #: seconds spent fetching, verifying (size, sha256) and parsing the plan's blobs.
+    fetch_s: float
+    #: the new version serves (written into a copy and swapped in).
+    served_at: float
+    #: the apply returned (the previous copy drained and brought level).
+    finished_at: float
 
 
 class LiveModel:
@@ -80,6 +101,8 @@ class LiveModel:
         self.versions_applied = 0
         self.bytes_fetched = 0
         self.last_apply: UpdateResult | None = None
+        self.last_times: ApplyTimes | None = None
+        self._fetch_s = 0.0
         # One pool for the life of the model: a version's blobs download in parallel without
         # paying thread start-up per version (S3 round trips dominate; hashing frees the GIL).
         self._pool = ThreadPoolExecutor(FETCH_CONCURRENCY, thread_name_prefix="fetch")
@@ -160,11 +183,14 @@ class LiveModel:
             result = self._apply(chain, kind="bootstrap")
             return result.served
 
-    def advance(self, ref: VersionRef) -> list[int]:
+    def advance(
+        self, ref: VersionRef, *, heard_at: float | None = None, planned_at: float | None = None
+    ) -> list[int]:
         """Serve committed version `ref` if it is newer; return the versions applied.
 
-        Raises PinnedError while pinned, and whatever fetching, verifying or fitting raised
-        (the served version is then unchanged).
+        `heard_at` and `planned_at` (unix seconds) say when the follower heard of `ref` and had
+        planned it; they go into `last_times`. Raises PinnedError while pinned, and whatever
+        fetching, verifying or fitting raised (the served version is then unchanged).
         """
         with self._mutate:
             if self._pinned is not None:
@@ -176,7 +202,10 @@ class LiveModel:
             plan = plan_versions(self.catalog, current, ref)
             if not plan:
                 return []
-            return list(self._apply(plan, kind=plan[0].manifest.kind).versions)
+            applied = self._apply(
+                plan, kind=plan[0].manifest.kind, heard_at=heard_at, planned_at=planned_at
+            )
+            return list(applied.versions)
 
     def catch_up(self) -> list[int]:
         """Reconcile with HEAD from the store (after a rejection, an unpin, or silence)."""
@@ -230,16 +259,36 @@ class LiveModel:
             # Checked before every version of a plan: a shutdown does not wait for a long
             # rebuild; the slot discards the half-written copy (nothing torn is published).
             raise ShuttingDownError(f"shutting down; v{ref.version} not applied")
+        started = time.perf_counter()
         fetched = fetch_version(self.store, ref, self._pool)
+        self._fetch_s += time.perf_counter() - started
         self.bytes_fetched += fetched.bytes_fetched
         self.metrics.bytes_fetched.inc(fetched.bytes_fetched)
         return fetched
 
-    def _apply(self, plan: list[VersionRef], *, kind: str) -> UpdateResult:
+    def _apply(
+        self,
+        plan: list[VersionRef],
+        *,
+        kind: str,
+        heard_at: float | None = None,
+        planned_at: float | None = None,
+    ) -> UpdateResult:
+        started_at = time.time()
         started = time.perf_counter()
+        self._fetch_s = 0.0
         result = self.slot.update(plan, self._fetch)
         seconds = time.perf_counter() - started
         self.last_apply = result
+        self.last_times = ApplyTimes(
+            versions=result.versions,
+            heard_at=heard_at,
+            planned_at=planned_at,
+            started_at=started_at,
+            fetch_s=self._fetch_s,
+            served_at=result.served.applied_at.timestamp(),
+            finished_at=started_at + seconds,
+        )
         self.versions_applied += len(plan)
         for ref in plan:
             self.metrics.applied_versions.inc(labels=[ref.manifest.kind])

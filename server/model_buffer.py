@@ -171,15 +171,27 @@ def fetch_version(
         id_entries, hashed = read_id_entries(store, entry)
         return FetchedTable(entry, blob, id_entries, hashed)
 
+    d = manifest.dense
+    # The dense blob downloads beside the tables, not after them: one store round trip less
+    # between an announcement and the version served.
+    dense_read = (
+        None
+        if d is None or pool is None
+        else pool.submit(store.get_verified, d.key, d.size, d.sha256)
+    )
     if pool is not None and len(entries) > 1:
         tables = tuple(pool.map(read, entries))
     else:
         tables = tuple(read(e) for e in entries)
     fetched = sum(e.blob.size + (0 if e.id_map is None else e.id_map.size) for e in entries)
     dense: dict[str, np.ndarray] | None = None
-    if manifest.dense is not None:
-        d = manifest.dense
-        dense, _ = decode_tensors(store.get_verified(d.key, d.size, d.sha256))
+    if d is not None:
+        data = (
+            store.get_verified(d.key, d.size, d.sha256)
+            if dense_read is None
+            else dense_read.result()
+        )
+        dense, _ = decode_tensors(data)
         fetched += d.size
     return FetchedVersion(ref=ref, tables=tables, dense=dense, bytes_fetched=fetched)
 

@@ -128,6 +128,9 @@ class VersionFollower:
         self._reconciled_at = float("-inf")  # when the last reconcile started (monotonic)
         self._reconcile_wanted = False  # an announcement came while reconciles were limited
         self._fast_head: _HeadRead | None = None  # the fast path's last HEAD read
+        #: wall-clock time (unix s) the versions the last poll returned became known: when
+        #: their announcement came off the source, or when the HEAD read that found them began.
+        self.heard_at: float | None = None
 
     def poll(self, current: int | None, timeout_s: float) -> list[VersionRef]:
         """Committed versions newer than `current` to apply, in order; [] after `timeout_s`.
@@ -172,6 +175,7 @@ class VersionFollower:
                 self.stats.head_polls += 1
             self._reconcile_wanted = False  # HEAD is read now, whichever asked
             self._next_head_poll = now + self.poll_head_after_s
+            self.heard_at = time.time()
             refs = self._guarded(partial(self._reconcile, current), "polling HEAD")
             if refs:
                 return refs
@@ -189,6 +193,8 @@ class VersionFollower:
             log.exception("announcement source %r failed; relying on HEAD polls", self.source)
             time.sleep(wait)
             return []
+        if raw:
+            self.heard_at = time.time()
         return self._handle(raw, current)
 
     def _handle(self, raw: list[bytes], current: int | None) -> list[VersionRef]:

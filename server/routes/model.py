@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, status
@@ -11,6 +12,7 @@ from publisher.read.catalog import NoVersionError
 from publisher.store import StoreError
 from schemas.errors import BadDataError
 from server.api_models import (
+    ApplyTimesInfo,
     DigestResponse,
     ErrorResponse,
     FeatureInfo,
@@ -23,7 +25,7 @@ from server.api_models import (
 )
 from server.dependencies import AdminDep, LiveModelDep, StateDep
 from server.errors import NotBootstrappedError
-from server.live_model import LiveModel
+from server.live_model import ApplyTimes, LiveModel
 from server.model_buffer import ModelBuffer
 
 router = APIRouter(prefix="/v1/model", tags=["model"])
@@ -115,7 +117,26 @@ def _model_info(live: LiveModel, buffer: ModelBuffer, rejected: int) -> ModelInf
         metrics=dict(m.metrics),
         codecs=sorted({t.codec for t in m.tables}),
         served_loss=None if m.served_loss is None else ServedLossInfo(**m.served_loss.model_dump()),
+        last_apply=None if live.last_times is None else apply_times_info(live.last_times),
     )
+
+
+def apply_times_info(times: ApplyTimes) -> ApplyTimesInfo:
+    """`times` as stage durations (microsecond resolution)."""
+    fetched_at = times.started_at + times.fetch_s
+    return ApplyTimesInfo(
+        versions=list(times.versions),
+        heard_at=None if times.heard_at is None else datetime.fromtimestamp(times.heard_at, UTC),
+        plan_s=_span(times.heard_at, times.planned_at),
+        queue_s=_span(times.planned_at, times.started_at),
+        fetch_s=round(times.fetch_s, 6),
+        write_s=round(max(0.0, times.served_at - fetched_at), 6),
+        level_s=round(max(0.0, times.finished_at - times.served_at), 6),
+    )
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(max(0.0, end - start), 6)
 
 
 def _rejected(state: StateDep) -> int:

@@ -407,6 +407,23 @@ def test_head_is_polled_after_silence(store: FlakyStore, writer: VersionWriter) 
     assert f.stats.head_polls >= 2 and f.stats.received == 0
 
 
+def test_heard_at_is_when_the_announcement_or_the_head_poll_came(
+    store: FlakyStore, writer: VersionWriter
+) -> None:
+    source = ListSource()
+    f = follower(store, source, poll_head_after_s=0.2)
+    assert f.heard_at is None
+    commit(writer, "full")
+    before = time.time()
+    assert numbers(f.poll(None, 1.0)) == [1]  # the first poll reads HEAD
+    assert f.heard_at is not None and before <= f.heard_at <= time.time()
+    ref = writer.commit(draft("delta", 2))
+    source.push(wire(ref))
+    before = time.time()
+    assert numbers(f.poll(1, 1.0)) == [2]
+    assert before <= f.heard_at <= time.time()
+
+
 def test_without_a_source_it_polls_head(store: FlakyStore, writer: VersionWriter) -> None:
     f = follower(store, None, poll_head_after_s=0.05)
     assert f.poll(None, 0.1) == []

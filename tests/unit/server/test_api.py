@@ -12,6 +12,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,19 @@ def test_follows_announced_versions_and_scores_match_the_trainer(served: Served)
     assert set(body) == {"model", "version", "scores"}  # no `unknown_ids`: encoded ids
     assert body["model"] == "m" and body["version"] == v3
     np.testing.assert_allclose(body["scores"], model_scores(served.run.model, batch), atol=1e-6)
+
+
+def test_model_info_says_where_the_last_apply_went(served: Served) -> None:
+    v3 = served.publish()
+    served.wait_version(v3)
+    info = served.client.get("/v1/model").json()
+    last = info["last_apply"]
+    assert last["versions"] == [v3]
+    stamps = (info["created_at"], last["heard_at"], info["applied_at"])
+    created, heard, applied = (datetime.fromisoformat(t) for t in stamps)
+    assert created <= heard <= applied
+    spans = ("plan_s", "queue_s", "fetch_s", "write_s", "level_s")
+    assert all(last[k] >= 0 for k in spans) and last["fetch_s"] > 0
 
 
 def test_gap_fill_and_duplicate_announcements(served: Served, factory: ServerFactory) -> None:

@@ -1,0 +1,141 @@
+"""Open-loop predict load on servers over HTTP, from a process of its own.
+
+    python -m bench.predict_load BODY_FILE RATE URL [URL ...] > result.json
+    (the load runs until stdin closes; the result is one JSON document on stdout)
+
+Each server gets RATE requests per second on a fixed schedule (`PredictLoad`): a request's
+latency counts from the moment it was due, not from when a client got to send it, so a server
+that stalls is charged for the requests that queued behind the stall (no coordinated omission),
+and a slow server does not lower the load it is offered. It runs in its own process so that its
+clients do not take the GIL from the measuring process (the trainer and the watchers of the
+freshness bench).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.child_server import REPO
+
+#: clients per server: enough that requests keep their schedule while a few are slow.
+CLIENTS_PER_SERVER = 8
+
+
+class PredictLoad:
+    """`rate` POST /v1/predict per second of `body` to each of `urls`, until `stop`."""
+
+    def __init__(self, urls: list[str], body: bytes, rate: float) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 requests/s, got {rate}")
+        self.urls, self.body, self.rate = urls, body, rate
+        self._stop = threading.Event()
+        self._due: list[queue.Queue[float | None]] = [queue.Queue() for _ in urls]
+        self._lock = threading.Lock()
+        self.latencies: list[float] = []
+        self.statuses: dict[str, int] = {}
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for i, url in enumerate(self.urls):
+            for _ in range(CLIENTS_PER_SERVER):
+                self._threads.append(threading.Thread(target=self._client, args=(url, i)))
+        self._threads.append(threading.Thread(target=self._schedule))
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sending, wait for the requests in flight; the figures."""
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        a = np.asarray(self.latencies) * 1000.0
+        figures: dict[str, Any] = {"rate_per_server": self.rate, "servers": len(self.urls)}
+        figures["requests"] = sum(self.statuses.values())
+        figures["statuses"] = dict(self.statuses)
+        if len(a):
+            for q in (50, 99):
+                figures[f"p{q}_ms"] = round(float(np.percentile(a, q)), 3)
+            figures["max_ms"] = round(float(a.max()), 3)
+        return figures
+
+    def _schedule(self) -> None:
+        period = 1.0 / self.rate
+        due = time.monotonic()
+        while not self._stop.is_set():
+            for q in self._due:
+                q.put(due)
+            due += period
+            delay = due - time.monotonic()
+            if delay > 0:
+                self._stop.wait(delay)
+        for q in self._due:
+            for _ in range(CLIENTS_PER_SERVER):
+                q.put(None)
+
+    def _client(self, url: str, i: int) -> None:
+        headers = {"Content-Type": "application/json"}
+        with httpx.Client(base_url=url, timeout=30) as c:
+            while (due := self._due[i].get()) is not None:
+                try:
+                    r = c.post("/v1/predict", content=self.body, headers=headers)
+                    status = str(r.status_code)
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                elapsed = time.monotonic() - due
+                with self._lock:
+                    self.statuses[status] = self.statuses.get(status, 0) + 1
+                    if status == "200":
+                        self.latencies.append(elapsed)
+
+
+class LoadProcess:
+    """`python -m bench.predict_load` as a child: started by `start`, stopped by `stop`."""
+
+    def __init__(self, urls: list[str], body_file: Path, rate: float) -> None:
+        self.cmd = [sys.executable, "-m", "bench.predict_load", str(body_file), str(rate), *urls]
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def stop(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Close its stdin (it stops sending) and read its figures."""
+        assert self.proc is not None
+        out, _ = self.proc.communicate(timeout=timeout_s)  # closes stdin, reads stdout
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(self.cmd)} exited with status {self.proc.returncode}")
+        figures: dict[str, Any] = json.loads(out)
+        return figures
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    body_file, rate, *urls = argv
+    load = PredictLoad(urls, Path(body_file).read_bytes(), float(rate))
+    load.start()
+    sys.stdin.read()  # until the parent closes our stdin
+    json.dump(load.stop(), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
