@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from schemas.manifest import ratio_to_full_fp32
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.online import (
     DLRMSettings,
+    TrainingReport,
     build_dlrm,
     build_optimizers,
     train_online,
@@ -76,6 +78,26 @@ def _stop(args: ArmSettings, stream: InteractionStream) -> int:
     return min(stop, stream.num_samples or stop)
 
 
+def _train(
+    args: ArmSettings,
+    stream: InteractionStream,
+    model: DLRM,
+    optimizers: list[torch.optim.Optimizer],
+    on_batch: Callable[[Batch, object], None],
+    checkpointer: IncrementalCheckpointer | None = None,
+) -> TrainingReport:
+    """One arm's training pass over the same batches as every other arm."""
+    return train_online(
+        model,
+        optimizers,
+        stream,
+        batch_size=args.batch_size,
+        stop=_stop(args, stream),
+        checkpointer=checkpointer,
+        on_batch=on_batch,
+    )
+
+
 def run_off(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
     """Train without incremental checkpoints; torch.save the full state at each boundary."""
     model, optimizers = build_model(args, stream)
@@ -101,14 +123,7 @@ def run_off(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict
         save_cpu.append(time.thread_time() - cpu_started)
         size = path.stat().st_size
 
-    report = train_online(
-        model,
-        optimizers,
-        stream,
-        batch_size=args.batch_size,
-        stop=_stop(args, stream),
-        on_batch=on_batch,
-    )
+    report = _train(args, stream, model, optimizers, on_batch)
     path.unlink(missing_ok=True)
     return {
         "train_s": report.seconds - sum(saves),
@@ -140,14 +155,7 @@ def run_bare(
             since = 0
             tracked.tracker.snapshot_and_reset()
 
-    report = train_online(
-        model,
-        optimizers,
-        stream,
-        batch_size=args.batch_size,
-        stop=_stop(args, stream),
-        on_batch=on_batch,
-    )
+    report = _train(args, stream, model, optimizers, on_batch)
     if tracked is not None:
         tracked.detach()
     return {"train_s": report.seconds, "train_cpu_s": report.cpu_seconds}
@@ -208,15 +216,7 @@ def run_on(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[
         copies_cpu += time.thread_time() - cpu_started
 
     with ckpt:
-        report = train_online(
-            model,
-            optimizers,
-            stream,
-            batch_size=args.batch_size,
-            stop=_stop(args, stream),
-            checkpointer=ckpt,
-            on_batch=on_batch,
-        )
+        report = _train(args, stream, model, optimizers, on_batch, checkpointer=ckpt)
         started = time.perf_counter()
         ckpt.flush()
         flush_s = time.perf_counter() - started
