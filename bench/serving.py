@@ -404,6 +404,18 @@ def _load_while_publishing(
     return busy, published
 
 
+def warm_then_idle_load(url: str, body: bytes, args: argparse.Namespace) -> LoadResult:
+    """One second of warm-up load, then the measured idle load of `args.duration` s."""
+    generate_load(url, body, concurrency=args.concurrency, duration=1.0, max_requests=10**9)
+    return generate_load(
+        url,
+        body,
+        concurrency=args.concurrency,
+        duration=args.duration,
+        max_requests=args.max_requests,
+    )
+
+
 def generate_load(
     url: str, body: bytes, *, concurrency: int, duration: float, max_requests: int
 ) -> LoadResult:
@@ -465,16 +477,7 @@ def cmd_http(args: argparse.Namespace) -> dict[str, Any]:
         )
         server.wait_ready(SERVER_START_S)
         body = json.dumps({"examples": random_examples(run.config, args.batch, seed=2)}).encode()
-        generate_load(
-            server.url, body, concurrency=args.concurrency, duration=1.0, max_requests=10**9
-        )  # warm-up
-        idle = generate_load(
-            server.url,
-            body,
-            concurrency=args.concurrency,
-            duration=args.duration,
-            max_requests=args.max_requests,
-        )
+        idle = warm_then_idle_load(server.url, body, args)
         v_before = server.info()["version"]
         busy, published = _load_while_publishing(
             server.url, body, args, run, "embeddings.item", args.delta_rows
@@ -592,16 +595,7 @@ def _quantized_arm(
         server.wait_ready(SERVER_START_S)
         server.wait_version(versions[-1], SERVER_START_S)
         body = json.dumps({"examples": random_examples(config, args.batch, seed=2)}).encode()
-        generate_load(
-            server.url, body, concurrency=args.concurrency, duration=1.0, max_requests=10**9
-        )
-        idle = generate_load(
-            server.url,
-            body,
-            concurrency=args.concurrency,
-            duration=args.duration,
-            max_requests=args.max_requests,
-        )
+        idle = warm_then_idle_load(server.url, body, args)
         # Taken after the idle phase: a bootstrap serves before its second copy is cloned.
         served_rss = rss_bytes(server.proc.pid)["VmRSS"]
         v_before = server.info()["version"]
