@@ -27,6 +27,21 @@ import numpy as np
 
 from bench.child_server import REPO
 
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p99/max/mean in milliseconds of values in seconds."""
+    if not values:
+        return {"n": 0}
+    a = np.asarray(values) * 1000.0
+    return {
+        "n": len(values),
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+        "max_ms": round(float(a.max()), 3),
+        "mean_ms": round(float(a.mean()), 3),
+    }
+
+
 #: clients per server: enough that requests keep their schedule while a few are slow.
 CLIENTS_PER_SERVER = 8
 
@@ -61,14 +76,11 @@ class PredictLoad:
         return self.result()
 
     def result(self) -> dict[str, Any]:
-        a = np.asarray(self.latencies) * 1000.0
         figures: dict[str, Any] = {"rate_per_server": self.rate, "servers": len(self.urls)}
         figures["requests"] = sum(self.statuses.values())
         figures["statuses"] = dict(self.statuses)
-        if len(a):
-            for q in (50, 99):
-                figures[f"p{q}_ms"] = round(float(np.percentile(a, q)), 3)
-            figures["max_ms"] = round(float(a.max()), 3)
+        if self.latencies:
+            figures.update(percentiles(self.latencies))
         return figures
 
     def _schedule(self) -> None:

@@ -37,7 +37,7 @@ import torch
 from bench.child_server import ChildServer, free_port
 from bench.cli import add_run_options
 from bench.machine import describe_machine
-from bench.predict_load import LoadProcess
+from bench.predict_load import LoadProcess, percentiles
 from bench.synthetic_run import SyntheticRun, random_examples
 from publisher.bus import open_announcer, open_source
 from publisher.bus.base import AnnouncementSource
@@ -66,20 +66,6 @@ def rss_bytes(pid: int | str = "self") -> dict[str, int]:
                 name, value, _unit = line.split()
                 out[name.rstrip(":")] = int(value) * 1024
     return out
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    """p50/p99/max/mean in milliseconds of values in seconds."""
-    if not values:
-        return {"n": 0}
-    a = np.asarray(values) * 1000.0
-    return {
-        "n": len(values),
-        "p50_ms": round(float(np.percentile(a, 50)), 3),
-        "p99_ms": round(float(np.percentile(a, 99)), 3),
-        "max_ms": round(float(a.max()), 3),
-        "mean_ms": round(float(a.mean()), 3),
-    }
 
 
 def mib(n: float) -> float:
