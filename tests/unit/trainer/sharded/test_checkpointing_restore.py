@@ -1,0 +1,98 @@
+"""A version of the one-process trainer restores into a sharded job, at any world size, bitwise
+(fp32): every rank's rows and accumulators, the dense parameters and the dense optimizer."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from publisher.dlrm import DLRM
+from publisher.store import FileStore
+from tests.unit.trainer.sharded.job import (
+    CONFIG,
+    SPARSE_LR,
+    batch,
+    expected_rows,
+    run_ranks,
+    sharded_job,
+    sharded_state,
+)
+from trainer.checkpointer import IncrementalCheckpointer
+from trainer.online import OptimizerSettings, build_optimizers
+
+pytest.importorskip("torchrec")
+
+MODEL = "ranker"
+
+
+def _one_process_version(root: Path) -> dict[str, np.ndarray]:
+    """Train the one-process DLRM a few steps, publish fp32 versions; its state at the last."""
+    torch.manual_seed(3)
+    model = DLRM(CONFIG)
+    optimizers = build_optimizers(model, OptimizerSettings(sparse_lr=SPARSE_LR))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        with IncrementalCheckpointer(
+            model,
+            optimizers,
+            store=FileStore(root),
+            model_name=MODEL,
+            policy="consecutive",
+            codec="fp32",
+            preallocate=False,
+        ) as ckpt:
+            for step in range(6):
+                dense, sparse, labels = batch(step, 32)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                    model(dense, sparse), labels
+                )
+                for o in optimizers:
+                    o.zero_grad(set_to_none=True)
+                loss.backward()
+                for o in optimizers:
+                    o.step()
+                ckpt.step(32)
+                if step % 3 == 2:
+                    ckpt.checkpoint_now(reader={"offset": 32 * (step + 1)})
+    expected: dict[str, np.ndarray] = {}
+    sparse_opt, dense_opt = optimizers
+    for f in CONFIG.sparse:
+        weight = model.embeddings[f.name].weight
+        expected[f"table/embeddings.{f.name}"] = weight.detach().clone().numpy()
+        expected[f"acc/embeddings.{f.name}"] = sparse_opt.state[weight]["sum"].clone().numpy()
+    for key, value in model.state_dict().items():
+        if not key.startswith("embeddings."):
+            expected[f"dense/{key}"] = value.clone().numpy()
+    for i, per in dense_opt.state_dict()["state"].items():
+        for k, v in per.items():
+            expected[f"opt/{i}/{k}"] = v.clone().numpy()
+    return expected
+
+
+def _restore_and_compare(rank: int, world: int, root: str, sharding: str) -> None:
+    from trainer.sharded.restore_shards import restore_sharded
+
+    job = sharded_job(sharding, seed=100 + rank)
+    position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
+    assert (position.step, position.samples_seen) == (6, 192)
+    with np.load(Path(root) / "expected.npz") as data:
+        expected = dict(data)
+    tables = {k.removeprefix("table/"): v for k, v in expected.items() if k.startswith("table/")}
+    accs = {k.removeprefix("acc/"): v for k, v in expected.items() if k.startswith("acc/")}
+    want = expected_rows(tables, accs, job)
+    want.update({k: v for k, v in expected.items() if k.startswith(("dense/", "opt/"))})
+    got = sharded_state(job)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert np.array_equal(got[key].reshape(value.shape), value), key
+
+
+@pytest.mark.parametrize(("world", "sharding"), [(2, "row_wise"), (1, "table_wise")])
+def test_one_process_version_restores_bitwise(tmp_path: Path, world: int, sharding: str) -> None:
+    expected = _one_process_version(tmp_path / "store")
+    np.savez(tmp_path / "store" / "expected.npz", **expected)
+    run_ranks(_restore_and_compare, world, str(tmp_path / "store"), sharding)

@@ -1,0 +1,1 @@
+"""A TorchRec model sharded over the ranks of a job: its collective, checkpoints and restore."""
