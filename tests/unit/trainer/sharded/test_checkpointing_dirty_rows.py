@@ -6,14 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.unit.trainer.sharded.job import (
-    CONFIG,
-    batch,
-    run_ranks,
-    sharded_job,
-    sharded_state,
-    train_sharded,
-)
+from bench.sharded_job import CONFIG, batch, run_ranks, sharded_job, train_sharded
+from tests.unit.trainer.sharded.job import sharded_state
 
 pytest.importorskip("torchrec")
 

@@ -10,17 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench.sharded_job import CONFIG, SPARSE_LR, batch, run_ranks, sharded_job
 from publisher.dlrm import DLRM
 from publisher.store import FileStore
-from tests.unit.trainer.sharded.job import (
-    CONFIG,
-    SPARSE_LR,
-    batch,
-    expected_rows,
-    run_ranks,
-    sharded_job,
-    sharded_state,
-)
+from tests.unit.trainer.sharded.job import expected_rows, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.online import OptimizerSettings, build_optimizers
 

@@ -1,0 +1,204 @@
+"""A small sharded job for the tests and `checknrun bench shardckpt`: publisher/dlrm.py's DLRM
+with its tables in a TorchRec EmbeddingBagCollection sharded by DistributedModelParallel over
+gloo processes, trained by the fused EXACT_ROWWISE_ADAGRAD, its dense part by Adam; and
+`run_ranks`, which runs a function on N spawned ranks.
+
+Row-wise sharding on CPU: TorchRec's EmbeddingBagCollectionSharder offers ROW_WISE only for
+a CUDA compute device, so the planner refuses it on CPU; the sharder below offers it, and the
+kernels run it on CPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from publisher.dlrm import DLRM, DLRMConfig, SparseBatch, SparseFeature
+
+SPARSE_LR = 0.05
+#: how long a rank of `run_ranks` waits for its peers in a training collective.
+JOB_TIMEOUT_S = 120.0
+EPS = 1e-8
+CONFIG = DLRMConfig(
+    sparse=(SparseFeature("user", 101), SparseFeature("item", 60), SparseFeature("ad", 37)),
+    dense=("x0", "x1"),
+    embedding_dim=8,
+    bottom_mlp=(16,),
+    top_mlp=(8,),
+)
+
+
+class RankError(RuntimeError):
+    """A rank of a `run_ranks` job exited with a failure (its traceback is on stderr)."""
+
+
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 600.0) -> None:
+    """`fn(rank, world, *args)` on `world` spawned processes of one gloo job; RankError when a
+    rank failed."""
+    codes = exit_codes(fn, world, *args, timeout_s=timeout_s)
+    if any(codes):
+        raise RankError(f"ranks exited with {codes}")
+
+
+def exit_codes(
+    fn: Callable[..., None], world: int, *args: Any, timeout_s: float = 600.0
+) -> list[int | None]:
+    """The exit codes of `fn(rank, world, *args)` on `world` spawned ranks (-9: SIGKILL, None:
+    still running after `timeout_s`, then killed). `fn` and `args` must pickle: a module-level
+    function. Each rank's process group is torn down after a barrier, so no rank closes its
+    gloo connections while a peer still uses them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    ranks = [
+        context.Process(target=_rank_main, args=(rank, world, port, fn, args))
+        for rank in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    codes: list[int | None] = []
+    for process in ranks:
+        process.join(max(0.0, deadline - time.monotonic()))
+        codes.append(process.exitcode)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    return codes
+
+
+def _rank_main(
+    rank: int, world: int, port: int, fn: Callable[..., None], args: tuple[Any, ...]
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A rank that failed never reaches the barrier: its peers give up after this, not 30 min.
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=JOB_TIMEOUT_S)
+    )
+    fn(rank, world, *args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class ShardedRanker(nn.Module):
+    """publisher/dlrm.py's DLRM with its tables in an EmbeddingBagCollection (same names,
+    same dense modules): state_dict keys `bottom.*`, `embeddings.embedding_bags.<f>.weight`,
+    `top.*`."""
+
+    def __init__(self, config: DLRMConfig) -> None:
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+        super().__init__()
+        twin = DLRM(config, draw_tables=False)
+        self.features = [f.name for f in config.sparse]
+        self.bottom = twin.bottom
+        self.embeddings = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name=f.name,
+                    embedding_dim=config.embedding_dim,
+                    num_embeddings=f.rows,
+                    feature_names=[f.name],
+                )
+                for f in config.sparse
+            ],
+            device=torch.device("meta"),
+        )
+        self.top = twin.top
+        self.pair_rows, self.pair_cols = twin.pair_rows, twin.pair_cols
+
+    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        x = self.bottom(dense)
+        pooled = self.embeddings(kjt).to_dict()
+        stacked = torch.stack([x, *(pooled[f] for f in self.features)], dim=1)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))
+        pairs = dots[:, self.pair_rows, self.pair_cols]
+        logits: torch.Tensor = self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
+        return logits
+
+
+@dataclass
+class Job:
+    model: nn.Module
+    dense_optimizer: torch.optim.Optimizer
+
+
+def sharded_job(sharding: str, *, seed: int = 0, config: DLRMConfig = CONFIG) -> Job:
+    """The ranker sharded over the default group (`sharding`: "row_wise" or "table_wise")."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+
+    class CpuSharder(EmbeddingBagCollectionSharder):  # type: ignore[misc]
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            return ["table_wise", "row_wise"]
+
+    torch.manual_seed(seed)
+    ranker = ShardedRanker(config)
+    sharder = CpuSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": SPARSE_LR,
+            "eps": EPS,
+        }
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        constraints={
+            f.name: ParameterConstraints(sharding_types=[sharding]) for f in config.sparse
+        },
+    )
+    plan = planner.collective_plan(ranker, [sharder], dist.GroupMember.WORLD)
+    model = DistributedModelParallel(
+        ranker, device=torch.device("cpu"), plan=plan, sharders=[sharder]
+    )
+    dense = [p for n, p in model.named_parameters() if ".embedding_bags." not in n]
+    return Job(model, torch.optim.Adam(dense, lr=0.01))
+
+
+def batch(
+    seed: int, size: int, config: DLRMConfig = CONFIG
+) -> tuple[torch.Tensor, dict[str, SparseBatch], torch.Tensor]:
+    """A reproducible random batch: dense features, one id per feature, labels."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(size, len(config.dense), generator=g)
+    sparse = {
+        f.name: SparseBatch(torch.randint(0, f.rows, (size,), generator=g), torch.arange(size))
+        for f in config.sparse
+    }
+    labels = torch.randint(0, 2, (size,), generator=g).float()
+    return dense, sparse, labels
+
+
+def train_sharded(job: Job, seed: int, size: int) -> None:
+    """One step of the sharded job on its rank's batch."""
+    from torchrec import KeyedJaggedTensor
+
+    dense, sparse, labels = batch(seed, size)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(sparse),
+        values=torch.cat([b.values for b in sparse.values()]),
+        lengths=torch.ones(size * len(sparse), dtype=torch.int32),
+    )
+    job.dense_optimizer.zero_grad(set_to_none=True)
+    logits = job.model(dense, kjt)
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    torch.autograd.backward(loss)
+    job.dense_optimizer.step()
