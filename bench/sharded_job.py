@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -135,8 +135,11 @@ class Job:
     dense_optimizer: torch.optim.Optimizer
 
 
-def sharded_job(sharding: str, *, seed: int = 0, config: DLRMConfig = CONFIG) -> Job:
-    """The ranker sharded over the default group (`sharding`: "row_wise" or "table_wise")."""
+def sharded_job(
+    sharding: str | Mapping[str, str], *, seed: int = 0, config: DLRMConfig = CONFIG
+) -> Job:
+    """The ranker sharded over the default group: `sharding` ("row_wise" or "table_wise") for
+    every table, or per table (by feature name)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -162,7 +165,10 @@ def sharded_job(sharding: str, *, seed: int = 0, config: DLRMConfig = CONFIG) ->
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
         constraints={
-            f.name: ParameterConstraints(sharding_types=[sharding]) for f in config.sparse
+            f.name: ParameterConstraints(
+                sharding_types=[sharding if isinstance(sharding, str) else sharding[f.name]]
+            )
+            for f in config.sparse
         },
     )
     plan = planner.collective_plan(ranker, [sharder], dist.GroupMember.WORLD)
@@ -187,18 +193,24 @@ def batch(
     return dense, sparse, labels
 
 
-def train_sharded(job: Job, seed: int, size: int) -> None:
-    """One step of the sharded job on its rank's batch."""
+def train_sharded(
+    job: Job, seed: int, size: int, *, config: DLRMConfig = CONFIG, part: tuple[int, int] = (0, 1)
+) -> None:
+    """One step of the sharded job: on batch `seed` of `size` samples, or on part `rank` of
+    `world` (`part`) of it, so jobs of any world size can train on the same global batches."""
     from torchrec import KeyedJaggedTensor
 
-    dense, sparse, labels = batch(seed, size)
+    dense, sparse, labels = batch(seed, size, config)
+    rank, world = part
+    mine = slice(rank * size // world, (rank + 1) * size // world)
+    n = mine.stop - mine.start
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=list(sparse),
-        values=torch.cat([b.values for b in sparse.values()]),
-        lengths=torch.ones(size * len(sparse), dtype=torch.int32),
+        values=torch.cat([b.values[mine] for b in sparse.values()]),
+        lengths=torch.ones(n * len(sparse), dtype=torch.int32),
     )
     job.dense_optimizer.zero_grad(set_to_none=True)
-    logits = job.model(dense, kjt)
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    logits = job.model(dense[mine], kjt)
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels[mine])
     torch.autograd.backward(loss)
     job.dense_optimizer.step()

@@ -61,15 +61,14 @@ class ShardedTable:
 
 def table_name(state_key: str) -> str:
     """The checkpoint name of the table whose weight has state_dict key `state_key`."""
-    path, _, rest = state_key.partition(_TABLES_INFIX)
-    return (
-        f"{path}.{rest.removesuffix(_WEIGHT_SUFFIX)}" if path else rest.removesuffix(_WEIGHT_SUFFIX)
-    )
+    # The leading dot also finds the tables of a collection at the root (`embedding_bags.t`).
+    path, _, rest = f".{state_key.removesuffix(_WEIGHT_SUFFIX)}".partition(_TABLES_INFIX)
+    return f"{path[1:]}.{rest}" if path else rest
 
 
 def local_shards(model: nn.Module) -> dict[str, ShardedTable]:
-    """Every sharded table of a DistributedModelParallel model, by checkpoint name, in the
-    model's table order, with the shards this rank holds."""
+    """Every sharded table of a DistributedModelParallel model by checkpoint name (in its
+    state_dict's order), with the shards this rank holds."""
     fused = getattr(model, "fused_optimizer", None)
     if fused is None:
         raise CheckpointError(
@@ -79,7 +78,7 @@ def local_shards(model: nn.Module) -> dict[str, ShardedTable]:
     optimizer_state = fused.state_dict()["state"]
     tables: dict[str, ShardedTable] = {}
     for key, value in model.state_dict().items():
-        if _TABLES_INFIX not in key or not hasattr(value, "local_shards"):
+        if _TABLES_INFIX not in f".{key}" or not hasattr(value, "local_shards"):
             continue
         short = key.removesuffix(_WEIGHT_SUFFIX).rsplit(".", 1)[-1]
         rows, dim = (int(n) for n in value.size())
