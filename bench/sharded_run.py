@@ -19,6 +19,7 @@ import numpy as np
 from publisher.store import ObjectStore
 from publisher.write.job_publishing import JobPublisher, ThreadCollective
 from publisher.write.snapshot import Snapshot, TableRows
+from schemas.announcement import Announcement
 from schemas.manifest import Position
 
 T = TypeVar("T")
@@ -105,12 +106,16 @@ def on_ranks(ranks: int, work: Callable[[int], T], timeout_s: float = 60.0) -> l
 
 
 def job_publishers(
-    store: ObjectStore, model: str, ranks: int, timeout_s: float = 30.0
+    store: ObjectStore,
+    model: str,
+    ranks: int,
+    timeout_s: float = 30.0,
+    announce: Callable[[Announcement], None] | None = None,
 ) -> list[JobPublisher]:
     """One `JobPublisher` per rank of a job of `ranks` threads (built together: taking rank 0's
-    lease is the job's first collective call)."""
+    lease is the job's first collective call); rank 0 announces with `announce`."""
     collectives = ThreadCollective.group(ranks, timeout_s)
-    built = on_ranks(ranks, lambda r: JobPublisher(store, model, collectives[r]))
+    built = on_ranks(ranks, lambda r: JobPublisher(store, model, collectives[r], announce=announce))
     publishers = []
     for item in built:
         if isinstance(item, Exception):

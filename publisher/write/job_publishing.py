@@ -173,7 +173,7 @@ class JobPublisher:
         """Rank 0's `sequence` on every rank (the others pass None): which snapshot the next
         round publishes, None when there are no more rounds (JobBackgroundPublisher)."""
         told = self._call(lambda: self.collective.broadcast(sequence if self.rank == 0 else None))
-        return None if told is None else int(str(told))
+        return None if told is None else _int(told)
 
     def publish(self, snapshot: Snapshot) -> PublishResult:
         """Publish this rank's `snapshot` as its part of the job's next version (every rank
@@ -190,8 +190,7 @@ class JobPublisher:
 
     def _round(self, snapshot: Snapshot | None, error: BaseException | None) -> PublishResult:
         started = time.perf_counter()
-        plan = self._call(lambda: self.collective.broadcast(self._reserve(snapshot)))
-        assert isinstance(plan, dict)
+        plan = _dict(self._call(lambda: self.collective.broadcast(self._reserve(snapshot))))
         if "error" in plan:
             raise RankFailedError(0, str(plan["error"]))
         encoded_s = 0.0
@@ -201,17 +200,18 @@ class JobPublisher:
                 raise error
             assert snapshot is not None
             reservation = Reservation(
-                self.model, int(str(plan["version"])), str(plan["token"]), None, None
+                self.model, _int(plan["version"]), str(plan["token"]), None, None
             )
             report, encoded_s = self._upload(snapshot, plan, reservation)
         except Exception as exc:  # every rank must take part in the rounds whatever failed
             log.exception("rank %d: its part of the version failed", self.rank)
             report = {"error": _describe(exc)}
         reports = self._call(lambda: self.collective.gather(report))
-        outcome = self._call(lambda: self.collective.broadcast(self._commit(reports, snapshot)))
-        assert isinstance(outcome, dict)
+        outcome = _dict(
+            self._call(lambda: self.collective.broadcast(self._commit(reports, snapshot)))
+        )
         if "error" in outcome:
-            raise RankFailedError(int(str(outcome["rank"])), str(outcome["error"]))
+            raise RankFailedError(_int(outcome["rank"]), str(outcome["error"]))
         manifest = Manifest.from_json(str(outcome["manifest"]).encode())
         ref = VersionRef(manifest, str(outcome["key"]))
         if self.rank == 0 and self.announce is not None:
@@ -254,9 +254,8 @@ class JobPublisher:
         """This rank's report of the round: its part, once durable, and its position."""
         started = time.perf_counter()
         mine = _header(snapshot)
-        if mine != plan["header"]:
-            theirs = plan["header"]
-            assert isinstance(theirs, dict)
+        theirs = _dict(plan["header"])
+        if mine != theirs:
             differ = sorted(k for k in mine if mine[k] != theirs.get(k))
             raise JobMismatchError(
                 f"rank {self.rank} disagrees with rank 0 on {differ}: "
@@ -308,9 +307,8 @@ class JobPublisher:
             return None
         assert reports is not None and self.writer is not None
         for rank, report in enumerate(reports):
-            assert isinstance(report, dict)
-            if "error" in report:
-                return {"rank": rank, "error": report["error"]}
+            if "error" in _dict(report):
+                return {"rank": rank, "error": _dict(report)["error"]}
         assert snapshot is not None  # rank 0's own report would be an error otherwise
         try:
             ref = self._commit_parts(reports, snapshot)
@@ -323,8 +321,8 @@ class JobPublisher:
         assert self.writer is not None
         parts: list[WrittenPart] = []
         ranks: list[RankPosition] = []
-        for rank, report in enumerate(reports):
-            assert isinstance(report, dict)
+        for rank, sent in enumerate(reports):
+            report = _dict(sent)
             part = WrittenPart.model_validate(report["part"])
             if part.rank != rank:
                 raise JobMismatchError(f"rank {rank} reported the part of rank {part.rank}")
@@ -422,7 +420,9 @@ class JobBackgroundPublisher:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            self._thread.join(timeout=self.job.timeout_s)
+            # No timeout needed: every wait of a round is bounded by the collective's timeout or
+            # `timeout_s`, so the worker ends once rank 0 has said the rounds are over.
+            self._thread.join()
             self.job.close()
 
     def _run(self) -> None:
@@ -503,6 +503,12 @@ def _fold(snapshots: list[Snapshot]) -> Snapshot:
     for newer in snapshots[1:]:
         merged = merged.merge(newer)
     return merged
+
+
+def _int(value: JSONValue) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise JobMismatchError(f"expected an integer, got {value!r}")
+    return value
 
 
 def _dict(value: JSONValue) -> dict[str, JSONValue]:

@@ -258,3 +258,33 @@ def test_background_ranks_at_different_speeds_publish_the_same_sequence(tmp_path
     single = restore(run.store, "m", 5)
     for name, table in single.tables.items():
         assert job.tables[name].weights.tobytes() == table.weights.tobytes()
+
+
+def test_a_rank_without_the_picked_snapshot_fails_the_round_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    run = _run(tmp_path, "single")
+    store = FileStore(tmp_path / "job")
+    publishers = job_publishers(store, "m", 2, timeout_s=5)
+    publishers[1].timeout_s = 0.2  # how long rank 1 waits for its trainer's snapshot
+    (first,) = _snapshots(run, 1)
+    parts = split_snapshot(first, row_wise(TABLE_ROWS, 2), 2)
+
+    def rank(r: int) -> BaseException | None:
+        background = JobBackgroundPublisher(publishers[r])
+        if r == 0:
+            background.submit(parts[0])
+            with pytest.raises(RankFailedError) as failed:
+                background.close()
+            return failed.value
+        background.close(flush=False)  # rank 1's trainer stopped before sequence 1
+        with pytest.raises(RankFailedError) as failed:
+            background.raise_if_failed()
+        return failed.value
+
+    errors = on_ranks(2, rank)
+    for error in errors:
+        assert isinstance(error, RankFailedError) and error.rank == 1
+        assert "no snapshot of sequence 1" in error.error
+    with pytest.raises(NotFoundError):
+        store.get(head_key("m"))
