@@ -33,7 +33,16 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from schemas import strict_json
 from schemas.codec_names import CODECS
@@ -191,6 +200,12 @@ class TableEntry(_Frozen):
                 f"rows_in_checkpoint {self.rows_in_checkpoint}"
             )
 
+    @model_serializer(mode="wrap")
+    def _omit_unsharded(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An unsharded entry is written as before `shards` existed, so readers older than it
+        # still read every manifest of a single process.
+        return _without_null(handler(self), "shards")
+
     @property
     def parts(self) -> tuple[TableShard, ...]:
         """The table's delta blobs as row ranges: its shards, or one range of every row.
@@ -258,6 +273,11 @@ class Position(_Frozen):
     #: where each rank of a job of several ranks stops (docs/FORMAT.md section 3.3), rank 0
     #: first; null for a single process.
     ranks: tuple[RankPosition, ...] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_single(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A single process's position is written as before `ranks` existed (see TableEntry).
+        return _without_null(handler(self), "ranks")
 
     @model_validator(mode="after")
     def _ranks(self) -> Position:
@@ -513,6 +533,12 @@ class Lease(_Frozen):
     @classmethod
     def from_json(cls, data: bytes) -> Lease:
         return _parse(cls, data, MAX_LEASE_BYTES, "lease")
+
+
+def _without_null(data: dict[str, Any], field: str) -> dict[str, Any]:
+    if data.get(field, ...) is None:
+        del data[field]
+    return data
 
 
 def _tensor_bytes(blob: BlobRef | None, tensors: int | None) -> int:

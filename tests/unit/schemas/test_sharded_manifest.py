@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -109,3 +110,12 @@ def test_rank_and_shard_keys() -> None:
     assert table_blob_name(1, "embeddings.f0", "cnrd") == "0001-embeddings.f0.cnrd"
     assert table_blob_name(1, "emb f0", "cnrd", 150) == "0001-emb_f0-150.cnrd"
     assert table_blob_name(12, "t", "idmap") == "0012-t.idmap"
+
+
+def test_a_single_process_manifest_is_written_as_before_shards_existed() -> None:
+    """No `shards` or `ranks` keys where they are null: readers older than section 3.3 (extra
+    fields forbidden) still read every manifest a single process writes."""
+    doc = json.loads(parse(manifest_doc()).to_json())
+    assert "shards" not in doc["tables"][0] and "ranks" not in doc["position"]
+    job = parse(manifest_doc(tables=[sharded(shard(0, 0, 50, 3), shard(1, 50, 100, 4))]))
+    assert "shards" in json.loads(job.to_json())["tables"][0]
