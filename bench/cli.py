@@ -47,6 +47,7 @@ PARTS = {
     "live": "training from a Kafka event stream next to the file trainer (needs Kafka)",
     "idspace": "MovieLens through Kafka: dynamic vs hashed id spaces, a new id's freshness",
     "servedloss": "what measuring each version's served loss costs training, and what it says",
+    "shards": "a job of N ranks publishing row-range shards next to one writer; their restore",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")

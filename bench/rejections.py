@@ -177,7 +177,7 @@ def blob_bomb(root: Path, stack: ExitStack) -> Callable[[], object]:
     store, _ = _published(root, stack, "full", "delta")
     entry = Catalog(store, "m").find(2).manifest.tables[0]
     bomb = zstd_bomb(entry.name, 1024 * MiB)
-    (store.root / entry.blob.key).write_bytes(bomb)
+    (store.root / entry.parts[0].blob.key).write_bytes(bomb)
 
     def agree(doc: dict[str, object]) -> None:
         tables = doc["tables"]

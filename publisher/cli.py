@@ -235,6 +235,15 @@ def _ids_held(m: Manifest, t: TableEntry) -> int | None:
     return None if held is None else int(held)
 
 
+def _shards_note(shards: object) -> str:
+    return f"  in {len(shards)} row-range shards" if isinstance(shards, list) else ""
+
+
+def _row_bytes(t: TableEntry) -> int:
+    """Bytes of a table's row blobs: its blob, or all of its shards'."""
+    return sum(part.blob.size for part in t.parts)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     with open_store(args.store, create=False) as store:
         ref = Catalog(store, args.model).find(args.version)
@@ -247,10 +256,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "codec": t.codec,
             "rows_in_checkpoint": t.rows_in_checkpoint,
             "fraction": round(t.rows_in_checkpoint / t.rows, 6),
-            "bytes": t.blob.size,
+            "bytes": _row_bytes(t),
             "full_fp32_bytes": t.full_fp32_bytes,
-            "ratio_vs_full_fp32": round(ratio_to_full_fp32(t.full_fp32_bytes, t.blob.size), 3),
-            "key": t.blob.key,
+            "ratio_vs_full_fp32": round(ratio_to_full_fp32(t.full_fp32_bytes, _row_bytes(t)), 3),
+            "key": None if t.blob is None else t.blob.key,
+            # A table stored in row-range shards (docs/FORMAT.md section 3.3); null: one blob.
+            "shards": None
+            if t.shards is None
+            else [
+                {
+                    "rank": s.rank,
+                    "row_start": s.row_start,
+                    "row_end": s.row_end,
+                    "rows_in_checkpoint": s.rows_in_checkpoint,
+                    "bytes": s.blob.size,
+                    "key": s.blob.key,
+                }
+                for s in t.shards
+            ],
             # The id map of the same rows (docs/FORMAT.md section 7); null without one.
             "id_map_bytes": None if t.id_map is None else t.id_map.size,
             "id_map_key": None if t.id_map is None else t.id_map.key,
@@ -295,7 +318,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(
             f"{t['name']:<24} {t['rows']:>10} {t['dim']:>5} {t['codec']:<14} "
             f"{t['rows_in_checkpoint']:>10} {t['bytes']:>12,} {t['ratio_vs_full_fp32']:>7}x"
-            f"{id_map_columns}"
+            f"{id_map_columns}{_shards_note(t['shards'])}"
         )
     if m.metrics:
         print("metrics: " + ", ".join(f"{k}={v:.5g}" for k, v in sorted(m.metrics.items())))

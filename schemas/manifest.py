@@ -14,6 +14,10 @@ pydantic models that forbid extra fields. Rules (MUST):
   `model + "/manifests/"`, ending in `.json`.
 - `dense_tensor_bytes` / `optimizer_tensor_bytes`, when set, are at most their blob's size.
 - `served_loss`, when set, holds finite figures whose relative ones match the absolute ones.
+- A table has exactly one of `blob` and `shards` (section 3.3): shards sorted by `row_start`,
+  covering `[0, rows)` with no gap or overlap, their `rows_in_checkpoint` summing to the
+  table's, and no id map. Readers walk a table's blobs through `TableEntry.parts`.
+- `position.ranks`, when set, lists ranks 0..N-1 in order.
 
 "x smaller than fp32", wherever a tool prints it, is `Manifest.ratio_to_full_fp32`: the bytes a
 full fp32 checkpoint of the same state holds (`Manifest.full_fp32_bytes`) over the bytes the
@@ -29,7 +33,16 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from schemas import strict_json
 from schemas.codec_names import CODECS
@@ -105,8 +118,37 @@ class BlobRef(_Frozen):
         return value
 
 
+class TableShard(_Frozen):
+    """The rows `[row_start, row_end)` of a table, stored as a delta blob of their own with
+    shard-local row ids (docs/FORMAT.md section 3.3). An unsharded table reads as one shard of
+    every row (`TableEntry.parts`), so readers walk every table the same way."""
+
+    #: the rank that wrote the shard (informational: readers do not need it).
+    rank: int = Field(ge=0)
+    row_start: int = Field(ge=0)
+    row_end: int = Field(ge=1, le=2**31)
+    rows_in_checkpoint: int = Field(ge=0)
+    blob: BlobRef
+
+    @model_validator(mode="after")
+    def _range(self) -> TableShard:
+        if self.row_start >= self.row_end:
+            raise ValueError(f"shard rows [{self.row_start}, {self.row_end}) are empty")
+        if self.rows_in_checkpoint > self.rows:
+            raise ValueError(
+                f"shard [{self.row_start}, {self.row_end}) holds {self.rows_in_checkpoint} rows, "
+                f"more than its {self.rows}"
+            )
+        return self
+
+    @property
+    def rows(self) -> int:
+        """Rows of the shard: the `table_rows` its blob declares."""
+        return self.row_end - self.row_start
+
+
 class TableEntry(_Frozen):
-    """One embedding table in a version."""
+    """One embedding table in a version: one blob, or row-range shards (section 3.3)."""
 
     name: str = Field(min_length=1, max_length=256)
     rows: int = Field(ge=1, le=2**31)
@@ -114,10 +156,13 @@ class TableEntry(_Frozen):
     codec: str
     rows_in_checkpoint: int = Field(ge=0)
     aux_dim: int = Field(ge=0, le=65536)
-    blob: BlobRef
+    #: the table's delta blob; null iff `shards` is given.
+    blob: BlobRef | None
     #: the id-map blob of the same rows (docs/FORMAT.md section 7); null for a table whose ids
     #: are encoded by the client (no live id space) and in manifests written before it existed.
     id_map: BlobRef | None = None
+    #: the table stored as row-range shards (docs/FORMAT.md section 3.3); null: one blob.
+    shards: tuple[TableShard, ...] | None = None
 
     @field_validator("codec")
     @classmethod
@@ -130,25 +175,91 @@ class TableEntry(_Frozen):
     def _counts(self) -> TableEntry:
         if self.rows_in_checkpoint > self.rows:
             raise ValueError(f"rows_in_checkpoint {self.rows_in_checkpoint} > rows {self.rows}")
+        if (self.blob is None) == (self.shards is None):
+            raise ValueError(f"table {self.name!r} needs exactly one of blob and shards")
+        if self.shards is not None:
+            self._check_shards(self.shards)
         return self
+
+    def _check_shards(self, shards: tuple[TableShard, ...]) -> None:
+        if self.id_map is not None:
+            raise ValueError(f"sharded table {self.name!r} cannot carry an id map")
+        # Sorted, back to back, from 0 to rows: no row is missing or held twice.
+        ends = [0, *(s.row_end for s in shards)]
+        starts = [s.row_start for s in shards]
+        if not shards or starts != ends[:-1] or ends[-1] != self.rows:
+            ranges = [(s.row_start, s.row_end) for s in shards]
+            raise ValueError(
+                f"shards of table {self.name!r} must cover [0, {self.rows}) in order with no gap "
+                f"or overlap, got {ranges}"
+            )
+        held = sum(s.rows_in_checkpoint for s in shards)
+        if held != self.rows_in_checkpoint:
+            raise ValueError(
+                f"shards of table {self.name!r} hold {held} rows, the table says "
+                f"rows_in_checkpoint {self.rows_in_checkpoint}"
+            )
+
+    @model_serializer(mode="wrap")
+    def _omit_unsharded(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An unsharded entry is written as before `shards` existed, so readers older than it
+        # still read every manifest of a single process.
+        return _without_null(handler(self), "shards")
+
+    @property
+    def parts(self) -> tuple[TableShard, ...]:
+        """The table's delta blobs as row ranges: its shards, or one range of every row.
+
+        The one walk over a table's row blobs: readers (restore, servers, gc, ls/inspect) go
+        through it, so a sharded table is counted, kept and read like any other."""
+        if self.shards is not None:
+            return self.shards
+        assert self.blob is not None  # the validator: one of blob and shards
+        whole = TableShard(
+            rank=0,
+            row_start=0,
+            row_end=self.rows,
+            rows_in_checkpoint=self.rows_in_checkpoint,
+            blob=self.blob,
+        )
+        return (whole,)
+
+    @property
+    def blobs(self) -> tuple[BlobRef, ...]:
+        """Every blob of this table: its row blobs (one, or one per shard), then its id map."""
+        refs = [part.blob for part in self.parts]
+        return (*refs, self.id_map) if self.id_map is not None else tuple(refs)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of this table's blobs in the store."""
+        return sum(b.size for b in self.blobs)
 
     @property
     def full_fp32_bytes(self) -> int:
         """This table's share of a full fp32 checkpoint: every row and its optimizer columns."""
         return full_fp32_bytes([(self.rows, self.dim, self.aux_dim)])
 
-    @property
-    def blob_limits(self) -> BlobLimits:
-        """The decoder's caps for this entry's blob: its shape and size, nothing larger, so a
-        blob that declares more than its entry is refused before it is inflated."""
+    def blob_limits(self, part: TableShard) -> BlobLimits:
+        """The decoder's caps for the blob of `part` (one of `parts`): its shape and size,
+        nothing larger, so a blob that declares more than its entry is refused before it is
+        inflated."""
         return BlobLimits.for_table(
             codec=self.codec,
             dim=self.dim,
-            table_rows=self.rows,
-            n_rows=self.rows_in_checkpoint,
+            table_rows=part.rows,
+            n_rows=part.rows_in_checkpoint,
             aux_dim=self.aux_dim,
-            size=self.blob.size,
+            size=part.blob.size,
         )
+
+
+class RankPosition(_Frozen):
+    """Where one rank of a job stops: the samples it took and its part of the stream's reader."""
+
+    rank: int = Field(ge=0)
+    samples_seen: int = Field(ge=0)
+    reader: dict[str, int | str | dict[str, int]] = Field(default_factory=dict)
 
 
 class Position(_Frozen):
@@ -159,6 +270,22 @@ class Position(_Frozen):
     #: a file stream: {"source", "offset", "fingerprint"}; a Kafka stream also "topic" and
     #: "offsets": {partition: next offset} (docs/FORMAT.md section 8.3).
     reader: dict[str, int | str | dict[str, int]] = Field(default_factory=dict)
+    #: where each rank of a job of several ranks stops (docs/FORMAT.md section 3.3), rank 0
+    #: first; null for a single process.
+    ranks: tuple[RankPosition, ...] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_single(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A single process's position is written as before `ranks` existed (see TableEntry).
+        return _without_null(handler(self), "ranks")
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Position:
+        if self.ranks is not None:
+            found = [r.rank for r in self.ranks]
+            if found != list(range(len(found))) or not found:
+                raise ValueError(f"position.ranks must be ranks 0..N-1 in order, got {found}")
+        return self
 
 
 #: how far a stored relative figure may be from what its absolute ones give (float rounding).
@@ -300,9 +427,7 @@ class Manifest(_Frozen):
         names = [t.name for t in self.tables]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate table names in {names}")
-        keys = [t.blob.key for t in self.tables]
-        keys += [t.id_map.key for t in self.tables if t.id_map is not None]
-        keys += [b.key for b in (self.dense, self.optimizer) if b is not None]
+        keys = [b.key for b in self.blobs]
         if self.parent_manifest is not None:
             keys.append(self.parent_manifest)
         for key in keys:
@@ -322,9 +447,8 @@ class Manifest(_Frozen):
 
     @property
     def blobs(self) -> tuple[BlobRef, ...]:
-        """Every blob this version references, tables (and their id maps) first."""
-        refs = [t.blob for t in self.tables]
-        refs += [t.id_map for t in self.tables if t.id_map is not None]
+        """Every blob this version references, tables (their shards, their id maps) first."""
+        refs = [b for t in self.tables for b in t.blobs]
         refs += [b for b in (self.dense, self.optimizer) if b is not None]
         return tuple(refs)
 
@@ -409,6 +533,12 @@ class Lease(_Frozen):
     @classmethod
     def from_json(cls, data: bytes) -> Lease:
         return _parse(cls, data, MAX_LEASE_BYTES, "lease")
+
+
+def _without_null(data: dict[str, Any], field: str) -> dict[str, Any]:
+    if data.get(field, ...) is None:
+        del data[field]
+    return data
 
 
 def _tensor_bytes(blob: BlobRef | None, tensors: int | None) -> int:

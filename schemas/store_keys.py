@@ -7,6 +7,10 @@ One model NAME owns the keys under `NAME/`:
     NAME/probe-TOKEN                            writer TOKEN's conditional-write probe (transient)
     NAME/manifests/VVVVVVVVVVVV-TOKEN.json      the manifest of version V by writer TOKEN
     NAME/blobs/VVVVVVVVVVVV-TOKEN/...           that version's delta and tensor blobs
+    NAME/blobs/VVVVVVVVVVVV-TOKEN/rRRRR/...     the blobs rank RRRR of a job wrote (section 2.1)
+
+Inside a version's prefix a table's blobs are `IIII-TABLE.cnrd` and `IIII-TABLE.idmap` (IIII:
+the table's index in the model's table order), and a row-range shard's `IIII-TABLE-ROWSTART.cnrd`.
 
 Every module that builds or recognises a key does it here, so the layout is spelled once.
 """
@@ -49,6 +53,27 @@ def manifest_key(model: str, version: int, token: str) -> str:
 
 def blob_prefix(model: str, version: int, token: str) -> str:
     return f"{blobs_prefix(model)}{version:012d}-{token}/"
+
+
+def rank_blob_prefix(model: str, version: int, token: str, rank: int | None) -> str:
+    """Where one writer's blobs of a version go: `blob_prefix`, under `rRRRR/` for a job's rank
+    (None: a single process)."""
+    prefix = blob_prefix(model, version, token)
+    return prefix if rank is None else f"{prefix}r{rank:04d}/"
+
+
+def table_blob_name(index: int, table: str, suffix: str, row_start: int | None = None) -> str:
+    """A table blob's name inside its version's (or rank's) prefix: `IIII-TABLE.cnrd`,
+    `IIII-TABLE.idmap`, or a shard's `IIII-TABLE-ROWSTART.cnrd` (`suffix` without the dot)."""
+    shard = "" if row_start is None else f"-{row_start}"
+    return f"{index:04d}-{safe_segment(table)}{shard}.{suffix}"
+
+
+def safe_segment(name: str) -> str:
+    """A table name as one key segment: every character outside `[A-Za-z0-9._-]` becomes `_`
+    (module names contain dots, never slashes)."""
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return cleaned.strip(".") or "table"
 
 
 def is_blob_key(model: str, key: str) -> bool:

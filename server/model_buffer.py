@@ -183,7 +183,7 @@ def fetch_version(
         tables = tuple(pool.map(read, entries))
     else:
         tables = tuple(read(e) for e in entries)
-    fetched = sum(e.blob.size + (0 if e.id_map is None else e.id_map.size) for e in entries)
+    fetched = sum(e.stored_bytes for e in entries)
     dense: dict[str, np.ndarray] | None = None
     if d is not None:
         data = (

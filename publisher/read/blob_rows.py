@@ -47,6 +47,28 @@ class BlobRows:
         weights[self.ids] = self.values
 
 
+def join_shards(table_rows: int, shards: list[tuple[int, DeltaBlob]]) -> DeltaBlob:
+    """One blob of a table's rows from the blobs of its row-range shards (docs/FORMAT.md 3.3),
+    given as (row_start, blob) sorted by row_start, each checked against its shard entry: the
+    shards' row ids offset by their row_start, their codes, scales and optimizer columns
+    concatenated (still encoded), so every reader of a table's blob reads a sharded one too."""
+    first = shards[0][1]
+    encodings = {blob.aux_encoding for _, blob in shards}
+    return DeltaBlob(
+        table=first.table,
+        codec=first.codec,
+        dim=first.dim,
+        table_rows=table_rows,
+        row_ids=np.concatenate([blob.row_ids + start for start, blob in shards]),
+        codes=np.concatenate([blob.codes for _, blob in shards]),
+        scale=np.concatenate([blob.scale for _, blob in shards]),
+        bias=np.concatenate([blob.bias for _, blob in shards]),
+        aux=np.concatenate([blob.aux for _, blob in shards]),
+        # In memory the aux is float32 either way; a bfloat16 one stays bfloat16 values.
+        aux_encoding=encodings.pop() if len(encodings) == 1 else "float32",
+    )
+
+
 def decode_blob(blob: DeltaBlob) -> BlobRows:
     """Every row of `blob` decoded to float32, without touching a table."""
     # The blob's ids are a view of the fetched bytes: an own copy does not keep those alive.

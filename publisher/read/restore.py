@@ -32,15 +32,18 @@ from tqdm import tqdm
 
 from publisher.id_map import IdMap, IdMapError
 from publisher.memory_budget import MemoryBudget, MemoryBudgetError
-from publisher.read.blob_rows import NewestRows
+from publisher.read.blob_rows import NewestRows, join_shards
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.id_map_rows import NewestIdEntries, read_id_entries
 from publisher.read.planner import restore_plan
 from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob, decode_delta_blob
 from schemas.errors import BadDataError, FormatError
-from schemas.manifest import Manifest, Position, TableEntry
+from schemas.manifest import Manifest, Position, TableEntry, TableShard
 from schemas.tensor_blob import decode_tensors
+
+#: shard blobs of one table fetched at once (network-bound on S3; hashing releases the GIL).
+SHARD_FETCH_CONCURRENCY = 8
 
 
 class RestoreError(BadDataError):
@@ -80,24 +83,36 @@ class RestoredState:
 
 
 def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
-    """Fetch, verify and decode one table blob, checking it matches its manifest entry.
+    """Fetch, verify and decode one table's blob, checking it matches its manifest entry: the
+    table's rows with global row ids, whether it is stored whole or in row-range shards
+    (docs/FORMAT.md section 3.3), whose blobs are fetched in parallel and joined.
 
-    The decoder's caps are the entry's (`TableEntry.blob_limits`): a blob declaring a bigger
-    table than its entry fails on its header, before a byte is inflated."""
-    data = store.get_verified(entry.blob.key, entry.blob.size, entry.blob.sha256)
-    blob = decode_delta_blob(data, limits=entry.blob_limits)
+    Each blob's decoder caps are its part's (`TableEntry.blob_limits`): a blob declaring a
+    bigger table or shard than its entry fails on its header, before a byte is inflated.
+    Raises IntegrityError, FormatError or RestoreError on the first blob that fails."""
+    if entry.shards is None:
+        return _read_part(store, entry, entry.parts[0])
+    parts = entry.parts
+    with ThreadPoolExecutor(max_workers=min(len(parts), SHARD_FETCH_CONCURRENCY)) as pool:
+        blobs = list(pool.map(lambda part: _read_part(store, entry, part), parts))
+    return join_shards(entry.rows, [(p.row_start, b) for p, b in zip(parts, blobs, strict=True)])
+
+
+def _read_part(store: ObjectStore, entry: TableEntry, part: TableShard) -> DeltaBlob:
+    data = store.get_verified(part.blob.key, part.blob.size, part.blob.sha256)
+    blob = decode_delta_blob(data, limits=entry.blob_limits(part))
     expected = (
         entry.name,
         entry.codec,
         entry.dim,
-        entry.rows,
-        entry.rows_in_checkpoint,
+        part.rows,
+        part.rows_in_checkpoint,
         entry.aux_dim,
     )
     found = (blob.table, blob.codec, blob.dim, blob.table_rows, blob.n_rows, blob.aux_dim)
     if found != expected:
         raise RestoreError(
-            f"{entry.blob.key}: blob says (table, codec, dim, rows, n_rows, aux_dim)={found}, "
+            f"{part.blob.key}: blob says (table, codec, dim, rows, n_rows, aux_dim)={found}, "
             f"the manifest says {expected}"
         )
     return blob
@@ -117,7 +132,10 @@ def _restore_table(
     entries = [_chain_entry(ref, target_entry, chain[-1].manifest) for ref in chain]
     baseline = entries[0]
     if baseline.rows_in_checkpoint != baseline.rows:
-        raise RestoreError(f"{baseline.blob.key}: the chain must start with a full table")
+        raise RestoreError(
+            f"table {baseline.name!r} of version {chain[0].version}: the chain must start with "
+            "a full table"
+        )
     with_map = [entry.id_map is not None for entry in entries]
     if any(with_map) and not all(with_map):
         versions = [ref.version for ref, has in zip(chain, with_map, strict=True) if not has]
@@ -147,7 +165,7 @@ def _restore_table(
             id_map = id_rows.build()
         except (FormatError, IdMapError) as exc:
             raise RestoreError(f"table {target_entry.name!r}: id map: {exc}") from exc
-    read = sum(e.blob.size + (e.id_map.size if e.id_map else 0) for e in entries)
+    read = sum(e.stored_bytes for e in entries)
     return table, id_map, read
 
 
@@ -179,7 +197,7 @@ def _read_entry(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
     try:
         return read_blob(store, entry)  # it matches its entry, hence the target's shape
     except FormatError as exc:
-        raise RestoreError(f"{entry.blob.key}: {exc}") from exc
+        raise RestoreError(f"table {entry.name!r}: {exc}") from exc
 
 
 def _chain_entry(ref: VersionRef, target_entry: TableEntry, target: Manifest) -> TableEntry:

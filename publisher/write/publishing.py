@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal, Protocol
 
+import numpy as np
+
 from publisher.codecs import QuantizedRows, decode_rows, encode_rows
 from publisher.read.catalog import VersionRef
 from publisher.served_loss import ServedLossMeter
@@ -31,7 +33,7 @@ from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
 from schemas.delta_blob import AuxEncoding, DeltaBlob, encode_delta_blob, round_to_bfloat16
-from schemas.errors import UnavailableError
+from schemas.errors import BadDataError, UnavailableError
 from schemas.id_map_blob import encode_id_entries
 from schemas.manifest import Manifest, ratio_to_full_fp32
 from schemas.tensor_blob import encode_tensors, tensor_bytes
@@ -98,16 +100,23 @@ def encode_table(
 ) -> TableBlob:
     """Quantize (unless `quantized` holds the rows already quantized with `rows.codec`) and
     encode one table's copied rows as a delta blob, and their id-map entries (if the table has
-    an id map) as an id-map blob."""
+    an id map) as an id-map blob.
+
+    The rows of a shard (`rows.row_range`) become a shard blob (docs/FORMAT.md section 3.3):
+    a table of `end - start` rows with shard-local ids; ShardRowsError for a row outside the
+    range or a shard with an id map (a sharded table has none)."""
     q = quantized if quantized is not None else encode_rows(rows.codec, rows.values)
     aux_encoding = aux_encoding_for(rows.codec)
     id_entries = rows.id_map_entries()
+    table_rows, row_ids = rows.table_rows, rows.row_ids
+    if rows.row_range is not None:
+        table_rows, row_ids = _shard_rows(rows, id_entries is not None)
     blob = DeltaBlob(
         table=rows.name,
         codec=rows.codec,
         dim=rows.dim,
-        table_rows=rows.table_rows,
-        row_ids=rows.row_ids,
+        table_rows=table_rows,
+        row_ids=row_ids,
         codes=q.codes,
         scale=q.scale,
         bias=q.bias,
@@ -125,7 +134,33 @@ def encode_table(
         id_map=None
         if id_entries is None
         else encode_id_entries(id_entries, hashed=rows.id_map_hashed),
+        row_range=rows.row_range,
     )
+
+
+class ShardRowsError(BadDataError):
+    """The rows of a shard do not fit it: a row outside its range, a range outside the table,
+    or an id map on a sharded table."""
+
+
+def _shard_rows(rows: TableRows, has_id_map: bool) -> tuple[int, np.ndarray]:
+    """(rows of the shard, its shard-local row ids) of `rows.row_range`, checked."""
+    assert rows.row_range is not None
+    start, end = rows.row_range
+    if not 0 <= start < end <= rows.table_rows:
+        raise ShardRowsError(
+            f"table {rows.name!r}: shard rows [{start}, {end}) are not within its "
+            f"{rows.table_rows} rows"
+        )
+    if has_id_map:
+        raise ShardRowsError(f"table {rows.name!r}: a sharded table carries no id map")
+    ids = rows.row_ids
+    if ids.size and (int(ids[0]) < start or int(ids[-1]) >= end):
+        raise ShardRowsError(
+            f"table {rows.name!r}: rows {int(ids[0])}..{int(ids[-1])} are outside its shard "
+            f"[{start}, {end})"
+        )
+    return end - start, ids - start
 
 
 class SnapshotPublisher(Protocol):

@@ -30,7 +30,8 @@ class NonFiniteSnapshotError(BadDataError):
 
 class SnapshotMergeError(BadDataError):
     """Two snapshots of one table that cannot be folded into one (one carries an id map, the
-    other not, or the maps' modes differ): they are not of the same model."""
+    other not, the maps' modes differ, or they hold other row ranges): they are not of the
+    same model or shard."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class TableRows:
     id_entries: IdEntries | IdCapture | None = None
     #: whether that map is hashed (publisher/id_map.py); written in the id-map blob.
     id_map_hashed: bool = False
+    #: the global rows [start, end) of the shard a job's rank holds (docs/FORMAT.md 3.3); None:
+    #: the whole table. `row_ids` stay global row numbers, within the range.
+    row_range: tuple[int, int] | None = None
 
     @property
     def dim(self) -> int:
@@ -77,6 +81,11 @@ class TableRows:
 
     def merge(self, newer: TableRows) -> TableRows:
         """Union of both row sets; rows present in `newer` take its values (and id entries)."""
+        if self.row_range != newer.row_range:
+            raise SnapshotMergeError(
+                f"table {self.name!r}: a snapshot of rows {self.row_range} cannot take one of "
+                f"rows {newer.row_range} (None: the whole table)"
+            )
         if (self.id_entries is None) != (newer.id_entries is None) or (
             self.id_map_hashed != newer.id_map_hashed
         ):

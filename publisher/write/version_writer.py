@@ -3,6 +3,11 @@
     writer = VersionWriter(store, "movielens")      # probes the store, takes the lease
     ref = writer.commit(draft)                       # blobs -> manifest -> HEAD (compare-and-swap)
 
+`commit` is three steps a job of several ranks (section 2.1) takes apart: `reserve` (read HEAD,
+pick V and its parent: the writer's, rank 0's), `upload_part` (each rank puts its blobs under
+its own prefix and reports their references, JSON-able `WrittenPart`s) and `commit_parts` (the
+writer's: one manifest of every part, the lease renewed, HEAD by compare-and-swap).
+
 Order is the whole point: blobs first, the manifest next, and HEAD last by compare-and-swap, so
 a crash anywhere leaves the previous version as HEAD and nothing committed refers to a missing
 object. Leftovers of a crash are orphans that `gc` removes. `crash_hook` lets tests stop the
@@ -26,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from publisher.faults import fault_point
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import (
@@ -36,7 +43,7 @@ from publisher.store import (
     check_conditional_writes,
 )
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
-from schemas.errors import CheckNRunError, ConflictError
+from schemas.errors import BadDataError, CheckNRunError, ConflictError
 from schemas.manifest import (
     MAX_HEAD_BYTES,
     MAX_LEASE_BYTES,
@@ -47,10 +54,18 @@ from schemas.manifest import (
     Position,
     ServedLoss,
     TableEntry,
+    TableShard,
     check_model_name,
     utc_now,
 )
-from schemas.store_keys import blob_prefix, head_key, lease_key, manifest_key, probe_key
+from schemas.store_keys import (
+    head_key,
+    lease_key,
+    manifest_key,
+    probe_key,
+    rank_blob_prefix,
+    table_blob_name,
+)
 
 
 class WriterError(CheckNRunError):
@@ -63,6 +78,12 @@ class LeaseHeldError(WriterError, ConflictError):
 
 class HeadConflictError(WriterError, ConflictError):
     """HEAD moved under this writer: another writer committed, so this one must stop."""
+
+
+class PartsError(WriterError, BadDataError):
+    """The parts the writers of a version uploaded do not make one version (a table missing or
+    written twice, shards with a gap or an overlap, dense state from two ranks): nothing is
+    committed."""
 
 
 #: stages of a commit, in order; `crash_hook(stage)` runs at each.
@@ -82,11 +103,42 @@ class TableBlob:
     data: bytes
     #: the id-map blob of the same rows (docs/FORMAT.md section 7), for a table with an id map.
     id_map: bytes | None = None
+    #: the global rows [start, end) of a shard blob (docs/FORMAT.md 3.3: its `table_rows` is
+    #: end - start, its row ids shard-local); None: the blob holds the whole table.
+    row_range: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class VersionHeader:
+    """What a version says besides its blobs: kind, policy, position, model and metrics."""
+
+    kind: Literal["full", "delta"]
+    #: what a delta's rows are relative to: the previous version or the baseline (one-shot).
+    relative_to: Literal["parent", "baseline"] | None
+    policy: str
+    position: Position
+    model_config: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    #: the version as a server holds it next to the fp32 state (docs/FORMAT.md 3.2).
+    served_loss: ServedLoss | None = None
+
+
+@dataclass(frozen=True)
+class BlobsDraft:
+    """The encoded blobs one writer puts for a version: all of them for a single process, its
+    own tables or shards (and on rank 0 the dense state) for a rank of a job."""
+
+    tables: Sequence[TableBlob]
+    dense: bytes | None = None
+    optimizer: bytes | None = None
+    #: the tensors' share of `dense` / `optimizer` (docs/FORMAT.md 3.1); None: not known.
+    dense_tensor_bytes: int | None = None
+    optimizer_tensor_bytes: int | None = None
 
 
 @dataclass(frozen=True)
 class VersionDraft:
-    """A version before it has a number: what the publisher hands to `commit`."""
+    """A version before it has a number: what a single-process publisher hands to `commit`."""
 
     kind: Literal["full", "delta"]
     #: what a delta's rows are relative to: the previous version or the baseline (one-shot).
@@ -103,6 +155,78 @@ class VersionDraft:
     metrics: Mapping[str, float] = field(default_factory=dict)
     #: the version as a server holds it next to the fp32 state (docs/FORMAT.md 3.2).
     served_loss: ServedLoss | None = None
+
+    @property
+    def header(self) -> VersionHeader:
+        return VersionHeader(
+            kind=self.kind,
+            relative_to=self.relative_to,
+            policy=self.policy,
+            position=self.position,
+            model_config=self.model_config,
+            metrics=self.metrics,
+            served_loss=self.served_loss,
+        )
+
+    @property
+    def blobs(self) -> BlobsDraft:
+        return BlobsDraft(
+            tables=self.tables,
+            dense=self.dense,
+            optimizer=self.optimizer,
+            dense_tensor_bytes=self.dense_tensor_bytes,
+            optimizer_tensor_bytes=self.optimizer_tensor_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The number and parent `VersionWriter.reserve` picked for the next version, and HEAD's
+    ETag then: the compare-and-swap that commits it fails if HEAD has moved since."""
+
+    model: str
+    version: int
+    #: the writer's (the job's) token, in every blob and manifest key of the version.
+    token: str
+    parent: VersionRef | None
+    head_etag: str | None
+
+    def check_kind(self, kind: Literal["full", "delta"]) -> None:
+        """WriterError for a delta with nothing to apply to."""
+        if kind == "delta" and self.parent is None:
+            raise WriterError(f"model {self.model!r} has no version yet: the first must be full")
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WrittenTable(_Wire):
+    """One durable table blob (or shard) of a version and its id map: what a rank reports."""
+
+    name: str
+    rows: int
+    dim: int
+    codec: str
+    rows_in_checkpoint: int
+    aux_dim: int
+    blob: BlobRef
+    id_map: BlobRef | None = None
+    row_range: tuple[int, int] | None = None
+    rank: int = 0
+
+
+class WrittenPart(_Wire):
+    """Every blob one writer put for a version, durable: sent to rank 0 as JSON
+    (`model_dump(mode="json")`) and checked again there (`model_validate`)."""
+
+    #: the job's rank that wrote it; None for a single process.
+    rank: int | None
+    tables: tuple[WrittenTable, ...]
+    dense: BlobRef | None = None
+    optimizer: BlobRef | None = None
+    dense_tensor_bytes: int | None = None
+    optimizer_tensor_bytes: int | None = None
 
 
 def default_owner() -> str:
@@ -223,88 +347,85 @@ class VersionWriter:
         if self.crash_hook is not None:
             self.crash_hook(stage)
 
-    def _put_blob(self, key: str, data: bytes) -> BlobRef:
-        self.store.put(key, data)
-        self._hook("blob_written")
-        return BlobRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    def reserve(self) -> Reservation:
+        """Read HEAD and pick the next version's number and parent (step 2 of FORMAT 2.1).
 
-    def commit(self, draft: VersionDraft) -> VersionRef:
-        """Write a draft as the next version and move HEAD to it."""
+        Nothing is written: the blobs of the reservation go under `rank_blob_prefix(model,
+        version, token, rank)`, and `commit_parts` commits them if HEAD has not moved since."""
         try:
             head_data, head_etag = self.store.get_with_etag(head_key(self.model), MAX_HEAD_BYTES)
         except NotFoundError:
-            parent: VersionRef | None = None
-            head_etag_or_none: str | None = None
-        else:
-            head = Head.from_json(head_data)
-            parent = VersionRef(self.catalog.manifest(head.manifest), head.manifest)
-            head_etag_or_none = head_etag
-        version = 1 if parent is None else parent.version + 1
-        if draft.kind == "delta" and parent is None:
-            raise WriterError(f"model {self.model!r} has no version yet: the first must be full")
+            return Reservation(self.model, 1, self.token, None, None)
+        head = Head.from_json(head_data)
+        parent = VersionRef(self.catalog.manifest(head.manifest), head.manifest)
+        return Reservation(self.model, parent.version + 1, self.token, parent, head_etag)
 
-        prefix = blob_prefix(self.model, version, self.token)
-        uploads: list[tuple[str, bytes]] = [
-            (f"{prefix}{i:04d}-{_safe_name(t.name)}.cnrd", t.data)
-            for i, t in enumerate(draft.tables)
-        ]
-        id_maps = [(i, t.id_map) for i, t in enumerate(draft.tables) if t.id_map is not None]
-        uploads += [
-            (f"{prefix}{i:04d}-{_safe_name(draft.tables[i].name)}.idmap", data)
-            for i, data in id_maps
-        ]
-        if draft.dense is not None:
-            uploads.append((f"{prefix}dense.safetensors", draft.dense))
-        if draft.optimizer is not None:
-            uploads.append((f"{prefix}optimizer.safetensors", draft.optimizer))
-        with ThreadPoolExecutor(max_workers=self.tunables.upload_concurrency) as pool:
-            refs = list(pool.map(lambda kv: self._put_blob(*kv), uploads))
+    def commit(self, draft: VersionDraft) -> VersionRef:
+        """Write a draft as the next version and move HEAD to it."""
+        reservation = self.reserve()
+        reservation.check_kind(draft.kind)
+        part = upload_part(
+            self.store,
+            reservation,
+            None,
+            draft.blobs,
+            tunables=self.tunables,
+            hook=self._hook,
+        )
+        return self.commit_parts(reservation, draft.header, [part])
+
+    def commit_parts(
+        self,
+        reservation: Reservation,
+        header: VersionHeader,
+        parts: Sequence[WrittenPart],
+        table_order: Sequence[str] | None = None,
+    ) -> VersionRef:
+        """Commit the parts every writer of `reservation` uploaded as one version: the
+        manifest, then HEAD by compare-and-swap against what `reserve` read.
+
+        Tables appear once, in `table_order` (every table named there must be present), else in
+        the parts' order; a table written in row-range shards gets them sorted, and shards that
+        leave a gap or overlap are refused (WriterError) before anything is written."""
         self._hook("blobs_done")
-
-        if draft.kind == "full":
+        reservation.check_kind(header.kind)
+        version, parent = reservation.version, reservation.parent
+        if header.kind == "full":
             baseline, applies_to = version, None
         else:
-            assert parent is not None
+            assert parent is not None  # check_kind
             baseline = parent.manifest.baseline
-            applies_to = parent.version if draft.relative_to == "parent" else baseline
-        n_tables = len(draft.tables)
-        id_map_refs = dict(
-            zip((i for i, _ in id_maps), refs[n_tables : n_tables + len(id_maps)], strict=True)
-        )
-        tables = tuple(
-            TableEntry(
-                name=t.name,
-                rows=t.rows,
-                dim=t.dim,
-                codec=t.codec,
-                rows_in_checkpoint=t.rows_in_checkpoint,
-                aux_dim=t.aux_dim,
-                blob=ref,
-                id_map=id_map_refs.get(i),
+            applies_to = parent.version if header.relative_to == "parent" else baseline
+        dense = [p for p in parts if p.dense is not None or p.optimizer is not None]
+        if len(dense) > 1:
+            raise PartsError(
+                f"version {version}: ranks {[p.rank for p in dense]} each sent dense state; "
+                "one writer (rank 0) holds it"
             )
-            for i, (t, ref) in enumerate(zip(draft.tables, refs, strict=False))
-        )
-        extra = iter(refs[n_tables + len(id_maps) :])
-        manifest = Manifest(
-            model=self.model,
-            version=version,
-            parent=None if parent is None else parent.version,
-            parent_manifest=None if parent is None else parent.key,
-            kind=draft.kind,
-            baseline=baseline,
-            applies_to=applies_to,
-            policy=draft.policy,
-            created_at=utc_now(),
-            position=draft.position,
-            tables=tables,
-            dense=next(extra) if draft.dense is not None else None,
-            optimizer=next(extra) if draft.optimizer is not None else None,
-            dense_tensor_bytes=draft.dense_tensor_bytes,
-            optimizer_tensor_bytes=draft.optimizer_tensor_bytes,
-            model_config=dict(draft.model_config),
-            metrics={k: float(v) for k, v in draft.metrics.items()},
-            served_loss=draft.served_loss,
-        )
+        state = dense[0] if dense else None
+        try:
+            manifest = Manifest(
+                model=self.model,
+                version=version,
+                parent=None if parent is None else parent.version,
+                parent_manifest=None if parent is None else parent.key,
+                kind=header.kind,
+                baseline=baseline,
+                applies_to=applies_to,
+                policy=header.policy,
+                created_at=utc_now(),
+                position=header.position,
+                tables=_table_entries(parts, table_order),
+                dense=None if state is None else state.dense,
+                optimizer=None if state is None else state.optimizer,
+                dense_tensor_bytes=None if state is None else state.dense_tensor_bytes,
+                optimizer_tensor_bytes=None if state is None else state.optimizer_tensor_bytes,
+                model_config=dict(header.model_config),
+                metrics={k: float(v) for k, v in header.metrics.items()},
+                served_loss=header.served_loss,
+            )
+        except ValidationError as exc:
+            raise PartsError(f"version {version} cannot be committed: {exc}") from exc
         key = manifest_key(self.model, version, self.token)
         self.store.put(key, manifest.to_json())
         self._hook("manifest_written")
@@ -312,7 +433,7 @@ class VersionWriter:
         self.renew_lease()  # refuses if another writer took over while we uploaded
         head = Head(model=self.model, version=version, manifest=key)
         try:
-            self.store.put_if(head_key(self.model), head.to_json(), etag=head_etag_or_none)
+            self.store.put_if(head_key(self.model), head.to_json(), etag=reservation.head_etag)
         except PreconditionFailedError as exc:
             raise HeadConflictError(
                 f"HEAD of {self.model!r} moved while committing version {version}: another "
@@ -323,7 +444,132 @@ class VersionWriter:
         return VersionRef(manifest, key)
 
 
-def _safe_name(name: str) -> str:
-    """A table name as one path segment (module names contain dots, never slashes)."""
-    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
-    return cleaned.strip(".") or "table"
+def upload_part(
+    store: ObjectStore,
+    reservation: Reservation,
+    rank: int | None,
+    blobs: BlobsDraft,
+    *,
+    tunables: Tunables = DEFAULT_TUNABLES,
+    hook: Callable[[CommitStage], None] = fault_point,
+    table_index: Mapping[str, int] | None = None,
+) -> WrittenPart:
+    """Put one writer's blobs of a reserved version (in parallel) and return their references,
+    once every put has returned: the whole version for a single process (`rank` None), or one
+    rank's tables, shards and (rank 0) dense state under its `rRRRR/` prefix.
+
+    A table blob is named by the table's index in `table_index` (the model's table order, which
+    every rank knows), else by its position in `blobs.tables`."""
+    prefix = rank_blob_prefix(reservation.model, reservation.version, reservation.token, rank)
+
+    def name(i: int, t: TableBlob, suffix: str) -> str:
+        index = i if table_index is None else table_index[t.name]
+        start = None if t.row_range is None else t.row_range[0]
+        return prefix + table_blob_name(index, t.name, suffix, start)
+
+    uploads = [(name(i, t, "cnrd"), t.data) for i, t in enumerate(blobs.tables)]
+    uploads += [
+        (name(i, t, "idmap"), t.id_map) for i, t in enumerate(blobs.tables) if t.id_map is not None
+    ]
+    if blobs.dense is not None:
+        uploads.append((f"{prefix}dense.safetensors", blobs.dense))
+    if blobs.optimizer is not None:
+        uploads.append((f"{prefix}optimizer.safetensors", blobs.optimizer))
+
+    def put(key: str, data: bytes) -> BlobRef:
+        store.put(key, data)
+        hook("blob_written")
+        return BlobRef(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    with ThreadPoolExecutor(max_workers=tunables.upload_concurrency) as pool:
+        refs = iter(list(pool.map(lambda kv: put(*kv), uploads)))
+    row_refs = [next(refs) for _ in blobs.tables]
+    tables = tuple(
+        WrittenTable(
+            name=t.name,
+            rows=t.rows,
+            dim=t.dim,
+            codec=t.codec,
+            rows_in_checkpoint=t.rows_in_checkpoint,
+            aux_dim=t.aux_dim,
+            blob=ref,
+            id_map=next(refs) if t.id_map is not None else None,
+            row_range=t.row_range,
+            rank=rank or 0,
+        )
+        for t, ref in zip(blobs.tables, row_refs, strict=True)
+    )
+    return WrittenPart(
+        rank=rank,
+        tables=tables,
+        dense=next(refs) if blobs.dense is not None else None,
+        optimizer=next(refs) if blobs.optimizer is not None else None,
+        dense_tensor_bytes=blobs.dense_tensor_bytes,
+        optimizer_tensor_bytes=blobs.optimizer_tensor_bytes,
+    )
+
+
+def _table_entries(
+    parts: Sequence[WrittenPart], table_order: Sequence[str] | None
+) -> tuple[TableEntry, ...]:
+    """One manifest entry per table of `parts`: whole, or its shards sorted by row_start."""
+    written: dict[str, list[WrittenTable]] = {}
+    for part in parts:
+        for table in part.tables:
+            written.setdefault(table.name, []).append(table)
+    if table_order is not None:
+        missing = [n for n in table_order if n not in written]
+        unknown = [n for n in written if n not in table_order]
+        if missing or unknown:
+            raise PartsError(
+                f"the version must hold the model's tables {list(table_order)}: "
+                f"{missing} were not written, {unknown} are not the model's"
+            )
+    names = list(written) if table_order is None else list(table_order)
+    return tuple(_table_entry(written[name]) for name in names)
+
+
+def _table_entry(pieces: list[WrittenTable]) -> TableEntry:
+    first = pieces[0]
+    shapes = {(p.rows, p.dim, p.codec, p.aux_dim) for p in pieces}
+    if len(shapes) > 1:
+        raise PartsError(f"table {first.name!r} was written in several shapes: {sorted(shapes)}")
+    ranged = [p for p in pieces if p.row_range is not None]
+    if not ranged:
+        if len(pieces) > 1:
+            ranks = [p.rank for p in pieces]
+            raise PartsError(f"table {first.name!r} was written whole by ranks {ranks}")
+        return TableEntry(
+            name=first.name,
+            rows=first.rows,
+            dim=first.dim,
+            codec=first.codec,
+            rows_in_checkpoint=first.rows_in_checkpoint,
+            aux_dim=first.aux_dim,
+            blob=first.blob,
+            id_map=first.id_map,
+        )
+    if len(ranged) != len(pieces):
+        raise PartsError(f"table {first.name!r} was written both whole and in row ranges")
+    shards = []
+    for p in sorted(ranged, key=lambda p: p.row_range or (0, 0)):
+        assert p.row_range is not None
+        shards.append(
+            TableShard(
+                rank=p.rank,
+                row_start=p.row_range[0],
+                row_end=p.row_range[1],
+                rows_in_checkpoint=p.rows_in_checkpoint,
+                blob=p.blob,
+            )
+        )
+    return TableEntry(
+        name=first.name,
+        rows=first.rows,
+        dim=first.dim,
+        codec=first.codec,
+        rows_in_checkpoint=sum(s.rows_in_checkpoint for s in shards),
+        aux_dim=first.aux_dim,
+        blob=None,
+        shards=tuple(shards),
+    )

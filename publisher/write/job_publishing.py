@@ -1,0 +1,530 @@
+"""A job of several ranks publishing its versions as one writer (docs/FORMAT.md section 2.1).
+
+    collectives = ThreadCollective.group(2, timeout_s=60)     # or TorchCollective per process
+    job = JobPublisher(store, "movielens", collectives[rank], announce=bus.announce)
+    result = job.publish(snapshot)        # on every rank, each with its own tables or shards
+
+Rank 0 holds the job's `VersionWriter` (probe, lease, HEAD); every rank encodes and uploads its
+own blobs, in parallel with the others. One `publish` is one round in which every rank takes
+part in every collective call, whatever fails:
+
+    rank 0                                      every rank
+    reserve(): V and its parent
+    broadcast {V, token, rank 0's header}   ->  check its header agrees with rank 0's, encode
+                                                and put its blobs under .../VVVV-TOKEN/rRRRR/
+    gather                                  <-  {part, position} once every put returned, or
+                                                {error}
+    commit_parts (only if every rank
+    reported a part): manifest, HEAD
+    broadcast {key, manifest} or {error}    ->  PublishResult, or RankFailedError
+
+So a version is committed only after every rank's blobs are durable, and every rank learns the
+same outcome: the version, or `RankFailedError` naming the rank that failed and its error,
+with HEAD left where it was (the blobs already put are orphans for `checknrun gc`). After a
+`RankFailedError` every rank has finished its round, so the next `publish` may try again; after
+a `CollectiveError` (a rank did not answer: dead, or stuck past the collective's timeout) a
+rank may still be writing, so the publisher refuses to go on and rank 0 stops the job.
+
+`JobBackgroundPublisher` runs the rounds on a background thread, like `BackgroundPublisher`:
+rank 0 picks the newest snapshot sequence it has, and the others fold theirs up to it, so each
+version holds the same training step on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from publisher.dlrm import TABLE_PREFIX, DLRMConfig
+from publisher.read.catalog import VersionRef
+from publisher.store import ObjectStore
+from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.collective import (
+    Collective,
+    CollectiveError,
+    JSONValue,
+    ThreadCollective,
+)
+from publisher.write.publishing import PublishResult, encode_table
+from publisher.write.snapshot import Snapshot
+from publisher.write.version_writer import (
+    BlobsDraft,
+    Reservation,
+    VersionHeader,
+    VersionWriter,
+    WrittenPart,
+    upload_part,
+)
+from schemas.announcement import Announcement
+from schemas.errors import BadDataError, CheckNRunError
+from schemas.manifest import Manifest, Position, RankPosition
+from schemas.tensor_blob import encode_tensors, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+
+class RankFailedError(CheckNRunError):
+    """A rank of the job failed its part of a version (or rank 0 its commit): nothing was
+    committed. Every rank raises it, naming the same rank and error."""
+
+    def __init__(self, rank: int, error: str) -> None:
+        super().__init__(f"rank {rank} failed: {error}; nothing was committed")
+        self.rank = rank
+        self.error = error
+
+
+class JobMismatchError(BadDataError):
+    """The ranks do not agree on what a version is (kind, reference point, policy, snapshot
+    sequence, step or model): their snapshots are not of the same job's interval."""
+
+
+def table_order(model_config: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The model's tables in its own order (what every rank knows), from a DLRM config; None
+    for a config this module cannot read (the tables are then ordered by name)."""
+    try:
+        config = DLRMConfig.from_json(model_config)
+    except ValueError:
+        return None
+    return tuple(TABLE_PREFIX + f.name for f in config.sparse)
+
+
+def _header(snapshot: Snapshot) -> dict[str, JSONValue]:
+    """What every rank must agree on for one version, as JSON."""
+    agreed: dict[str, JSONValue] = json.loads(
+        json.dumps(
+            {
+                "kind": snapshot.kind,
+                "relative_to": snapshot.relative_to,
+                "policy": snapshot.policy,
+                "sequence": snapshot.sequence,
+                "step": snapshot.position.step,
+                "model_config": snapshot.model_config,
+            }
+        )
+    )
+    return agreed
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class JobPublisher:
+    """Publishes one job's versions: `publish` is a collective call every rank makes.
+
+    Rank 0 owns the `VersionWriter` (taken here: every rank learns if it could not be);
+    `announce` is called on rank 0 once a version is committed.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        model: str,
+        collective: Collective,
+        *,
+        announce: Callable[[Announcement], None] | None = None,
+        tunables: Tunables = DEFAULT_TUNABLES,
+        timeout_s: float = 300.0,
+        writer: VersionWriter | None = None,
+    ) -> None:
+        self.store = store
+        self.model = model
+        self.collective = collective
+        self.rank = collective.rank
+        self.announce = announce
+        self.tunables = tunables
+        #: how long a rank waits for its own trainer's snapshot of the sequence rank 0 picked
+        #: (JobBackgroundPublisher): a trainer that far behind the others has stopped.
+        self.timeout_s = timeout_s
+        self.writer: VersionWriter | None = None
+        #: the CollectiveError that ended the job's publishing, re-raised by every later call.
+        self._broken: CollectiveError | None = None
+        #: rank 0's reservation of the round in progress.
+        self._reservation: Reservation | None = None
+        failure: JSONValue = None
+        if self.rank == 0:
+            try:
+                self.writer = writer or VersionWriter(store, model, tunables=tunables)
+            except CheckNRunError as exc:
+                failure = _describe(exc)
+                told = self._call(lambda: collective.broadcast(failure))
+                raise RankFailedError(0, str(told)) from exc
+        told = self._call(lambda: collective.broadcast(failure))
+        if told is not None:
+            raise RankFailedError(0, str(told))
+
+    def _call(self, operation: Callable[[], Any]) -> Any:
+        """Run a collective call; a CollectiveError ends this publisher for good."""
+        if self._broken is not None:
+            raise self._broken
+        try:
+            return operation()
+        except CollectiveError as exc:
+            self._broken = exc
+            if self.writer is not None:
+                self.writer.close()  # rank 0 stops the job: the lease goes with it
+            raise
+
+    def next_sequence(self, sequence: int | None) -> int | None:
+        """Rank 0's `sequence` on every rank (the others pass None): which snapshot the next
+        round publishes, None when there are no more rounds (JobBackgroundPublisher)."""
+        told = self._call(lambda: self.collective.broadcast(sequence if self.rank == 0 else None))
+        return None if told is None else _int(told)
+
+    def publish(self, snapshot: Snapshot) -> PublishResult:
+        """Publish this rank's `snapshot` as its part of the job's next version (every rank
+        calls it, each with its own snapshot); return the committed version.
+
+        Raises RankFailedError (the same on every rank) when a rank's part or the commit
+        failed, CollectiveError when a rank did not answer in time."""
+        return self._round(snapshot, None)
+
+    def fail(self, error: BaseException) -> None:
+        """Take part in the job's next round only to fail it with `error` (a rank that has no
+        snapshot to give): every rank then raises RankFailedError naming this rank."""
+        self._round(None, error)
+
+    def _round(self, snapshot: Snapshot | None, error: BaseException | None) -> PublishResult:
+        started = time.perf_counter()
+        plan = _dict(self._call(lambda: self.collective.broadcast(self._reserve(snapshot))))
+        if "error" in plan:
+            raise RankFailedError(0, str(plan["error"]))
+        encoded_s = 0.0
+        report: JSONValue
+        try:
+            if error is not None:
+                raise error
+            assert snapshot is not None
+            reservation = Reservation(
+                self.model, _int(plan["version"]), str(plan["token"]), None, None
+            )
+            report, encoded_s = self._upload(snapshot, plan, reservation)
+        except Exception as exc:  # every rank must take part in the rounds whatever failed
+            log.exception("rank %d: its part of the version failed", self.rank)
+            report = {"error": _describe(exc)}
+        reports = self._call(lambda: self.collective.gather(report))
+        outcome = _dict(
+            self._call(lambda: self.collective.broadcast(self._commit(reports, snapshot)))
+        )
+        if "error" in outcome:
+            raise RankFailedError(_int(outcome["rank"]), str(outcome["error"]))
+        manifest = Manifest.from_json(str(outcome["manifest"]).encode())
+        ref = VersionRef(manifest, str(outcome["key"]))
+        if self.rank == 0 and self.announce is not None:
+            try:
+                self.announce(Announcement.of(manifest, ref.key))
+            except Exception:
+                log.exception("announcing version %d failed; subscribers will poll", ref.version)
+        assert snapshot is not None  # a round this rank failed raised above
+        return PublishResult(
+            ref=ref,
+            encode_s=encoded_s,
+            commit_s=time.perf_counter() - started - encoded_s,
+            merged=snapshot.merged,
+            taken_at=snapshot.taken_at,
+            sequence=snapshot.sequence,
+        )
+
+    def _reserve(self, snapshot: Snapshot | None) -> JSONValue:
+        """Rank 0's plan of the round: the reserved version and its header (None elsewhere)."""
+        if self.rank != 0:
+            return None
+        assert self.writer is not None
+        try:
+            if snapshot is None:
+                raise JobMismatchError("rank 0 has no snapshot for this round")
+            reservation = self.writer.reserve()
+            reservation.check_kind(snapshot.kind)
+        except Exception as exc:
+            return {"error": _describe(exc)}
+        self._reservation = reservation
+        return {
+            "version": reservation.version,
+            "token": reservation.token,
+            "header": _header(snapshot),
+        }
+
+    def _upload(
+        self, snapshot: Snapshot, plan: dict[str, JSONValue], reservation: Reservation
+    ) -> tuple[JSONValue, float]:
+        """This rank's report of the round: its part, once durable, and its position."""
+        started = time.perf_counter()
+        mine = _header(snapshot)
+        theirs = _dict(plan["header"])
+        if mine != theirs:
+            differ = sorted(k for k in mine if mine[k] != theirs.get(k))
+            raise JobMismatchError(
+                f"rank {self.rank} disagrees with rank 0 on {differ}: "
+                f"{ {k: mine[k] for k in differ} } against { {k: theirs.get(k) for k in differ} }"
+            )
+        if self.rank != 0 and (snapshot.dense or snapshot.optimizer):
+            raise JobMismatchError(f"rank {self.rank} sent dense state; rank 0 holds it")
+        snapshot.check_finite()
+        order = table_order(snapshot.model_config) or sorted(t.name for t in snapshot.tables)
+        unknown = sorted({t.name for t in snapshot.tables} - set(order))
+        if unknown:
+            raise JobMismatchError(f"tables {unknown} are not the model's {list(order)}")
+        tables = [encode_table(t, self.tunables) for t in snapshot.tables]
+        dense = encode_tensors(snapshot.dense) if snapshot.dense else None
+        optimizer = (
+            encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
+            if snapshot.optimizer or snapshot.optimizer_meta
+            else None
+        )
+        blobs = BlobsDraft(
+            tables=tables,
+            dense=dense,
+            optimizer=optimizer,
+            dense_tensor_bytes=None if dense is None else tensor_bytes(dense),
+            optimizer_tensor_bytes=None if optimizer is None else tensor_bytes(optimizer),
+        )
+        encoded_s = time.perf_counter() - started
+        part = upload_part(
+            self.store,
+            reservation,
+            self.rank,
+            blobs,
+            tunables=self.tunables,
+            table_index={name: i for i, name in enumerate(order)},
+        )
+        position = snapshot.position
+        report: JSONValue = {
+            "part": part.model_dump(mode="json"),
+            "position": {
+                "samples_seen": position.samples_seen,
+                "reader": position.model_dump(mode="json")["reader"],
+            },
+        }
+        return report, encoded_s
+
+    def _commit(self, reports: list[JSONValue] | None, snapshot: Snapshot | None) -> JSONValue:
+        """Rank 0's outcome of the round: the committed version, or the first failure."""
+        if self.rank != 0:
+            return None
+        assert reports is not None and self.writer is not None
+        for rank, report in enumerate(reports):
+            if "error" in _dict(report):
+                return {"rank": rank, "error": _dict(report)["error"]}
+        assert snapshot is not None  # rank 0's own report would be an error otherwise
+        try:
+            ref = self._commit_parts(reports, snapshot)
+        except Exception as exc:
+            log.exception("rank 0: committing the job's version failed")
+            return {"rank": 0, "error": _describe(exc)}
+        return {"key": ref.key, "manifest": ref.manifest.to_json().decode()}
+
+    def _commit_parts(self, reports: list[JSONValue], snapshot: Snapshot) -> VersionRef:
+        assert self.writer is not None
+        parts: list[WrittenPart] = []
+        ranks: list[RankPosition] = []
+        for rank, sent in enumerate(reports):
+            report = _dict(sent)
+            part = WrittenPart.model_validate(report["part"])
+            if part.rank != rank:
+                raise JobMismatchError(f"rank {rank} reported the part of rank {part.rank}")
+            parts.append(part)
+            ranks.append(RankPosition.model_validate({"rank": rank, **_dict(report["position"])}))
+        position = Position(
+            step=snapshot.position.step,
+            samples_seen=sum(r.samples_seen for r in ranks),
+            reader=snapshot.position.reader,
+            ranks=tuple(ranks),
+        )
+        header = VersionHeader(
+            kind=snapshot.kind,
+            relative_to=snapshot.relative_to,
+            policy=snapshot.policy,
+            position=position,
+            model_config=snapshot.model_config,
+            metrics=snapshot.metrics,
+        )
+        names = sorted({t.name for p in parts for t in p.tables})
+        order = table_order(snapshot.model_config) or names
+        assert self._reservation is not None
+        return self.writer.commit_parts(self._reservation, header, parts, order)
+
+    def close(self) -> None:
+        """Release the job's lease (rank 0); the other ranks hold nothing."""
+        if self.writer is not None:
+            self.writer.close()
+
+
+class JobBackgroundPublisher:
+    """Runs a rank's `JobPublisher` rounds on a background thread: `submit` returns at once.
+
+    Every version holds the same snapshot sequence (`Snapshot.sequence`, the trainer's record
+    number) on every rank: rank 0 folds what it has and sends its sequence S; another rank folds
+    its snapshots up to S (waiting up to `job_publisher.timeout_s` for its trainer to submit S)
+    and keeps the newer ones for the next round. A rank enters a round only once it has a
+    snapshot (or is closing), so a long interval between checkpoints costs no collective wait.
+
+    A failure stops the worker and is re-raised by the next `submit`, `wait`, `close` or
+    `raise_if_failed` (docs/FORMAT.md section 2.1: rank 0 stops the job): a store that is down
+    fails a round on every rank alike, which the job restarts from its last version.
+    """
+
+    def __init__(
+        self,
+        job_publisher: JobPublisher,
+        on_published: Callable[[PublishResult], None] | None = None,
+    ) -> None:
+        self.job = job_publisher
+        self.on_published = on_published
+        self.results: list[PublishResult] = []
+        self._queue: list[Snapshot] = []  # oldest first
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._run, name=f"job-publisher-{job_publisher.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, snapshot: Snapshot) -> None:
+        """Queue a snapshot; returns at once."""
+        with self._cond:
+            self.raise_if_failed()
+            self._queue.append(snapshot)
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every snapshot submitted here is in a committed version; re-raise a
+        background failure. (A rank's snapshot newer than rank 0's waits for rank 0's.)"""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._busy) and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError("publishing did not finish in time")
+                self._cond.wait(remaining)
+            self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the failure that stopped the worker, if any."""
+        error = self._error
+        if error is not None:
+            raise error
+
+    def close(self, flush: bool = True) -> None:
+        """Optionally flush, then end the rounds (rank 0 tells the others) and release the
+        job's lease. Every rank closes; rank 0's close is what ends the others' workers."""
+        try:
+            if flush:
+                self.wait()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            # No timeout needed: every wait of a round is bounded by the collective's timeout or
+            # `timeout_s`, so the worker ends once rank 0 has said the rounds are over.
+            self._thread.join()
+            self.job.close()
+
+    def _run(self) -> None:
+        try:
+            while self._round():
+                pass
+            with self._cond:
+                left = [s.sequence for s in self._queue]
+            if left:
+                raise JobMismatchError(
+                    f"rank 0 ended the job's rounds; snapshots {left} of rank {self.job.rank} "
+                    "were never published"
+                )
+        except BaseException as exc:
+            with self._cond:
+                self._error = exc
+                self._busy = False
+                self._cond.notify_all()
+
+    def _round(self) -> bool:
+        """One round of the job; False once rank 0 said the rounds are over."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self.job.rank == 0:
+                taken, self._queue = self._queue, []
+                self._busy = bool(taken)
+        if self.job.rank == 0:
+            self.job.next_sequence(taken[-1].sequence if taken else None)
+            if not taken:
+                return False
+            self._publish(_fold(taken))
+            return True
+        told = self.job.next_sequence(None)
+        if told is None:
+            return False
+        snapshot = self._take_up_to(told)
+        if snapshot is None:
+            self.job.fail(
+                JobMismatchError(f"rank {self.job.rank} has no snapshot of sequence {told}")
+            )
+        else:
+            self._publish(snapshot)
+        return True
+
+    def _take_up_to(self, sequence: int) -> Snapshot | None:
+        """This rank's snapshots up to `sequence` folded, once its trainer submitted it; None
+        if it does not in time, or never will (closed, or it skipped that sequence)."""
+        deadline = time.monotonic() + self.job.timeout_s
+        with self._cond:
+            while not any(s.sequence >= sequence for s in self._queue) and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            taken = [s for s in self._queue if s.sequence <= sequence]
+            if not taken or taken[-1].sequence != sequence:
+                return None
+            self._queue = [s for s in self._queue if s.sequence > sequence]
+            self._busy = True
+        return _fold(taken)
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        result = self.job.publish(snapshot)
+        with self._cond:
+            self.results.append(result)
+            self._busy = False
+            self._cond.notify_all()
+        if self.on_published is not None:
+            try:
+                self.on_published(result)
+            except Exception:
+                log.exception("on_published callback failed")
+
+
+def _fold(snapshots: list[Snapshot]) -> Snapshot:
+    merged = snapshots[0]
+    for newer in snapshots[1:]:
+        merged = merged.merge(newer)
+    return merged
+
+
+def _int(value: JSONValue) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise JobMismatchError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _dict(value: JSONValue) -> dict[str, JSONValue]:
+    if not isinstance(value, dict):
+        raise JobMismatchError(f"expected a JSON object, got {value!r}")
+    return value
+
+
+__all__ = [
+    "Collective",
+    "CollectiveError",
+    "JSONValue",
+    "JobBackgroundPublisher",
+    "JobMismatchError",
+    "JobPublisher",
+    "RankFailedError",
+    "ThreadCollective",
+    "table_order",
+]
