@@ -1,0 +1,94 @@
+"""The publisher's `Collective` (publisher/write/job_publishing.py) over torch.distributed.
+
+The publishing thread of every rank talks to its peers while the training thread runs its own
+collectives (the embedding all-to-alls, the dense all-reduce). Two threads issuing collectives
+on one process group can interleave and deadlock, so `TorchCollective` owns a gloo group of its
+own (`dist.new_group`, which every rank must call in the same order). Values travel as JSON in
+uint8 tensors, never pickled:
+
+    broadcast: rank 0 ──int64 size──> all;  rank 0 ──uint8 payload (size)──> all
+    gather:    all <──int64 sizes──> all (all_gather);  all ──uint8 payload, padded to the
+               largest size──> rank 0, which cuts each rank's at its own size
+
+A peer that does not answer within the group's timeout makes the call raise `CollectiveError`
+(gloo gives up on the pending operation; the group is unusable afterwards, as the job is).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from publisher.write.collective import CollectiveError, JSONValue
+
+
+class TorchCollective:
+    """Rank 0's value to every rank (`broadcast`), every rank's value to rank 0 (`gather`)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        """`group`: a gloo group of the job's ranks used by nothing else; `timeout_s`: what it
+        was created with (named in errors)."""
+        self.group = group
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    @classmethod
+    def new(cls, timeout_s: float) -> TorchCollective:
+        """A collective on a new gloo group of every rank (a collective call itself: every rank
+        makes it, in the same order as its other `new_group` calls)."""
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        assert group is not None  # every rank is a member
+        return cls(group, timeout_s)
+
+    def broadcast(self, value: JSONValue) -> JSONValue:
+        """Rank 0's `value` on every rank (the others pass None)."""
+        payload = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._run("broadcast", lambda: dist.broadcast(size, 0, group=self.group))
+        if self.rank != 0:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._run("broadcast", lambda: dist.broadcast(payload, 0, group=self.group))
+        return _decode(payload)
+
+    def gather(self, value: JSONValue) -> list[JSONValue] | None:
+        """Every rank's `value` in rank order on rank 0; None on the others."""
+        payload = _encode(value)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        mine = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._run("gather", lambda: dist.all_gather(sizes, mine, group=self.group))
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        parts = (
+            [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            if self.rank == 0
+            else None
+        )
+        self._run("gather", lambda: dist.gather(padded, parts, dst=0, group=self.group))
+        if parts is None:
+            return None
+        return [_decode(p[: int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
+
+    def _run(self, what: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except RuntimeError as exc:  # gloo's timeout and lost-peer errors (DistBackendError)
+            raise CollectiveError(
+                f"rank {self.rank}/{self.world_size}: {what} failed, a peer did not answer "
+                f"within {self.timeout_s:g} s: {exc}"
+            ) from exc
+
+
+def _encode(value: JSONValue) -> torch.Tensor:
+    data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _decode(payload: torch.Tensor) -> JSONValue:
+    return cast(JSONValue, json.loads(payload.numpy().tobytes()))
