@@ -48,6 +48,7 @@ PARTS = {
     "idspace": "MovieLens through Kafka: dynamic vs hashed id spaces, a new id's freshness",
     "servedloss": "what measuring each version's served loss costs training, and what it says",
     "shards": "a job of N ranks publishing row-range shards next to one writer; their restore",
+    "shardckpt": "a sharded job's stall per rank and publish time per version, 1 vs 2 ranks",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")
