@@ -11,8 +11,8 @@ ranks, alternating, `--repeats` times: the two arms run side by side in one run 
 machine. Reports per arm the median stall of each rank (the training thread's stop: dirty rows,
 the all_reduce, plan, copies, hand-off), the median publish time per version on rank 0 (its
 round: reserve, encode and upload its blobs, wait for every rank's report, manifest and HEAD),
-and the bytes each rank wrote per version (median). The first checkpoint (a full baseline) is
-left out of the medians.
+and the bytes each rank wrote per version (median, fulls and deltas apart). The first
+checkpoint (the full baseline) is left out of the stall and publish medians.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _job(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
         "rows_copied": [r.rows_copied for r in ckpt.records],
         "publish_s": [r.encode_s + r.commit_s for r in results],
         "merged": [r.merged for r in results],
-        "bytes_per_rank": [_bytes_per_rank(r.manifest) for r in results],
+        "bytes_per_rank": [(r.manifest.kind, _bytes_per_rank(r.manifest)) for r in results],
     }
     (Path(root) / f"rank{rank}.json").write_text(json.dumps(figures))
 
@@ -164,17 +164,20 @@ def run(
             }
         lead = [one for one in runs if one["rank"] == 0]
         publish = [p for one in lead for p in one["publish_s"][1:]]
-        by_rank: dict[str, list[float]] = {}
+        by_rank: dict[str, dict[str, list[float]]] = {}
         for one in lead:
-            for version in one["bytes_per_rank"][1:]:
+            for kind, version in one["bytes_per_rank"]:
                 for key, size in version.items():
-                    by_rank.setdefault(key, []).append(float(size))
+                    by_rank.setdefault(kind, {}).setdefault(key, []).append(float(size))
         arms[str(world)] = {
             "ranks": per_rank,
             "publish_s_median": _median(publish),
             "versions": sum(len(one["publish_s"]) for one in lead),
             "merged_snapshots": sum(m - 1 for one in lead for m in one["merged"]),
-            "bytes_per_rank_median": {k: _median(v) for k, v in sorted(by_rank.items())},
+            "bytes_per_rank_median": {
+                kind: {k: _median(v) for k, v in sorted(sizes.items())}
+                for kind, sizes in sorted(by_rank.items())
+            },
         }
     single, double = arms["1"], arms["2"]
     ratios = {
