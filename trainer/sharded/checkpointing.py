@@ -109,6 +109,7 @@ class ShardedCheckpointer:
         self.store = store
         self.model_name = model_name
         self.rank = collective.rank
+        self.world_size = collective.world_size
         self.codec = codec
         self.sparse_hyper = dict(sparse_hyper)
         self.model_config = dict(model_config or {})
@@ -278,11 +279,21 @@ class ShardedCheckpointer:
     def resume(self, version: int | None = None) -> Position:
         """Load a committed version (the latest when None) into this rank's shards, the dense
         state and the dense optimizer (every rank calls it); the step and sample counters continue
-        from its position, and the next checkpoint is a full baseline."""
+        from its position (this rank's part of the job's samples, so the next version's sum is
+        right), and the next checkpoint is a full baseline."""
         position = restore_sharded(
             self.model, self.dense_optimizer, self.store, self.model_name, version
         )
-        self.clock.resume_at(position.step, position.samples_seen)
+        self.clock.resume_at(position.step, self._resumed_samples(position))
         self.dirty.take()  # loading is not training: nothing is dirty
         self.policy.force_full()
         return position
+
+    def _resumed_samples(self, position: Position) -> int:
+        """This rank's samples at `position`: its own when the job that wrote it had as many
+        ranks, else an even share of the job's (the remainder on rank 0)."""
+        ranks = position.ranks
+        if ranks is not None and len(ranks) == self.world_size:
+            return ranks[self.rank].samples_seen
+        share, extra = divmod(position.samples_seen, self.world_size)
+        return share + (extra if self.rank == 0 else 0)

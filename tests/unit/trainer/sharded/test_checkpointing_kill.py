@@ -94,3 +94,8 @@ def test_a_rank_killed_mid_publish_leaves_head_intact_and_the_job_resumes(
     run_ranks(_resume_and_publish, 2, str(root))
     head = Catalog(store, MODEL).latest()
     assert head is not None and head.version == 2 and head.manifest.kind == "full"
+    # The resumed ranks count on from their own samples: the job's sum is right.
+    position = head.manifest.position
+    assert (position.step, position.samples_seen) == (4, 4 * 2 * BATCH)
+    assert position.ranks is not None
+    assert [r.samples_seen for r in position.ranks] == [4 * BATCH, 4 * BATCH]
