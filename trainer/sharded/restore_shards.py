@@ -43,8 +43,9 @@ def restore_sharded(
 def load_sharded(
     state: RestoredState, model: nn.Module, dense_optimizer: torch.optim.Optimizer
 ) -> None:
-    """Put a restored version into a sharded model (see `restore_sharded`); CheckpointError,
-    before anything is written, when it does not fit."""
+    """Put a restored version into a sharded model (see `restore_sharded`); CheckpointError
+    when it does not fit: its tables, accumulators and dense tensors are checked before anything
+    is written, the dense optimizer's state by torch as it is loaded, last."""
     tables = local_shards(model)
     _check_tables(state, tables)
     accumulators = {name: accumulator_column(state, name) for name in tables}
