@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +12,11 @@ import pytest
 import torch
 
 from bench.sharded_job import CONFIG, SPARSE_LR, batch, run_ranks, sharded_job
-from publisher.dlrm import DLRM
+from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
 from publisher.store import FileStore
 from tests.unit.trainer.sharded.job import expected_rows, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
+from trainer.errors import CheckpointError
 from trainer.online import OptimizerSettings, build_optimizers
 
 pytest.importorskip("torchrec")
@@ -22,10 +24,10 @@ pytest.importorskip("torchrec")
 MODEL = "ranker"
 
 
-def _one_process_version(root: Path) -> dict[str, np.ndarray]:
+def _one_process_version(root: Path, config: DLRMConfig = CONFIG) -> dict[str, np.ndarray]:
     """Train the one-process DLRM a few steps, publish fp32 versions; its state at the last."""
     torch.manual_seed(3)
-    model = DLRM(CONFIG)
+    model = DLRM(config)
     optimizers = build_optimizers(model, OptimizerSettings(sparse_lr=SPARSE_LR))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse invariant checks")
@@ -39,7 +41,7 @@ def _one_process_version(root: Path) -> dict[str, np.ndarray]:
             preallocate=False,
         ) as ckpt:
             for step in range(6):
-                dense, sparse, labels = batch(step, 32)
+                dense, sparse, labels = batch(step, 32, config)
                 loss = torch.nn.functional.binary_cross_entropy_with_logits(
                     model(dense, sparse), labels
                 )
@@ -53,7 +55,7 @@ def _one_process_version(root: Path) -> dict[str, np.ndarray]:
                     ckpt.checkpoint_now(reader={"offset": 32 * (step + 1)})
     expected: dict[str, np.ndarray] = {}
     sparse_opt, dense_opt = optimizers
-    for f in CONFIG.sparse:
+    for f in config.sparse:
         weight = model.embeddings[f.name].weight
         expected[f"table/embeddings.{f.name}"] = weight.detach().clone().numpy()
         expected[f"acc/embeddings.{f.name}"] = sparse_opt.state[weight]["sum"].clone().numpy()
@@ -89,3 +91,21 @@ def test_one_process_version_restores_bitwise(tmp_path: Path, world: int, shardi
     expected = _one_process_version(tmp_path / "store")
     np.savez(tmp_path / "store" / "expected.npz", **expected)
     run_ranks(_restore_and_compare, world, str(tmp_path / "store"), sharding)
+
+
+def _refuse_and_keep(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.restore_shards import restore_sharded
+
+    job = sharded_job("table_wise")
+    before = sharded_state(job)
+    with pytest.raises(CheckpointError, match=r"table 'embeddings.user' is \(101, 8\) here"):
+        restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
+    after = sharded_state(job)
+    assert sorted(before) == sorted(after)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_a_version_of_another_shape_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    other = replace(CONFIG, sparse=(SparseFeature("user", 99), *CONFIG.sparse[1:]))
+    _one_process_version(tmp_path / "store", other)
+    run_ranks(_refuse_and_keep, 1, str(tmp_path / "store"))
