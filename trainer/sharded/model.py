@@ -50,7 +50,8 @@ class ShardedDLRM(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        self.bottom = bottom_mlp(config)
+        # Drawn on the CPU, then moved: the same initial values on any device.
+        self.bottom = bottom_mlp(config).to(device)
         self.embeddings = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(
@@ -64,7 +65,7 @@ class ShardedDLRM(nn.Module):
             ],
             device=torch.device("meta"),
         )
-        self.top = top_mlp(config)
+        self.top = top_mlp(config).to(device)
         self.features = [f.name for f in config.sparse]
         self.pair_rows, self.pair_cols = feature_pairs(len(config.sparse) + 1, device)
 

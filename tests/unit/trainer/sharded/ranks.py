@@ -3,10 +3,13 @@ a tiny deterministic stream, and a rank that trains on it and saves what it hold
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
+from torchrec import KeyedJaggedTensor
 
 from publisher.dlrm import DLRM, SparseBatch, SparseFeature, table_weight_names
 from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
@@ -54,26 +57,63 @@ def tiny_stream(samples: int = SAMPLES) -> ColumnarStream:
     )
 
 
-def train_and_save(out: Path, sharding: str, rank: int, world_size: int, local_rank: int) -> None:
+def train_and_save(
+    out: Path,
+    sharding: str,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    *,
+    device_type: str = "cpu",
+) -> None:
     """Train the tiny stream and save this rank's shards and dense state to out/rank<r>.npz."""
     torch.set_num_threads(1)
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     stream = tiny_stream()
     config = dlrm_config(
         stream.features,
         stream.dense_names,
         DLRMSettings(embedding_dim=4, bottom_mlp=(8,), top_mlp=(8,)),
     )
-    model = build_sharded_dlrm(
-        config, sharding=sharding, device=torch.device("cpu"), seed=3, sparse_lr=0.1
-    )
+    model = build_sharded_dlrm(config, sharding=sharding, device=device, seed=3, sparse_lr=0.1)
     optimizer = dense_optimizer(dense_parameters(model), "adam", 0.01)
-    train_sharded(model, optimizer, stream, batch_size=BATCH, rank=rank, world_size=world_size)
-    arrays = {f"dense/{k}": v.detach().numpy() for k, v in dense_state_dict(model).items()}
+    train_sharded(
+        model,
+        optimizer,
+        stream,
+        batch_size=BATCH,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        checkpointer=_Recorder(out / f"calls{rank}.json"),
+    )
+    arrays = {f"dense/{k}": v.detach().cpu().numpy() for k, v in dense_state_dict(model).items()}
     for table, shards in local_shards(model).items():
         for s in shards:
-            arrays[f"weight/{table}/{s.row_start}"] = s.weight.detach().numpy().copy()
-            arrays[f"acc/{table}/{s.row_start}"] = s.accumulator.detach().numpy().copy()
+            arrays[f"weight/{table}/{s.row_start}"] = s.weight.detach().cpu().numpy().copy()
+            arrays[f"acc/{table}/{s.row_start}"] = s.accumulator.detach().cpu().numpy().copy()
     np.savez(out / f"rank{rank}.npz", **arrays)
+
+
+class _Recorder:
+    """A checkpointer that writes down the loop's calls (trainer/sharded/loop.py's seam)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.calls: list[list[object]] = []
+
+    def observe(self, features: KeyedJaggedTensor) -> None:
+        self.calls.append(["observe", features["user"].values().tolist()])
+
+    def step(self, samples: int) -> None:
+        self.calls.append(["step", samples])
+
+    def maybe_checkpoint(self, reader: Mapping[str, object]) -> None:
+        self.calls.append(["maybe_checkpoint", reader["offset"]])
+
+    def close(self) -> None:
+        self.calls.append(["close"])
+        self.path.write_text(json.dumps(self.calls))
 
 
 def saved_model(out: Path) -> dict[str, np.ndarray]:
