@@ -5,9 +5,10 @@ slice [r * L, (r + 1) * L) with L = ceil(b / N): with b = B (the `--batch-size`,
 divide) that is r*B/N .. (r+1)*B/N. Only the stream's last batch may be shorter; a rank whose
 slice is then short is padded with empty samples (no id in any bag, so no row is looked up, and
 weight 0 in the loss), because TorchRec's collectives need the same local batch size on every
-rank (row-wise shards' reduce-scatter refuses unequal ones). The loss of a rank is the sum of
-its samples' losses times N / b, so that the mean over the ranks (what DDP and DMP average) is
-the mean over the b samples: the gradient one process takes on the global batch.
+rank (a row-wise job with unequal ones fails in its backward pass: `ProcessGroupGloo::allgather:
+invalid tensor size`). The loss of a rank is the sum of its samples' losses times N / b, so
+that the mean over the ranks (what DDP and DMP average) is the mean over the b samples: the
+gradient one process takes on the global batch.
 """
 
 from __future__ import annotations
