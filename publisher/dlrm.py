@@ -161,7 +161,7 @@ class DLRM(nn.Module):
         config.validate()
         self.config = config
         d = config.embedding_dim
-        self.bottom = _mlp([max(len(config.dense), 1), *config.bottom_mlp, d], final_relu=True)
+        self.bottom = bottom_mlp(config)
         self.embeddings = nn.ModuleDict(
             {
                 f.name: nn.EmbeddingBag(f.rows, d, mode="sum", sparse=True)
@@ -173,11 +173,8 @@ class DLRM(nn.Module):
                 for f in config.sparse
             }
         )
-        n = len(config.sparse) + 1
-        n_pairs = n * (n - 1) // 2
-        self.top = _mlp([d + n_pairs, *config.top_mlp, 1], final_relu=False)
-        # Which (i, j) cells of the dot-product matrix are distinct pairs.
-        self.pair_rows, self.pair_cols = (t.contiguous() for t in torch.triu_indices(n, n, 1))
+        self.top = top_mlp(config)
+        self.pair_rows, self.pair_cols = feature_pairs(len(config.sparse) + 1)
         if draw_tables:
             self._init_weights()
 
@@ -187,31 +184,74 @@ class DLRM(nn.Module):
             init_embedding_rows(emb.weight)
 
     def forward(self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch]) -> torch.Tensor:
-        if dense.shape[1] == 0:
-            dense = torch.zeros(dense.shape[0], 1, dtype=dense.dtype)
-        x = self.bottom(dense)
-        vectors = [x]
-        for name, emb in self.embeddings.items():
-            batch = sparse[name]
-            vectors.append(emb(batch.values, batch.offsets))
-        stacked = torch.stack(vectors, dim=1)  # (B, n, d)
-        dots = torch.bmm(stacked, stacked.transpose(1, 2))
-        pairs = dots[:, self.pair_rows, self.pair_cols]
-        logits: torch.Tensor = self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
+        x = self.bottom(bottom_input(dense))
+        pooled = [
+            emb(sparse[name].values, sparse[name].offsets) for name, emb in self.embeddings.items()
+        ]
+        top_in = dot_interaction(x, pooled, self.pair_rows, self.pair_cols)
+        logits: torch.Tensor = self.top(top_in).squeeze(1)
         return logits
 
 
+# The dense parts below are shared with the sharded trainer's model (trainer/sharded/model.py),
+# so the two compute the same function and a sharded job's dense blob loads into a DLRM.
+
+
+def bottom_mlp(config: DLRMConfig) -> nn.Sequential:
+    """The bottom MLP: dense features -> `embedding_dim` (ReLU after every layer)."""
+    sizes = [max(len(config.dense), 1), *config.bottom_mlp, config.embedding_dim]
+    return _mlp(sizes, final_relu=True)
+
+
+def top_mlp(config: DLRMConfig) -> nn.Sequential:
+    """The top MLP: the bottom output and the pairwise dot products -> one logit."""
+    n = len(config.sparse) + 1
+    return _mlp([config.embedding_dim + n * (n - 1) // 2, *config.top_mlp, 1], final_relu=False)
+
+
+def bottom_input(dense: torch.Tensor) -> torch.Tensor:
+    """The bottom MLP's input: the dense features, or one zero column when there are none."""
+    if dense.shape[1] == 0:
+        return torch.zeros(dense.shape[0], 1, dtype=dense.dtype, device=dense.device)
+    return dense
+
+
+def feature_pairs(n: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (i, j) cells of the n x n dot-product matrix are distinct pairs (i < j)."""
+    rows, cols = torch.triu_indices(n, n, 1, device=device)
+    return rows.contiguous(), cols.contiguous()
+
+
+def dot_interaction(
+    x: torch.Tensor,
+    pooled: Sequence[torch.Tensor],
+    pair_rows: torch.Tensor,
+    pair_cols: torch.Tensor,
+) -> torch.Tensor:
+    """The top MLP's input (B, dim + pairs): the bottom output x (B, dim), then the dot
+    products of the distinct pairs of [x, *pooled] (`feature_pairs`)."""
+    stacked = torch.stack([x, *pooled], dim=1)  # (B, n, d)
+    dots = torch.bmm(stacked, stacked.transpose(1, 2))
+    return torch.cat([x, dots[:, pair_rows, pair_cols]], dim=1)
+
+
 @torch.no_grad()
-def init_embedding_rows(weight: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+def init_embedding_rows(
+    weight: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> None:
     """Draw `rows` (all when None) of an embedding table from its initial distribution,
     uniform in +-1/sqrt(dim): at construction, and for a row whose id was evicted (a live id
-    space reuses it for another id, which must not inherit its values)."""
+    space reuses it for another id, which must not inherit its values). `generator`: draw
+    from it instead of torch's global generator."""
     bound = 1.0 / int(weight.shape[1]) ** 0.5
     if rows is None:
-        nn.init.uniform_(weight, -bound, bound)
+        nn.init.uniform_(weight, -bound, bound, generator=generator)
         return
     fresh = torch.empty(len(rows), weight.shape[1], dtype=weight.dtype, device=weight.device)
-    weight.index_copy_(0, rows, fresh.uniform_(-bound, bound))
+    weight.index_copy_(0, rows, fresh.uniform_(-bound, bound, generator=generator))
 
 
 def build_model(model_config: Mapping[str, Any]) -> DLRM:

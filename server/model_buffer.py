@@ -3,8 +3,10 @@
 `fetch_version` reads every blob of a version through `publisher.read.restore.read_blob` (the
 restore path's own fetch, size + sha256 check, hostile-input decode and manifest cross-check)
 and the dense tensor blob through `get_verified` + `decode_tensors`, so a follower verifies
-exactly what a restore verifies. Nothing is written to a model before every blob of the version
-has passed.
+exactly what a restore verifies. A table a job stored in row-range shards (docs/FORMAT.md 3.3)
+comes back from `read_blob` as one blob of global rows (its shards fetched in parallel and
+joined), so everything below reads it like any table. Nothing is written to a model before
+every blob of the version has passed.
 
 A model trained from raw events (`extra["live"]`) also carries an id-map blob beside each table
 blob (docs/FORMAT.md section 7); it is fetched, verified and decoded with the table's, by the

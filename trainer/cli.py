@@ -16,6 +16,11 @@ new history from scratch on top of the old one), so a rerun or another data file
 `--model` never silently starts over. `--bus URL` announces each committed version (`file:///PATH`
 log or `kafka://HOST:PORT/TOPIC`); without it nothing is announced and subscribers poll HEAD.
 
+`--nproc N` trains one model over N processes on this host instead (trainer/sharded/: the
+tables sharded by TorchRec, `--sharding table_wise|row_wise`, `--device cpu|cuda`; the same job
+runs under `torchrun --nproc-per-node N -m trainer.sharded.launch ...`). It does not publish
+versions yet: that is the sharded checkpointer's part.
+
 Registered through the `checknrun.commands` entry point `train = "trainer.cli:register"`;
 `python -m trainer.cli train ...` runs it without the entry point.
 """
@@ -72,6 +77,7 @@ from trainer.online import (
 )
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.recent_samples import DEFAULT_SCORED_SAMPLES
+from trainer.sharded import SHARDINGS
 from trainer.streams.base import Batch, InteractionStream
 from trainer.streams.kafka_events import KafkaEventStream, live_model_extra
 
@@ -190,6 +196,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="torch intra-op threads for training (default %(default)s: on a 2-core machine "
         "one trains while the publisher thread encodes on the other)",
+    )
+
+    j = p.add_argument_group("sharded training (TorchRec; the 'sharded' extra)")
+    j.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=None,
+        help="train one model over N processes on this host, its tables sharded over them "
+        "(also: torchrun --nproc-per-node N -m trainer.sharded.launch ...)",
+    )
+    j.add_argument("--sharding", choices=SHARDINGS, default=SHARDINGS[0], help="with --nproc")
+    j.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="with --nproc: one GPU per rank"
     )
 
     m = p.add_argument_group("model")
@@ -387,6 +406,10 @@ def stop_on_signals(stop: threading.Event) -> Iterator[None]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Run `train`; returns the exit status."""
+    if args.nproc is not None:
+        from trainer.sharded.job import run_job
+
+        return run_job(args)
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
     codec_rule = None
@@ -453,7 +476,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f"and --max-samples is {args.max_samples:,}"
                 )
         else:
-            stop = _whole_batches(args.max_samples, start, args.batch_size)
+            stop = whole_batches(args.max_samples, start, args.batch_size)
         if stream.num_samples is not None:
             stop = min(stop or stream.num_samples, stream.num_samples)
         if stop is not None and start >= stop:
@@ -507,8 +530,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _whole_batches(max_samples: int | None, start: int, batch_size: int) -> int | None:
-    """--max-samples rounded up to a whole number of batches from `start` (said on stderr).
+def whole_batches(
+    max_samples: int | None, start: int, batch_size: int, *, say: bool = True
+) -> int | None:
+    """--max-samples rounded up to a whole number of batches from `start` (said on stderr
+    when `say`).
 
     A run ends with a checkpoint, and a resumed run starts its batches there. Ending mid-batch
     would make the resumed run's batches straddle the uninterrupted run's (5000 with batches of
@@ -518,11 +544,12 @@ def _whole_batches(max_samples: int | None, start: int, batch_size: int) -> int 
     if max_samples is None or max_samples <= start or (max_samples - start) % batch_size == 0:
         return max_samples
     stop = start + -(-(max_samples - start) // batch_size) * batch_size
-    print(
-        f"--max-samples {max_samples:,} rounded up to {stop:,}: whole batches of {batch_size} "
-        f"from sample {start:,}, so a later --resume trains what an uninterrupted run would",
-        file=sys.stderr,
-    )
+    if say:
+        print(
+            f"--max-samples {max_samples:,} rounded up to {stop:,}: whole batches of {batch_size} "
+            f"from sample {start:,}, so a later --resume trains what an uninterrupted run would",
+            file=sys.stderr,
+        )
     return stop
 
 

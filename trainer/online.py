@@ -61,7 +61,20 @@ def build_dlrm(
     extra: dict[str, Any] | None = None,
 ) -> DLRM:
     """A DLRM sized for a stream, its initial weights a function of `seed` only."""
-    config = DLRMConfig(
+    config = dlrm_config(features, dense_names, settings, extra=extra)
+    torch.manual_seed(seed)
+    return DLRM(config)
+
+
+def dlrm_config(
+    features: Sequence[SparseFeature],
+    dense_names: Sequence[str],
+    settings: DLRMSettings = DLRMSettings(),
+    *,
+    extra: dict[str, Any] | None = None,
+) -> DLRMConfig:
+    """The architecture of a DLRM sized for a stream (also the sharded trainer's)."""
+    return DLRMConfig(
         sparse=tuple(features),
         dense=tuple(dense_names),
         embedding_dim=settings.embedding_dim,
@@ -69,8 +82,6 @@ def build_dlrm(
         top_mlp=settings.top_mlp,
         extra=dict(extra or {}),
     )
-    torch.manual_seed(seed)
-    return DLRM(config)
 
 
 def build_optimizers(
@@ -92,16 +103,18 @@ def build_optimizers(
         raise ValueError(
             f"unknown sparse optimizer {settings.sparse!r}; one of {SPARSE_OPTIMIZERS}"
         )
-    dense_opt: torch.optim.Optimizer
-    if settings.dense == "adam":
-        dense_opt = torch.optim.Adam(dense, lr=settings.dense_lr)
-    elif settings.dense == "adagrad":
-        dense_opt = torch.optim.Adagrad(dense, lr=settings.dense_lr)
-    elif settings.dense == "sgd":
-        dense_opt = torch.optim.SGD(dense, lr=settings.dense_lr)
-    else:
-        raise ValueError(f"unknown dense optimizer {settings.dense!r}; one of {DENSE_OPTIMIZERS}")
-    return [sparse_opt, dense_opt]
+    return [sparse_opt, dense_optimizer(dense, settings.dense, settings.dense_lr)]
+
+
+def dense_optimizer(params: Sequence[torch.Tensor], name: str, lr: float) -> torch.optim.Optimizer:
+    """The optimizer `name` (one of DENSE_OPTIMIZERS) of the dense parameters."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown dense optimizer {name!r}; one of {DENSE_OPTIMIZERS}")
 
 
 @dataclass

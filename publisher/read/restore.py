@@ -1,7 +1,9 @@
 """Rebuild a model's state at any committed version: its chain's baseline and deltas.
 
 The chain is planned by `publisher.read.planner` and each blob is written into its table by
-`publisher.read.blob_rows`: the paths a following server uses too. A table's chain is read
+`publisher.read.blob_rows`: the paths a following server uses too. A table stored in row-range
+shards (docs/FORMAT.md 3.3) is read as one blob (`read_blob` joins its shards), at the cost of
+one copy of that version's encoded rows of the table while they are joined. A table's chain is read
 newest version first, and each row is decoded once, from the newest version that holds it: the
 result is bit for bit that of applying the chain oldest first, and memory stays near one copy
 of the model plus, per worker, one blob and one table's codes. The target's state

@@ -1,1 +1,18 @@
-"""A TorchRec model sharded over the ranks of a job: its collective, checkpoints and restore."""
+"""Sharded training on TorchRec: one DLRM trained by N processes (`checknrun train --nproc N`).
+
+plan.py             how the tables are split over the ranks (the planner and its sharder)
+model.py            the sharded DLRM, its initial rows and each rank's local shards
+data.py             a rank's part of a global batch, as TorchRec's KeyedJaggedTensor
+loop.py             the training loop every rank runs, with the checkpointer's seam
+launch.py           the processes: spawned here or started by torchrun, and their teardown
+job.py              one rank's job: the stream, model and optimizers `train` options describe
+collective.py       the publisher's Collective over torch.distributed (a gloo group of its own)
+local_shards.py     a DMP's table shards and fused accumulators as views, with global shapes
+dirty_rows.py       the rows each rank's shards changed (ModelDeltaTracker), and the job's
+optimizer_state.py  the fused row-wise optimizer in the one-process trainer's layout
+checkpointing.py    ShardedCheckpointer: each rank snapshots its shards, one version per job
+restore_shards.py   a version into a sharded model at any world size
+"""
+
+#: the `--sharding` choices: every table whole on one rank, or split by rows over all ranks.
+SHARDINGS = ("table_wise", "row_wise")

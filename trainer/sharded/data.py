@@ -1,0 +1,101 @@
+"""A rank's part of a global batch: the deterministic split of a stream over the ranks.
+
+Every rank reads the same stream and takes, of each global batch of b samples, the contiguous
+slice [r * L, (r + 1) * L) with L = ceil(b / N): with b = B (the `--batch-size`, which N MUST
+divide) that is r*B/N .. (r+1)*B/N. Only the stream's last batch may be shorter; a rank whose
+slice is then short is padded with empty samples (no id in any bag, so no row is looked up, and
+weight 0 in the loss), because TorchRec's collectives need the same local batch size on every
+rank (a row-wise job with unequal ones fails in its backward pass: `ProcessGroupGloo::allgather:
+invalid tensor size`). The loss of a rank is the sum of its samples' losses times N / b, so
+that the mean over the ranks (what DDP and DMP average) is the mean over the b samples: the
+gradient one process takes on the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torchrec import KeyedJaggedTensor
+
+from publisher.dlrm import SparseBatch
+from trainer.streams.base import Batch, DataError
+
+
+class BatchSplitError(DataError):
+    """A global batch size the ranks cannot share evenly."""
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """This rank's slice of a global batch, padded to the local batch size."""
+
+    dense: torch.Tensor  # float32 (L, n_dense)
+    features: KeyedJaggedTensor  # L samples per feature
+    labels: torch.Tensor  # float32 (L,)
+    #: 1 for a sample of the stream, 0 for padding.
+    weights: torch.Tensor  # float32 (L,)
+    #: samples in the global batch (all ranks).
+    global_size: int
+
+    def to(self, device: torch.device) -> RankBatch:
+        """This batch on `device`."""
+        return RankBatch(
+            self.dense.to(device),
+            self.features.to(device),
+            self.labels.to(device),
+            self.weights.to(device),
+            self.global_size,
+        )
+
+
+def check_batch_size(batch_size: int, world_size: int) -> None:
+    """Refuse a global batch size that the ranks cannot split into equal slices."""
+    if batch_size % world_size:
+        nearest = batch_size - batch_size % world_size or world_size
+        raise BatchSplitError(
+            f"--batch-size {batch_size} is the global batch, split evenly over {world_size} "
+            f"ranks: give a multiple of {world_size} (e.g. {nearest})"
+        )
+
+
+def rank_slice(batch: Batch, rank: int, world_size: int, features: Sequence[str]) -> RankBatch:
+    """Rank `rank`'s samples of `batch` (see the module docstring), features in that order."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    local = -(-batch.size // world_size)
+    lo = min(rank * local, batch.size)
+    hi = min(lo + local, batch.size)
+    pad = local - (hi - lo)
+    weights = torch.ones(local)
+    weights[hi - lo :] = 0.0
+    dense = batch.dense[lo:hi]
+    return RankBatch(
+        dense=torch.cat([dense, dense.new_zeros(pad, dense.shape[1])]) if pad else dense,
+        features=keyed_features(batch.sparse, features, lo, hi, pad),
+        labels=torch.cat([batch.labels[lo:hi], batch.labels.new_zeros(pad)]),
+        weights=weights,
+        global_size=batch.size,
+    )
+
+
+def keyed_features(
+    sparse: Mapping[str, SparseBatch], features: Sequence[str], lo: int, hi: int, pad: int = 0
+) -> KeyedJaggedTensor:
+    """Samples [lo, hi) of the id bags as a KeyedJaggedTensor (keys in `features` order), with
+    `pad` empty bags after them."""
+    values, lengths = [], []
+    for name in features:
+        bags = sparse[name]
+        ends = torch.cat([bags.offsets[1:], bags.offsets.new_tensor([bags.values.numel()])])
+        starts = bags.offsets
+        if hi > lo:
+            values.append(bags.values[starts[lo] : ends[hi - 1]])
+        lengths.append(ends[lo:hi] - starts[lo:hi])
+        lengths.append(torch.zeros(pad, dtype=torch.int64))
+    return KeyedJaggedTensor(
+        keys=list(features),
+        values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
+        lengths=torch.cat(lengths),
+    )
