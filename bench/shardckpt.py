@@ -87,14 +87,14 @@ def _job(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
         sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
         policy="consecutive",
         codec=str(options["codec"]),
-        interval_samples=every * (batch // world),
+        interval_samples=every * batch,
         model_config=config.to_json(),
         on_published=results.append,
     )
     with ckpt:
         for step in range(int(options["steps"])):
             train_sharded(job, seed=step, size=batch, config=config, part=(rank, world))
-            ckpt.step(batch // world)
+            ckpt.step(batch, batch // world)
             ckpt.maybe_checkpoint(reader={"step": step + 1})
     figures = {
         "stall_ms": [r.stall_ms for r in ckpt.records],

@@ -6,12 +6,14 @@
                                sparse_hyper={"lr": 0.05, "eps": 1e-8})
     for batch in my_part_of_the_stream:
         ...forward, backward (the fused optimizer steps the tables), dense_opt.step()...
-        ckpt.step(len(batch))                        # this rank's samples
+        ckpt.step(global_batch_size, len(batch))     # the job's samples, then this rank's
         ckpt.maybe_checkpoint(reader={"offset": n})  # every rank, after every step
     ckpt.close()
 
-Every rank makes the same calls at the same steps (its clock counts its own samples, so ranks
-with equal batches are due together). The stall, on the training thread of each rank:
+Every rank makes the same calls at the same steps: its clock counts the job's samples, the same
+number on every rank, so the ranks are due together even when a last, short batch gives them
+unequal slices; each rank's own samples go into its `position.ranks` entry, whose sum is the
+version's `samples_seen`. The stall, on the training thread of each rank:
 
 - trainer/sharded/dirty_rows.py: the rows of this rank's shards changed since the last
   checkpoint (TorchRec's ModelDeltaTracker) and, by one all_reduce, the job's; the policy
@@ -94,7 +96,7 @@ class ShardedCheckpointer:
             sparse_hyper: the fused optimizer's `lr` and `eps` (recorded in the optimizer
                 blob, so the one-process trainer resumes with them).
             policy, codec: as for `IncrementalCheckpointer`; one codec for every table.
-            interval_samples: checkpoint after this many samples of this rank.
+            interval_samples: checkpoint after this many samples of the job (all ranks).
             model_config: what the serving side needs to rebuild the model.
             announce: called on rank 0 with each committed version's announcement.
             on_published: called (on the publishing thread) with each committed version.
@@ -125,6 +127,8 @@ class ShardedCheckpointer:
         self.table_rows = {name: t.rows for name, t in self.tables.items()}
         self.weight_keys = {k for k, v in model.state_dict().items() if hasattr(v, "local_shards")}
         self.clock = CheckpointClock(interval_samples)
+        #: this rank's samples (the clock counts the job's).
+        self.rank_samples = 0
         self.policy: Policy = make_policy(policy, self.table_rows)
         self.dirty = ShardDirtyRows(model, self.tables, group)
         self.ledger = CheckpointRecords()
@@ -143,9 +147,14 @@ class ShardedCheckpointer:
 
     # --- the training loop's calls ---------------------------------------------------------
 
-    def step(self, samples: int) -> None:
-        """Count one optimizer step over this rank's `samples` samples."""
+    def step(self, samples: int, rank_samples: int | None = None) -> None:
+        """Count one optimizer step over `samples` samples of the job, `rank_samples` of them
+        this rank's (None: an even share, the remainder on rank 0)."""
         self.clock.step(samples)
+        if rank_samples is None:
+            share, extra = divmod(samples, self.world_size)
+            rank_samples = share + (extra if self.rank == 0 else 0)
+        self.rank_samples += rank_samples
 
     @property
     def records(self) -> list[CheckpointRecord]:
@@ -193,7 +202,7 @@ class ShardedCheckpointer:
             tables=tables,
             position=Position(
                 step=self.clock.step_count,
-                samples_seen=self.clock.samples_seen,
+                samples_seen=self.rank_samples,
                 reader=dict(reader or {}),
             ),
             dense=dense,
@@ -279,12 +288,14 @@ class ShardedCheckpointer:
     def resume(self, version: int | None = None) -> Position:
         """Load a committed version (the latest when None) into this rank's shards, the dense
         state and the dense optimizer (every rank calls it); the step and sample counters continue
-        from its position (this rank's part of the job's samples, so the next version's sum is
-        right), and the next checkpoint is a full baseline."""
+        from its position (the job's samples for the clock, this rank's part of them for its
+        position, so the next version's sum is right), and the next checkpoint is a full
+        baseline."""
         position = restore_sharded(
             self.model, self.dense_optimizer, self.store, self.model_name, version
         )
-        self.clock.resume_at(position.step, self._resumed_samples(position))
+        self.clock.resume_at(position.step, position.samples_seen)
+        self.rank_samples = self._resumed_samples(position)
         self.dirty.take()  # loading is not training: nothing is dirty
         self.policy.force_full()
         return position

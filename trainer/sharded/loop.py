@@ -8,10 +8,13 @@ fused optimizer and DDP's all-reduce of the dense gradients), then the dense opt
 All ranks iterate the same batches, so they take the same number of steps and their collectives
 pair up.
 
-The checkpointer's seam (`RankCheckpointer`, duck-typed): per step `observe(features)` with
-this rank's local ids, `step(samples)` with the global batch's sample count, then
-`maybe_checkpoint(reader)` with the stream's reader position after that batch; `close()` at
-the end, also when training failed.
+The checkpointer's seam (`RankCheckpointer`; trainer/sharded/checkpointing.py's
+ShardedCheckpointer): per step `step(samples, rank_samples)` with the global batch's sample
+count and this rank's share of it, then `maybe_checkpoint(reader)` with the stream's reader
+position after that batch; `checkpoint_now(reader)` after the last batch when it was not
+checkpointed (a run ends with a version, as the one-process loop's does, so a `--resume` picks
+up exactly where it stopped); `close()` at the end, also when training failed. It needs no ids from
+the loop: TorchRec's ModelDeltaTracker records the rows inside the sharded model's forward.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from typing import Protocol
 
 import torch
 from torch.nn import functional as F
-from torchrec import KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 
 from trainer.sharded.data import RankBatch, check_batch_size, rank_slice
@@ -36,14 +38,15 @@ Reader = Mapping[str, int | str | dict[str, int]]
 class RankCheckpointer(Protocol):
     """What the loop calls on a rank's checkpointer (trainer/sharded/checkpointing.py)."""
 
-    def observe(self, features: KeyedJaggedTensor) -> None:
-        """The ids this rank looked up in the step about to be trained."""
-
-    def step(self, samples: int) -> None:
-        """One step over `samples` samples (of all ranks) was trained."""
+    def step(self, samples: int, rank_samples: int | None = None) -> None:
+        """One step over `samples` samples of all ranks, `rank_samples` of them this rank's."""
 
     def maybe_checkpoint(self, reader: Reader) -> object:
-        """Checkpoint if the interval has passed; `reader`: where the stream resumes."""
+        """Checkpoint if the interval has passed (None if not); `reader`: where the stream
+        resumes."""
+
+    def checkpoint_now(self, reader: Reader) -> object:
+        """Checkpoint now."""
 
     def close(self) -> None:
         """Training is over (or failed)."""
@@ -89,25 +92,28 @@ def train_sharded(
     report = ShardedReport(start, start, 0, 0, 0.0, float("nan"))
     loss_sum = 0.0
     local_samples = 0
+    checkpointed_at = 0  # the step of the last checkpoint
     started = time.perf_counter()
     try:
         for batch in stream.batches(batch_size, start=start, stop=stop):
             local = rank_slice(batch, rank, world_size, features).to(device)
-            if checkpointer is not None:
-                checkpointer.observe(local.features)
             loss = train_step(model, dense_optimizer, local, world_size)
             loss_sum += loss
-            local_samples += int(local.weights.sum())
+            mine = int(local.weights.sum())  # padding samples weigh 0
+            local_samples += mine
             report.end_offset = batch.end
             report.samples += batch.size
             report.steps += 1
             report.seconds = time.perf_counter() - started
             report.loss = loss_sum / max(local_samples, 1)
             if checkpointer is not None:
-                checkpointer.step(batch.size)
-                checkpointer.maybe_checkpoint(stream.reader_state(batch.end))
+                checkpointer.step(batch.size, mine)
+                if checkpointer.maybe_checkpoint(stream.reader_state(batch.end)) is not None:
+                    checkpointed_at = report.steps
             if on_step is not None:
                 on_step(report)
+        if checkpointer is not None and report.steps > checkpointed_at:
+            checkpointer.checkpoint_now(stream.reader_state(report.end_offset))
     finally:
         if checkpointer is not None:
             checkpointer.close()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torchrec import KeyedJaggedTensor
 
 from publisher.dlrm import DLRM, SparseBatch, SparseFeature, table_weight_names
 from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
@@ -102,14 +101,14 @@ class _Recorder:
         self.path = path
         self.calls: list[list[object]] = []
 
-    def observe(self, features: KeyedJaggedTensor) -> None:
-        self.calls.append(["observe", features["user"].values().tolist()])
-
-    def step(self, samples: int) -> None:
-        self.calls.append(["step", samples])
+    def step(self, samples: int, rank_samples: int | None = None) -> None:
+        self.calls.append(["step", samples, rank_samples])
 
     def maybe_checkpoint(self, reader: Mapping[str, object]) -> None:
         self.calls.append(["maybe_checkpoint", reader["offset"]])
+
+    def checkpoint_now(self, reader: Mapping[str, object]) -> None:
+        self.calls.append(["checkpoint_now", reader["offset"]])
 
     def close(self) -> None:
         self.calls.append(["close"])

@@ -31,11 +31,11 @@ def _publish_then_die(rank: int, world: int, root: str) -> None:
     from trainer.sharded.checkpointing import ShardedCheckpointer
 
     job = sharded_job(MIXED)
-    ckpt = checkpointer(job, root, timeout_s=5.0)
+    ckpt = checkpointer(job, root, world, timeout_s=5.0)
     assert isinstance(ckpt, ShardedCheckpointer)
     for step in range(2):
         train_sharded(job, seed=10 * step + rank, size=BATCH)
-        ckpt.step(BATCH)
+        ckpt.step(world * BATCH, BATCH)
         ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH})
     ckpt.flush()
     assert ckpt.last_version == 1
@@ -44,7 +44,7 @@ def _publish_then_die(rank: int, world: int, root: str) -> None:
         os.environ[ENV_VAR] = "blob_written"  # SIGKILL at this rank's first blob of v2
     for step in range(2, 4):
         train_sharded(job, seed=10 * step + rank, size=BATCH)
-        ckpt.step(BATCH)
+        ckpt.step(world * BATCH, BATCH)
         ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH})
     # Only rank 0 gets here: it notices the dead rank when its report does not come.
     with pytest.raises(CheckNRunError):
@@ -60,7 +60,7 @@ def _resume_and_publish(rank: int, world: int, root: str) -> None:
     from trainer.sharded.checkpointing import ShardedCheckpointer
 
     job = sharded_job(MIXED, seed=55)
-    ckpt = checkpointer(job, root)
+    ckpt = checkpointer(job, root, world)
     assert isinstance(ckpt, ShardedCheckpointer)
     position = ckpt.resume()
     assert position.step == 2
@@ -73,7 +73,7 @@ def _resume_and_publish(rank: int, world: int, root: str) -> None:
     with ckpt:
         for step in range(2, 4):
             train_sharded(job, seed=10 * step + rank, size=BATCH)
-            ckpt.step(BATCH)
+            ckpt.step(world * BATCH, BATCH)
             ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH})
     assert [r.kind for r in ckpt.records] == ["full"]
     assert ckpt.last_version == 2

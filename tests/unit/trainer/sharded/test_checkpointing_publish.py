@@ -26,7 +26,8 @@ MIXED = {"user": "row_wise", "item": "table_wise", "ad": "table_wise"}
 STEPS, BATCH = 6, 8
 
 
-def checkpointer(job: Job, root: str, *, timeout_s: float = 30.0) -> object:
+def checkpointer(job: Job, root: str, world: int, *, timeout_s: float = 30.0) -> object:
+    """Each rank trains BATCH samples a step: the job's clock counts world * BATCH."""
     from trainer.sharded.checkpointing import ShardedCheckpointer
     from trainer.sharded.collective import TorchCollective
 
@@ -39,7 +40,7 @@ def checkpointer(job: Job, root: str, *, timeout_s: float = 30.0) -> object:
         sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
         policy="consecutive",
         codec="fp32",
-        interval_samples=2 * BATCH,
+        interval_samples=2 * world * BATCH,
         model_config=CONFIG.to_json(),
         timeout_s=timeout_s,
     )
@@ -49,12 +50,12 @@ def _train_and_publish(rank: int, world: int, root: str) -> None:
     from trainer.sharded.checkpointing import ShardedCheckpointer
 
     job = sharded_job(MIXED)
-    ckpt = checkpointer(job, root)
+    ckpt = checkpointer(job, root, world)
     assert isinstance(ckpt, ShardedCheckpointer)
     with ckpt:
         for step in range(STEPS):
             train_sharded(job, seed=10 * step + rank, size=BATCH)
-            ckpt.step(BATCH)
+            ckpt.step(world * BATCH, BATCH)
             if ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is not None:
                 ckpt.flush()  # one version per checkpoint (else a busy publisher folds them)
     kinds = [r.kind for r in ckpt.records]

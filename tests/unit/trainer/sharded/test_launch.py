@@ -50,6 +50,7 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_any_rank_starts(
 def _train(command: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     data = str(_ratings(tmp_path / "r.csv"))
     options = ["--data", data, "--batch-size", "64", "--sharding", "row_wise", "--json"]
+    options += ["--store", f"file://{tmp_path / 'store'}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [*command, *options], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
