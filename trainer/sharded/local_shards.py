@@ -82,7 +82,8 @@ def local_shards(model: nn.Module) -> dict[str, ShardedTable]:
             continue
         short = key.removesuffix(_WEIGHT_SUFFIX).rsplit(".", 1)[-1]
         rows, dim = (int(n) for n in value.size())
-        held = value.local_shards()
+        # A row-wise table of fewer rows than ranks leaves some ranks an empty shard.
+        held = [s for s in value.local_shards() if int(s.tensor.shape[0]) > 0]
         # A rank holding none of a table's rows has no optimizer state for it.
         accumulators = (
             _accumulator_shards(optimizer_state, key, f"{short}.momentum1") if held else {}

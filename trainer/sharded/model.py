@@ -2,7 +2,7 @@
 
     model = build_sharded_dlrm(config, sharding="table_wise", device=cpu, seed=0, sparse_lr=0.05)
     logits = model(dense, features)      # features: this rank's KeyedJaggedTensor
-    shards = local_shards(model)         # {"embeddings.user": [LocalShard(0, 6041, w, acc)]}
+    held = local_shards(model)           # trainer/sharded/local_shards.py: this rank's views
 
 One table per sparse feature (table and feature name alike; the manifest's table name stays
 `embeddings.<feature>`), SUM pooling, sharded by DistributedModelParallel (trainer/sharded/
@@ -13,8 +13,6 @@ mean loss per rank trains what one process trains on the global batch).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +33,7 @@ from publisher.dlrm import (
     init_embedding_rows,
     top_mlp,
 )
+from trainer.sharded.local_shards import local_shards
 from trainer.sharded.plan import embedding_sharder, sharding_plan
 
 #: rows drawn from one generator at initialisation: a row's initial value depends on the seed,
@@ -125,41 +124,6 @@ def sharded_config(model: DistributedModelParallel) -> DLRMConfig:
     return module.config
 
 
-@dataclass(frozen=True)
-class LocalShard:
-    """The rows [row_start, row_end) of one table that this rank holds, as views into TorchRec's
-    fused tables: writing into them changes what the model looks up and trains."""
-
-    row_start: int
-    row_end: int
-    weight: torch.Tensor  # (row_end - row_start, dim)
-    accumulator: torch.Tensor  # (row_end - row_start,): the row-wise Adagrad state
-
-
-def local_shards(model: DistributedModelParallel) -> dict[str, list[LocalShard]]:
-    """This rank's shards of every table it holds, by manifest table name, by row order."""
-    weights = model.state_dict()
-    optimizer_state = model.fused_optimizer.state_dict()["state"]
-    held: dict[str, list[LocalShard]] = {}
-    for name in sharded_config(model).table_names:
-        key = f"embeddings.embedding_bags.{name}.weight"
-        if key not in optimizer_state:  # a table held whole by another rank
-            continue
-        accumulators = {
-            int(s.metadata.shard_offsets[0]): s.tensor
-            for s in optimizer_state[key][f"{name}.momentum1"].local_shards()
-        }
-        shards = [
-            LocalShard(start, start + int(s.tensor.shape[0]), s.tensor, accumulators[start])
-            for s in weights[key].local_shards()
-            if s.tensor.shape[0] > 0
-            for start in [int(s.metadata.shard_offsets[0])]
-        ]
-        if shards:
-            held[TABLE_PREFIX + name] = sorted(shards, key=lambda s: s.row_start)
-    return held
-
-
 def dense_state_dict(model: DistributedModelParallel) -> dict[str, torch.Tensor]:
     """The dense parameters under DLRM's state_dict keys (what a version's dense blob holds)."""
     return {
@@ -198,7 +162,8 @@ def _draw_initial_rows(model: DistributedModelParallel, seed: int) -> None:
     config = sharded_config(model)
     held = local_shards(model)
     for table, feature in enumerate(config.sparse):
-        for shard in held.get(TABLE_PREFIX + feature.name, []):
+        table_held = held.get(TABLE_PREFIX + feature.name)
+        for shard in table_held.shards if table_held is not None else ():
             rows = initial_rows(
                 seed, table, config.embedding_dim, feature.rows, shard.row_start, shard.row_end
             )

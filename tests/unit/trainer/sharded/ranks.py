@@ -13,12 +13,12 @@ import torch
 from publisher.dlrm import DLRM, SparseBatch, SparseFeature, table_weight_names
 from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
 from trainer.sharded.data import keyed_features, rank_slice
+from trainer.sharded.local_shards import local_shards
 from trainer.sharded.loop import train_sharded
 from trainer.sharded.model import (
     build_sharded_dlrm,
     dense_parameters,
     dense_state_dict,
-    local_shards,
 )
 from trainer.streams.base import ColumnarStream, IdColumn
 
@@ -87,8 +87,8 @@ def train_and_save(
         checkpointer=_Recorder(out / f"calls{rank}.json"),
     )
     arrays = {f"dense/{k}": v.detach().cpu().numpy() for k, v in dense_state_dict(model).items()}
-    for table, shards in local_shards(model).items():
-        for s in shards:
+    for table, held in local_shards(model).items():
+        for s in held.shards:
             arrays[f"weight/{table}/{s.row_start}"] = s.weight.detach().cpu().numpy().copy()
             arrays[f"acc/{table}/{s.row_start}"] = s.accumulator.detach().cpu().numpy().copy()
     np.savez(out / f"rank{rank}.npz", **arrays)
@@ -171,7 +171,8 @@ def check_local_shards(rank: int, world_size: int, local_rank: int) -> None:
     missing, unexpected = reference.load_state_dict(dense_state_dict(model), strict=False)
     assert unexpected == [] and sorted(missing) == sorted(table_weight_names(reference).values())
     with torch.no_grad():
-        for table, [shard] in shards.items():
+        for table, held in shards.items():
+            [shard] = held.shards
             assert (shard.row_start, shard.row_end) == (
                 0,
                 reference.get_parameter(f"{table}.weight").shape[0],
@@ -181,7 +182,7 @@ def check_local_shards(rank: int, world_size: int, local_rank: int) -> None:
             model(local.dense, local.features), reference(batch.dense, batch.sparse)
         )
         # Writes into a shard's views change what the model looks up and its optimizer state.
-        [user] = shards["embeddings.user"]
+        [user] = shards["embeddings.user"].shards
         user.weight[5] = 7.0
         user.accumulator[5] = 4.0
         empty = SparseBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
