@@ -1,11 +1,8 @@
-"""A small sharded job for the tests and `checknrun bench shardckpt`: publisher/dlrm.py's DLRM
-with its tables in a TorchRec EmbeddingBagCollection sharded by DistributedModelParallel over
-gloo processes, trained by the fused EXACT_ROWWISE_ADAGRAD, its dense part by Adam; and
-`run_ranks`, which runs a function on N spawned ranks.
-
-Row-wise sharding on CPU: TorchRec's EmbeddingBagCollectionSharder offers ROW_WISE only for
-a CUDA compute device, so the planner refuses it on CPU; the sharder below offers it, and the
-kernels run it on CPU.
+"""A small sharded job for the tests and `checknrun bench shardckpt`: trainer/sharded/model.py's
+sharded DLRM (tables table-wise, row-wise or mixed, trained by the fused EXACT_ROWWISE_ADAGRAD),
+its dense part by Adam, random batches any world size splits alike; and `run_ranks` /
+`exit_codes`, which run a function on N spawned ranks and report how each exited (a test of a
+SIGKILLed rank needs the exit codes, which trainer/sharded/launch.py turns into one error).
 """
 
 from __future__ import annotations
@@ -24,11 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from publisher.dlrm import DLRM, DLRMConfig, SparseBatch, SparseFeature
+from publisher.dlrm import DLRMConfig, SparseBatch, SparseFeature
 
 SPARSE_LR = 0.05
 #: how long a rank of `run_ranks` waits for its peers in a training collective.
 JOB_TIMEOUT_S = 120.0
+#: trainer/sharded/plan.py ROWWISE_ADAGRAD_EPS, the fused optimizer's (not imported: importing this
+#: fixture must not import TorchRec, which the spawned ranks do).
 EPS = 1e-8
 CONFIG = DLRMConfig(
     sparse=(SparseFeature("user", 101), SparseFeature("item", 60), SparseFeature("ad", 37)),
@@ -97,43 +96,6 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-class ShardedRanker(nn.Module):
-    """publisher/dlrm.py's DLRM with its tables in an EmbeddingBagCollection (same names,
-    same dense modules): state_dict keys `bottom.*`, `embeddings.embedding_bags.<f>.weight`,
-    `top.*`."""
-
-    def __init__(self, config: DLRMConfig) -> None:
-        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-
-        super().__init__()
-        twin = DLRM(config, draw_tables=False)
-        self.features = [f.name for f in config.sparse]
-        self.bottom = twin.bottom
-        self.embeddings = EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name=f.name,
-                    embedding_dim=config.embedding_dim,
-                    num_embeddings=f.rows,
-                    feature_names=[f.name],
-                )
-                for f in config.sparse
-            ],
-            device=torch.device("meta"),
-        )
-        self.top = twin.top
-        self.pair_rows, self.pair_cols = twin.pair_rows, twin.pair_cols
-
-    def forward(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
-        x = self.bottom(dense)
-        pooled = self.embeddings(kjt).to_dict()
-        stacked = torch.stack([x, *(pooled[f] for f in self.features)], dim=1)
-        dots = torch.bmm(stacked, stacked.transpose(1, 2))
-        pairs = dots[:, self.pair_rows, self.pair_cols]
-        logits: torch.Tensor = self.top(torch.cat([x, pairs], dim=1)).squeeze(1)
-        return logits
-
-
 @dataclass
 class Job:
     model: nn.Module
@@ -143,45 +105,15 @@ class Job:
 def sharded_job(
     sharding: str | Mapping[str, str], *, seed: int = 0, config: DLRMConfig = CONFIG
 ) -> Job:
-    """The ranker sharded over the default group: `sharding` ("row_wise" or "table_wise") for
-    every table, or per table (by feature name)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import (
-        EmbeddingShardingPlanner,
-        ParameterConstraints,
-        Topology,
-    )
+    """trainer/sharded/model.py's sharded DLRM over the default group: `sharding`
+    ("row_wise" or "table_wise") for every table, or per table (by feature name); Adam on the
+    dense part."""
+    from trainer.sharded.model import build_sharded_dlrm, dense_parameters
 
-    class CpuSharder(EmbeddingBagCollectionSharder):  # type: ignore[misc]
-        def sharding_types(self, compute_device_type: str) -> list[str]:
-            return ["table_wise", "row_wise"]
-
-    torch.manual_seed(seed)
-    ranker = ShardedRanker(config)
-    sharder = CpuSharder(
-        fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": SPARSE_LR,
-            "eps": EPS,
-        }
+    model = build_sharded_dlrm(
+        config, sharding=sharding, device=torch.device("cpu"), seed=seed, sparse_lr=SPARSE_LR
     )
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
-        constraints={
-            f.name: ParameterConstraints(
-                sharding_types=[sharding if isinstance(sharding, str) else sharding[f.name]]
-            )
-            for f in config.sparse
-        },
-    )
-    plan = planner.collective_plan(ranker, [sharder], dist.GroupMember.WORLD)
-    model = DistributedModelParallel(
-        ranker, device=torch.device("cpu"), plan=plan, sharders=[sharder]
-    )
-    dense = [p for n, p in model.named_parameters() if ".embedding_bags." not in n]
-    return Job(model, torch.optim.Adam(dense, lr=0.01))
+    return Job(model, torch.optim.Adam(dense_parameters(model), lr=0.01))
 
 
 def batch(

@@ -14,6 +14,8 @@ mean loss per rank trains what one process trains on the global batch).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -81,14 +83,15 @@ class ShardedDLRM(nn.Module):
 def build_sharded_dlrm(
     config: DLRMConfig,
     *,
-    sharding: str,
+    sharding: str | Mapping[str, str],
     device: torch.device,
     seed: int,
     sparse_lr: float,
     group: dist.ProcessGroup | None = None,
 ) -> DistributedModelParallel:
     """The DLRM of `config` sharded over the ranks of `group` (default: the world), every
-    initial weight a function of `seed` alone (the same model whatever the world size)."""
+    initial weight a function of `seed` alone (the same model whatever the world size);
+    `sharding` for every table, or per feature name."""
     if group is None:
         group = dist.group.WORLD
         if group is None:

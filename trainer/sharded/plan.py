@@ -12,6 +12,7 @@ every rank, or split by columns, is not what docs/FORMAT.md 3.3 stores.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -60,23 +61,29 @@ def sharding_plan(
     sharder: EmbeddingBagCollectionSharder,
     *,
     tables: list[str],
-    sharding: str,
+    sharding: str | Mapping[str, str],
     device_type: str,
     group: dist.ProcessGroup,
 ) -> ShardingPlan:
-    """The plan every rank agrees on (rank 0 plans, the others receive it over `group`)."""
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding {sharding!r} is not one of {SHARDINGS}")
+    """The plan every rank agrees on (rank 0 plans, the others receive it over `group`):
+    `sharding` for every table, or per table name."""
+    per_table = {t: sharding if isinstance(sharding, str) else sharding[t] for t in tables}
+    for kind in per_table.values():
+        if kind not in SHARDINGS:
+            raise ValueError(f"sharding {kind!r} is not one of {SHARDINGS}")
     world_size = dist.get_world_size(group)
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),
         kernel_config=KernelConfig(compute_device=device_type),
     )
-    only = ParameterConstraints(
-        sharding_types=[sharding], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
-    )
     planner = EmbeddingShardingPlanner(
-        topology=topology, constraints={name: only for name in tables}
+        topology=topology,
+        constraints={
+            name: ParameterConstraints(
+                sharding_types=[kind], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+            )
+            for name, kind in per_table.items()
+        },
     )
     plan: ShardingPlan = planner.collective_plan(module, [sharder], group)
     return plan
