@@ -108,7 +108,7 @@ class TableBlob:
     row_range: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VersionHeader:
     """What a version says besides its blobs: kind, policy, position, model and metrics."""
 
@@ -123,7 +123,7 @@ class VersionHeader:
     served_loss: ServedLoss | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BlobsDraft:
     """The encoded blobs one writer puts for a version: all of them for a single process, its
     own tables or shards (and on rank 0 the dense state) for a rank of a job."""
@@ -136,47 +136,10 @@ class BlobsDraft:
     optimizer_tensor_bytes: int | None = None
 
 
-@dataclass(frozen=True)
-class VersionDraft:
-    """A version before it has a number: what a single-process publisher hands to `commit`."""
-
-    kind: Literal["full", "delta"]
-    #: what a delta's rows are relative to: the previous version or the baseline (one-shot).
-    relative_to: Literal["parent", "baseline"] | None
-    policy: str
-    position: Position
-    tables: Sequence[TableBlob]
-    dense: bytes | None = None
-    optimizer: bytes | None = None
-    #: the tensors' share of `dense` / `optimizer` (docs/FORMAT.md 3.1); None: not known.
-    dense_tensor_bytes: int | None = None
-    optimizer_tensor_bytes: int | None = None
-    model_config: Mapping[str, Any] = field(default_factory=dict)
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    #: the version as a server holds it next to the fp32 state (docs/FORMAT.md 3.2).
-    served_loss: ServedLoss | None = None
-
-    @property
-    def header(self) -> VersionHeader:
-        return VersionHeader(
-            kind=self.kind,
-            relative_to=self.relative_to,
-            policy=self.policy,
-            position=self.position,
-            model_config=self.model_config,
-            metrics=self.metrics,
-            served_loss=self.served_loss,
-        )
-
-    @property
-    def blobs(self) -> BlobsDraft:
-        return BlobsDraft(
-            tables=self.tables,
-            dense=self.dense,
-            optimizer=self.optimizer,
-            dense_tensor_bytes=self.dense_tensor_bytes,
-            optimizer_tensor_bytes=self.optimizer_tensor_bytes,
-        )
+@dataclass(frozen=True, kw_only=True)
+class VersionDraft(VersionHeader, BlobsDraft):
+    """A version before it has a number: what a single-process publisher hands to `commit`,
+    its header and all of its blobs in one."""
 
 
 @dataclass(frozen=True)
@@ -368,11 +331,11 @@ class VersionWriter:
             self.store,
             reservation,
             None,
-            draft.blobs,
+            draft,
             tunables=self.tunables,
             hook=self._hook,
         )
-        return self.commit_parts(reservation, draft.header, [part])
+        return self.commit_parts(reservation, draft, [part])
 
     def commit_parts(
         self,
