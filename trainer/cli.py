@@ -560,12 +560,7 @@ def _resume(
     if args.resume is None:
         _check_new_history(ckpt, stream, args.new_lineage)
         return 0, None
-    version: int | None = None
-    if args.resume != "latest":
-        try:
-            version = int(args.resume)
-        except ValueError as exc:
-            raise CommandError(f"--resume takes a version number, got {args.resume!r}") from exc
+    version = resume_version(args.resume)
     try:
         position = ckpt.resume(version, progress=not args.no_progress and not args.json)
         start = stream.resume_offset(position.reader)
@@ -577,6 +572,16 @@ def _resume(
     if isinstance(stream, KafkaEventStream) and resumed is not None:
         stream.restore_metrics(Catalog(ckpt.store, ckpt.model_name).find(resumed).manifest.metrics)
     return start, resumed
+
+
+def resume_version(text: str) -> int | None:
+    """The version `--resume TEXT` names: None for `latest`."""
+    if text == "latest":
+        return None
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise CommandError(f"--resume takes a version number, got {text!r}") from exc
 
 
 def _check_new_history(

@@ -41,6 +41,7 @@ from trainer.cli import (
     default_embedding_dim,
     default_model_name,
     open_stream,
+    resume_version,
     whole_batches,
 )
 from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
@@ -213,12 +214,7 @@ def _resume(
                 "trains another model"
             )
         return 0, None
-    version: int | None = None
-    if args.resume != "latest":
-        try:
-            version = int(args.resume)
-        except ValueError as exc:
-            raise CommandError(f"--resume takes a version number, got {args.resume!r}") from exc
+    version = resume_version(args.resume)
     try:
         position = checkpointer.resume(version)
         start = stream.resume_offset(position.reader)
