@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 
@@ -41,3 +42,18 @@ def expected_rows(
             out[f"{name}/{s.row_start}/w"] = tables[name][s.row_start : s.row_end]
             out[f"{name}/{s.row_start}/acc"] = accumulators[name][s.row_start : s.row_end]
     return out
+
+
+def assert_holds_expected(job: Job, root: str) -> None:
+    """The rank's shards, dense state and dense optimizer equal, bitwise, what `root`'s
+    expected.npz holds (global tables `table/NAME`, accumulators `acc/NAME`, `dense/`, `opt/`)."""
+    with np.load(Path(root) / "expected.npz") as data:
+        expected = dict(data)
+    tables = {k.removeprefix("table/"): v for k, v in expected.items() if k.startswith("table/")}
+    accs = {k.removeprefix("acc/"): v for k, v in expected.items() if k.startswith("acc/")}
+    want = expected_rows(tables, accs, job)
+    want.update({k: v for k, v in expected.items() if k.startswith(("dense/", "opt/"))})
+    got = sharded_state(job)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert np.array_equal(got[key].reshape(value.shape), value), key

@@ -14,7 +14,7 @@ from bench.sharded_job import CONFIG, EPS, SPARSE_LR, Job, run_ranks, sharded_jo
 from publisher.dlrm import DLRM
 from publisher.read.catalog import Catalog
 from publisher.store import FileStore
-from tests.unit.trainer.sharded.job import expected_rows, sharded_state
+from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.online import OptimizerSettings, build_optimizers
 
@@ -90,16 +90,7 @@ def _restore_and_compare(rank: int, world: int, root: str, sharding: str) -> Non
     position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
     assert position.step == STEPS
     assert position.samples_seen == 2 * STEPS * BATCH  # the job's: both ranks' samples
-    with np.load(Path(root) / "expected.npz") as data:
-        expected = dict(data)
-    tables = {k.removeprefix("table/"): v for k, v in expected.items() if k.startswith("table/")}
-    accs = {k.removeprefix("acc/"): v for k, v in expected.items() if k.startswith("acc/")}
-    want = expected_rows(tables, accs, job)
-    want.update({k: v for k, v in expected.items() if k.startswith(("dense/", "opt/"))})
-    got = sharded_state(job)
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert np.array_equal(got[key].reshape(value.shape), value), key
+    assert_holds_expected(job, root)
 
 
 def test_two_ranks_publish_and_restore_bitwise_on_two_ranks_one_rank_and_one_process(

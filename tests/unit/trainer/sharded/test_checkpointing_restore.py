@@ -14,7 +14,7 @@ import torch
 from bench.sharded_job import CONFIG, SPARSE_LR, batch, run_ranks, sharded_job
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
 from publisher.store import FileStore
-from tests.unit.trainer.sharded.job import expected_rows, sharded_state
+from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.errors import CheckpointError
 from trainer.online import OptimizerSettings, build_optimizers
@@ -74,16 +74,7 @@ def _restore_and_compare(rank: int, world: int, root: str, sharding: str) -> Non
     job = sharded_job(sharding, seed=100 + rank)
     position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
     assert (position.step, position.samples_seen) == (6, 192)
-    with np.load(Path(root) / "expected.npz") as data:
-        expected = dict(data)
-    tables = {k.removeprefix("table/"): v for k, v in expected.items() if k.startswith("table/")}
-    accs = {k.removeprefix("acc/"): v for k, v in expected.items() if k.startswith("acc/")}
-    want = expected_rows(tables, accs, job)
-    want.update({k: v for k, v in expected.items() if k.startswith(("dense/", "opt/"))})
-    got = sharded_state(job)
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert np.array_equal(got[key].reshape(value.shape), value), key
+    assert_holds_expected(job, root)
 
 
 @pytest.mark.parametrize(("world", "sharding"), [(2, "row_wise"), (1, "table_wise")])
