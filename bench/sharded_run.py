@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 
+from bench.synthetic_run import SyntheticRun
 from publisher.store import ObjectStore
 from publisher.write.job_publishing import JobPublisher, ThreadCollective
 from publisher.write.snapshot import Snapshot, TableRows
@@ -122,3 +123,18 @@ def job_publishers(
             raise item
         publishers.append(item)
     return publishers
+
+
+def publish_step(
+    run: SyntheticRun, publishers: Sequence[JobPublisher], layout: Layout, index: int
+) -> None:
+    """Version `index + 1` of the same state twice: `run` trains 2 steps and publishes it as
+    one writer (a full first, then deltas), and the job of `publishers` (one per rank, as
+    threads) publishes it cut by `layout`; a rank's failure is raised."""
+    run.train(2)
+    kind: Literal["full", "delta"] = "full" if index == 0 else "delta"
+    parts = split_snapshot(replace(run.snapshot(kind), sequence=index + 1), layout, len(publishers))
+    run.publish(kind)
+    for result in on_ranks(len(publishers), lambda r: publishers[r].publish(parts[r])):
+        if isinstance(result, Exception):
+            raise result

@@ -3,13 +3,12 @@ server follows it and serves what one writer's versions of the same state serve.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.sharded_run import job_publishers, on_ranks, row_wise, split_snapshot
+from bench.sharded_run import job_publishers, publish_step, row_wise
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.bus.base import KafkaAddress
 from publisher.bus.kafka_bus import KafkaAnnouncementSource, KafkaAnnouncer
@@ -45,12 +44,7 @@ def test_a_sharded_job_on_minio_is_followed_through_kafka(
     try:
         layout = row_wise(TABLE_ROWS, 2)
         for i in range(3):
-            run.train(2)
-            kind = "full" if i == 0 else "delta"
-            parts = split_snapshot(replace(run.snapshot(kind), sequence=i + 1), layout, 2)
-            run.publish(kind)
-            for result in on_ranks(2, lambda r, parts=parts: publishers[r].publish(parts[r])):
-                assert not isinstance(result, Exception), result
+            publish_step(run, publishers, layout, i)
             assert announcer.flush(30)
             applied = loop.run(max_messages=1, timeout=30)
             assert applied and applied[-1] == i + 1

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.sharded_run import job_publishers, on_ranks, row_wise, split_snapshot
+from bench.sharded_run import job_publishers, on_ranks, publish_step, row_wise, split_snapshot
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.cli import main
 from publisher.read.catalog import Catalog
@@ -37,12 +37,7 @@ def job(tmp_path: Path) -> Iterator[tuple[FileStore, SyntheticRun]]:
     publishers = job_publishers(store, "m", 2)
     layout = row_wise(TABLE_ROWS, 2)
     for i in range(3):
-        run.train(2)
-        kind = "full" if i == 0 else "delta"
-        parts = split_snapshot(replace(run.snapshot(kind), sequence=i + 1), layout, 2)
-        run.publish(kind)
-        for result in on_ranks(2, lambda r, parts=parts: publishers[r].publish(parts[r])):
-            assert not isinstance(result, Exception), result
+        publish_step(run, publishers, layout, i)
     for publisher in publishers:
         publisher.close()
     yield store, run

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from bench.sharded_run import job_publishers, on_ranks, row_wise, split_snapshot
+from bench.sharded_run import job_publishers, publish_step, row_wise
 from bench.synthetic_run import SyntheticRun, random_examples, small_config
 from publisher.store import FileStore
 from server.feature_batch import build_batch
@@ -38,12 +37,7 @@ def test_a_row_wise_job_serves_like_one_writer(
     servers = [LiveModel(run.store, "m", scheme=scheme), LiveModel(store, "m", scheme=scheme)]
     try:
         for i in range(4):
-            run.train(2)
-            kind = "full" if i == 0 else "delta"
-            parts = split_snapshot(replace(run.snapshot(kind), sequence=i + 1), layout, 2)
-            run.publish(kind)
-            for result in on_ranks(2, lambda r, parts=parts: publishers[r].publish(parts[r])):
-                assert not isinstance(result, Exception), result
+            publish_step(run, publishers, layout, i)
             for live in servers:
                 # The first version bootstraps; the others apply as deltas (stage/commit on the
                 # reader-writer scheme, write + replay on the double buffer).
