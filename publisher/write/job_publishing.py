@@ -49,7 +49,7 @@ from publisher.write.collective import (
     JSONValue,
     ThreadCollective,
 )
-from publisher.write.publishing import PublishResult, encode_table
+from publisher.write.publishing import DeliversResults, PublishResult, encode_table
 from publisher.write.snapshot import Snapshot
 from publisher.write.version_writer import (
     BlobsDraft,
@@ -353,7 +353,7 @@ class JobPublisher:
             self.writer.close()
 
 
-class JobBackgroundPublisher:
+class JobBackgroundPublisher(DeliversResults):
     """Runs a rank's `JobPublisher` rounds on a background thread: `submit` returns at once.
 
     Every version holds the same snapshot sequence (`Snapshot.sequence`, the trainer's record
@@ -486,16 +486,7 @@ class JobBackgroundPublisher:
         return _fold(taken)
 
     def _publish(self, snapshot: Snapshot) -> None:
-        result = self.job.publish(snapshot)
-        with self._cond:
-            self.results.append(result)
-            self._busy = False
-            self._cond.notify_all()
-        if self.on_published is not None:
-            try:
-                self.on_published(result)
-            except Exception:
-                log.exception("on_published callback failed")
+        self._deliver(self.job.publish(snapshot))
 
 
 def _fold(snapshots: list[Snapshot]) -> Snapshot:

@@ -305,7 +305,29 @@ class CheckpointPublisher:
         self.writer.close()
 
 
-class BackgroundPublisher:
+class DeliversResults:
+    """What a background publisher does with each committed version: keep it in `results`,
+    mark the worker idle, wake the waiters, then tell `on_published` (whose failure is logged,
+    never the publisher's)."""
+
+    results: list[PublishResult]
+    on_published: Callable[[PublishResult], None] | None
+    _busy: bool
+    _cond: threading.Condition
+
+    def _deliver(self, result: PublishResult) -> None:
+        with self._cond:
+            self.results.append(result)
+            self._busy = False
+            self._cond.notify_all()
+        if self.on_published is not None:
+            try:
+                self.on_published(result)
+            except Exception:
+                log.exception("on_published callback failed")
+
+
+class BackgroundPublisher(DeliversResults):
     """Publishes snapshots on a worker thread so the trainer never waits for storage.
 
     `submit` only appends to a queue. While the worker publishes, a merger thread folds the
@@ -497,15 +519,7 @@ class BackgroundPublisher:
                 self._fail(exc)
                 return
             delay = self.retry_initial_s
-            with self._cond:
-                self.results.append(result)
-                self._busy = False
-                self._cond.notify_all()
-            if self.on_published is not None:
-                try:
-                    self.on_published(result)
-                except Exception:
-                    log.exception("on_published callback failed")
+            self._deliver(result)
 
 
 __all__ = [
