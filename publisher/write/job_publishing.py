@@ -49,7 +49,7 @@ from publisher.write.collective import (
     JSONValue,
     ThreadCollective,
 )
-from publisher.write.publishing import DeliversResults, PublishResult, encode_table
+from publisher.write.publishing import PublisherWorker, PublishResult, encode_table
 from publisher.write.snapshot import Snapshot
 from publisher.write.version_writer import (
     BlobsDraft,
@@ -353,7 +353,7 @@ class JobPublisher:
             self.writer.close()
 
 
-class JobBackgroundPublisher(DeliversResults):
+class JobBackgroundPublisher(PublisherWorker):
     """Runs a rank's `JobPublisher` rounds on a background thread: `submit` returns at once.
 
     Every version holds the same snapshot sequence (`Snapshot.sequence`, the trainer's record
@@ -404,12 +404,6 @@ class JobBackgroundPublisher(DeliversResults):
                 self._cond.wait(remaining)
             self.raise_if_failed()
 
-    def raise_if_failed(self) -> None:
-        """Re-raise the failure that stopped the worker, if any."""
-        error = self._error
-        if error is not None:
-            raise error
-
     def close(self, flush: bool = True) -> None:
         """Optionally flush, then end the rounds (rank 0 tells the others) and release the
         job's lease. Every rank closes; rank 0's close is what ends the others' workers."""
@@ -417,9 +411,7 @@ class JobBackgroundPublisher(DeliversResults):
             if flush:
                 self.wait()
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+            self._mark_closed()
             # No timeout needed: every wait of a round is bounded by the collective's timeout or
             # `timeout_s`, so the worker ends once rank 0 has said the rounds are over.
             self._thread.join()

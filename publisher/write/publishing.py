@@ -305,15 +305,31 @@ class CheckpointPublisher:
         self.writer.close()
 
 
-class DeliversResults:
-    """What a background publisher does with each committed version: keep it in `results`,
-    mark the worker idle, wake the waiters, then tell `on_published` (whose failure is logged,
-    never the publisher's)."""
+class PublisherWorker:
+    """What both background publishers (this module's and job_publishing.py's) share: each
+    committed version is kept in `results`, the worker marked idle, the waiters woken, then
+    `on_published` told (its failure is logged, never the publisher's); the failure that
+    stopped the worker is re-raised on the submitting side; closing wakes every waiter."""
 
     results: list[PublishResult]
     on_published: Callable[[PublishResult], None] | None
     _busy: bool
+    _closed: bool
+    _error: BaseException | None
     _cond: threading.Condition
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the failure that stopped the worker, if any (cheap: call it every batch)."""
+        error = self._error  # one read: the worker sets it once and never clears it
+        if error is not None:
+            # The error itself, as `Future.result()` does: its class says what it means (a
+            # lost lease is a ConflictError, a bug stays a bug) and its traceback shows where.
+            raise error
+
+    def _mark_closed(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def _deliver(self, result: PublishResult) -> None:
         with self._cond:
@@ -327,7 +343,7 @@ class DeliversResults:
                 log.exception("on_published callback failed")
 
 
-class BackgroundPublisher(DeliversResults):
+class BackgroundPublisher(PublisherWorker):
     """Publishes snapshots on a worker thread so the trainer never waits for storage.
 
     `submit` only appends to a queue. While the worker publishes, a merger thread folds the
@@ -414,20 +430,10 @@ class BackgroundPublisher(DeliversResults):
             if flush:
                 self.wait()
         finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
+            self._mark_closed()
             self._merger.join(timeout=30)
             self._thread.join(timeout=30)
             self.publisher.close()
-
-    def raise_if_failed(self) -> None:
-        """Re-raise the failure that stopped the worker, if any (cheap: call it every batch)."""
-        error = self._error  # one read: the worker sets it once and never clears it
-        if error is not None:
-            # The error itself, as `Future.result()` does: its class says what it means (a
-            # lost lease is a ConflictError, a bug stays a bug) and its traceback shows where.
-            raise error
 
     def _fail(self, exc: BaseException) -> None:
         """Stop the worker with `exc` (re-raised on the submitting side)."""
