@@ -196,7 +196,11 @@ def test_consume_publish_and_bad_events_counted_and_skipped(
 
     topic = read_topic(services, unique_name)
     refs = versions(tmp_path, "live")
-    assert len(refs) >= 4
+    # four snapshots at least; on a busy machine some wait behind the publisher and are folded
+    # into a later version, so the versions are the snapshots less the merged ones.
+    summary = report["summary"]
+    assert len(report["checkpoints"]) >= 4
+    assert len(refs) == summary["versions"] == len(report["checkpoints"]) - summary["merged"]
     last = refs[-1].manifest
     reader = last.position.reader
     assert reader["source"] == "kafka" and reader["topic"] == unique_name

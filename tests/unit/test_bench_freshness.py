@@ -20,6 +20,7 @@ class Answers(BaseHTTPRequestHandler):
     """200 to a POST /v1/predict carrying the expected body, 500 to anything else."""
 
     body = b'{"examples": []}'
+    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn: one connection per client
 
     def do_POST(self) -> None:
         got = self.rfile.read(int(self.headers["Content-Length"]))
@@ -33,9 +34,15 @@ class Answers(BaseHTTPRequestHandler):
         pass
 
 
+class Backlogged(ThreadingHTTPServer):
+    """A listen backlog for every client at once (socketserver's default of 5 resets some)."""
+
+    request_queue_size = 64
+
+
 @pytest.fixture
 def server_url() -> Iterator[str]:
-    with ThreadingHTTPServer(("127.0.0.1", 0), Answers) as httpd:
+    with Backlogged(("127.0.0.1", 0), Answers) as httpd:
         thread = threading.Thread(target=httpd.serve_forever, daemon=True)
         thread.start()
         yield f"http://127.0.0.1:{httpd.server_address[1]}"
