@@ -9,11 +9,14 @@ for every codec, giving exact bytes per checkpoint. Consecutive and intermittent
 same rows, so each delta is encoded once per codec. A full checkpoint of a codec is encoded once (at
 the first boundary) and its size reused: its size depends on the values only through zstd.
 
-Alongside, the default setting (intermittent, int4) is captured as the trainer captures it,
-published for real through `CheckpointPublisher` into a file store, restored with
-`publisher.read.restore`, and timed against `torch.load` of a full fp32 checkpoint of the same
-state; and the served model (the trainer's state through the default codec) is scored on each
-upcoming interval next to the fp32 model.
+Alongside, the settings of `PUBLISHED` (the default, intermittent int4, and the fewest bytes,
+consecutive int2) are captured as the trainer captures them and published for real through
+`CheckpointPublisher` into a file store, each version's manifest recording its served loss as
+a live run records it (publisher/served_loss.py: the version as a server holds it next to the
+trainer's fp32 state, paired on the latest progressive-validation samples); the default's latest
+version is restored with `publisher.read.restore` and timed against `torch.load` of a full fp32
+checkpoint of the same state; and the served model (the trainer's state through the default
+codec) is scored on each upcoming interval next to the fp32 model.
 
 Every checkpoint also carries the dense parameters and optimizer state in fp32, counted for
 every policy and for the full fp32 reference alike (docs/FORMAT.md section 3.1).
@@ -51,8 +54,9 @@ from publisher.write.policies import POLICIES, Plan, make_policy
 from publisher.write.publishing import CheckpointPublisher, encode_table
 from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
-from schemas.manifest import Position, full_fp32_bytes
+from schemas.manifest import Position, ServedLoss, full_fp32_bytes
 from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.recent_samples import DEFAULT_SCORED_SAMPLES, RecentSamples
 from trainer.snapshot_capture import SnapshotCapture
 
 #: versions kept by the retention window (storage capacity over a window).
@@ -63,6 +67,75 @@ QUICK_CODECS = ("fp32", "int4", "int4-adaptive", "int2")
 AUX_DIM = 1
 #: manifest JSON per version (measured: ~1-3 KB); small next to the blobs but counted.
 MANIFEST_BYTES = 2_048
+#: (policy, codec) published for real, served loss measured per version; the default first.
+PUBLISHED = ((DEFAULT_POLICY, DEFAULT_CODEC), ("consecutive", "int2"))
+#: the served-loss budget `--codec auto` holds a live run to (relative AUC, percent).
+SERVED_LOSS_BUDGET_PCT = 0.01
+
+
+class _PublishedArm:
+    """One setting of `PUBLISHED`: its own capture (its codec), publisher and versions."""
+
+    def __init__(self, trainer: BenchTrainer, store: Any, policy: str, codec: str) -> None:
+        self.policy, self.codec = policy, codec
+        default = (policy, codec) == (DEFAULT_POLICY, DEFAULT_CODEC)
+        self.model = "paper" if default else f"paper-{policy}-{codec}"
+        self.capture = _capture(trainer, codec)
+        self.publisher = CheckpointPublisher(store, self.model, measure_served_loss=True)
+        self.versions: list[dict[str, Any]] = []
+        self.served: list[ServedLoss | None] = []
+
+    def publish(self, plan: Plan, steps: int, position: int, recent: RecentSamples) -> None:
+        """Publish this setting's plan for real (checks the replayed bytes end to end)."""
+        snapshot = self.capture.copy(
+            plan,
+            policy=self.policy,
+            position=Position(step=steps, samples_seen=position, reader={"offset": position}),
+        )
+        result = self.publisher.publish(replace(snapshot, scored=recent.take()))
+        self.served.append(result.manifest.served_loss)
+        self.versions.append(
+            {
+                "version": result.ref.version,
+                "kind": plan.kind,
+                "bytes_written": result.bytes_written,
+                # the manifest's own figure: the replay's `full_fp32_bytes` must equal it
+                "full_fp32_bytes": result.full_fp32_bytes,
+                "encode_s": round(result.encode_s, 4),
+                "measure_s": round(result.measure_s, 4),
+                "commit_s": round(result.commit_s, 4),
+                "served_loss": None
+                if result.manifest.served_loss is None
+                else result.manifest.served_loss.model_dump(),
+            }
+        )
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.capture.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "codec": self.codec,
+            "versions": self.versions,
+            "served_loss": served_loss_summary(self.served),
+        }
+
+
+def served_loss_summary(losses: list[ServedLoss | None]) -> dict[str, Any]:
+    """Median and worst per-version relative AUC loss (percent, positive = the served model
+    ranks worse), and how many versions went over the live run's budget."""
+    rel = [loss.auc_rel_loss * 100 for loss in losses if loss is not None]
+    if not rel:
+        return {"versions_measured": 0}
+    return {
+        "versions_measured": len(rel),
+        "auc_rel_loss_pct_median": statistics.median(rel),
+        "auc_rel_loss_pct_worst": max(rel),
+        "over_budget": sum(1 for r in rel if r > SERVED_LOSS_BUDGET_PCT),
+        "budget_pct": SERVED_LOSS_BUDGET_PCT,
+    }
 
 
 class _Sizer:
@@ -124,7 +197,7 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
     tables = list(trainer.table_rows)
     policies = {p: make_policy(p, trainer.table_rows) for p in POLICIES}
     tracked = attach(trainer.model)
-    capture = _capture(trainer)
+    capture = _capture(trainer, DEFAULT_CODEC)
     sizer = _Sizer(capture, codecs)
     per: dict[str, dict[str, dict[str, list[Any]]]] = {
         p: {c: {"bytes": [], "kinds": []} for c in codecs} for p in POLICIES
@@ -134,8 +207,8 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
     served_ref, served_q = ProgressiveMetrics(), ProgressiveMetrics()
     scratch = Path(tempfile.mkdtemp(prefix="checknrun-paper-"))
     store = open_store(f"file://{scratch / 'store'}")
-    publisher = CheckpointPublisher(store, "paper")
-    published: list[dict[str, Any]] = []
+    arms = [_PublishedArm(trainer, store, p, c) for p, c in PUBLISHED]
+    recent = RecentSamples(DEFAULT_SCORED_SAMPLES)
     total_rows = sum(trainer.table_rows.values())
     # Known from the first boundary on, once the dense optimizer holds its state.
     dense_bytes = fp32_full = 0
@@ -147,6 +220,7 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.train(batch)
         train_s += time.perf_counter() - t0
+        recent.add(batch.dense, batch.sparse, batch.labels)
         since += batch.size
         position = batch.end
         steps += 1
@@ -173,14 +247,16 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
                 size = sum(sizer.size(t, plan.rows[t], c) for t in tables)
                 per[p][c]["bytes"].append(size + dense_bytes + MANIFEST_BYTES)
                 per[p][c]["kinds"].append(plan.kind)
-        published.append(_publish(publisher, capture, plans[DEFAULT_POLICY], steps, position))
+        for arm in arms:
+            arm.publish(plans[arm.policy], steps, position, recent)
         if position < workload.stop:
             _served_eval(trainer, position, workload, served_ref, served_q)
         log(
             f"{workload.name}: interval {boundary}/{workload.intervals} dirty "
             f"{n_dirty / total_rows:.2%}, {time.perf_counter() - started:.0f} s"
         )
-    publisher.close()
+    for arm in arms:
+        arm.close()
     tracked.detach()
     capture.close()
     restore_doc = restore_vs_torch_load(store, "paper", scratch)
@@ -218,44 +294,20 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
         "dirty_fraction": dirty_fraction,
         "dirty_fraction_by_table": dirty_by_table,
         "results": results,
-        "published_default": {
-            "policy": DEFAULT_POLICY,
-            "codec": DEFAULT_CODEC,
-            "versions": published,
-        },
+        "published_default": arms[0].describe(),
+        "published": [arm.describe() for arm in arms],
         "restore": restore_doc,
         "served_default_codec": served,
     }
 
 
-def _capture(trainer: BenchTrainer) -> SnapshotCapture:
-    """The trainer's own snapshot copies (trainer/snapshot_capture.py), default codec."""
+def _capture(trainer: BenchTrainer, codec: str) -> SnapshotCapture:
+    """The trainer's own snapshot copies (trainer/snapshot_capture.py), every table `codec`."""
     tables = find_embedding_tables(trainer.model)
-    codecs = {name: DEFAULT_CODEC for name in tables}
+    codecs = {name: codec for name in tables}
     return SnapshotCapture(
         trainer.model, tables, trainer.optimizers, codecs, trainer.model.config.to_json()
     )
-
-
-def _publish(
-    publisher: CheckpointPublisher, capture: SnapshotCapture, plan: Plan, steps: int, position: int
-) -> dict[str, Any]:
-    """Publish the default setting's plan for real (checks the replayed bytes end to end)."""
-    snapshot = capture.copy(
-        plan,
-        policy=DEFAULT_POLICY,
-        position=Position(step=steps, samples_seen=position, reader={"offset": position}),
-    )
-    result = publisher.publish(snapshot)
-    return {
-        "version": result.ref.version,
-        "kind": plan.kind,
-        "bytes_written": result.bytes_written,
-        # the manifest's own figure: the replay's `full_fp32_bytes` must equal it
-        "full_fp32_bytes": result.full_fp32_bytes,
-        "encode_s": round(result.encode_s, 4),
-        "commit_s": round(result.commit_s, 4),
-    }
 
 
 def _served_eval(

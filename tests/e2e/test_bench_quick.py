@@ -62,6 +62,12 @@ def test_paper_bytes(quick_doc: dict) -> None:
         assert wl["restore"]["torch_load_s_median"] > 0
         served = wl["served_default_codec"]
         assert 0.3 < served["auc_fp32"] < 1 and 0.3 < served["auc_served"] < 1
+        # each published setting's manifests record their served loss, version by version
+        assert [(a["policy"], a["codec"]) for a in wl["published"]][0] == ("intermittent", "int4")
+        for arm in wl["published"]:
+            assert len(arm["versions"]) == n
+            assert all(0.3 < v["served_loss"]["auc_fp32"] < 1 for v in arm["versions"])
+            assert arm["served_loss"]["versions_measured"] == n
 
 
 def test_accuracy_and_rule(quick_doc: dict) -> None:
