@@ -63,7 +63,8 @@ def test_paper_bytes(quick_doc: dict) -> None:
         served = wl["served_default_codec"]
         assert 0.3 < served["auc_fp32"] < 1 and 0.3 < served["auc_served"] < 1
         # each published setting's manifests record their served loss, version by version
-        assert [(a["policy"], a["codec"]) for a in wl["published"]][0] == ("intermittent", "int4")
+        first = wl["published"][0]
+        assert (first["policy"], first["codec"]) == ("intermittent", "int4")
         for arm in wl["published"]:
             assert len(arm["versions"]) == n
             assert all(0.3 < v["served_loss"]["auc_fp32"] < 1 for v in arm["versions"])

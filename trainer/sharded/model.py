@@ -104,7 +104,7 @@ def build_sharded_dlrm(
     plan = sharding_plan(
         module,
         sharder,
-        tables=module.features,
+        tables={f.name: f.rows for f in config.sparse},
         sharding=sharding,
         device_type=device.type,
         group=group,

@@ -4,7 +4,8 @@ Every table gets the same sharding type, and the fused kernel that runs its opti
 backward pass (FBGEMM's EXACT_ROWWISE_ADAGRAD, the algorithm of trainer/rowwise_adagrad.py):
 
 - `table_wise` (the default): each table lives whole on one rank, the planner balancing them;
-- `row_wise`: every table is split into contiguous row ranges, one per rank.
+- `row_wise`: every table is split into contiguous row ranges, one per rank; a table too small
+  to give every rank a row is placed table-wise instead (`never_empty`).
 
 The planner is never left to pick data-parallel or column-wise shards: a table replicated on
 every rank, or split by columns, is not what docs/FORMAT.md 3.3 stores.
@@ -56,22 +57,50 @@ def embedding_sharder(device_type: str, sparse_lr: float) -> EmbeddingBagCollect
     return EmbeddingBagCollectionSharder(fused_params=fused_params)
 
 
+def row_wise_leaves_a_rank_empty(rows: int, world_size: int) -> bool:
+    """True if TorchRec's row-wise split of `rows` over `world_size` ranks (blocks of
+    ceil(rows / world_size) rows, torchrec.distributed.sharding_plan
+    `_calculate_rw_shard_sizes_and_offsets`) gives some rank no row."""
+    return (world_size - 1) * -(-rows // world_size) >= rows
+
+
+def never_empty(
+    per_table: Mapping[str, str], rows: Mapping[str, int], world_size: int
+) -> dict[str, str]:
+    """`per_table` with every row-wise table that would leave a rank an empty shard made
+    table-wise.
+
+    FBGEMM's fused CPU backward (EXACT_ROWWISE_ADAGRAD, fbgemm-gpu-cpu 1.8.0) sizes each table
+    from `hash_size_cumsum`, stepping past tables of 0 rows: when a rank's last table is an
+    empty shard it reads past the end of that array, and fails at random with `RuntimeError:
+    CPU exact rowwise adagrad currently doesn't support embedding tables with more than 2B rows`
+    (seen in CI, a 1-row table on 2 ranks). A table that small gains nothing from a split.
+    """
+    return {
+        name: "table_wise"
+        if kind == "row_wise" and row_wise_leaves_a_rank_empty(rows[name], world_size)
+        else kind
+        for name, kind in per_table.items()
+    }
+
+
 def sharding_plan(
     module: nn.Module,
     sharder: EmbeddingBagCollectionSharder,
     *,
-    tables: list[str],
+    tables: Mapping[str, int],
     sharding: str | Mapping[str, str],
     device_type: str,
     group: dist.ProcessGroup,
 ) -> ShardingPlan:
     """The plan every rank agrees on (rank 0 plans, the others receive it over `group`):
-    `sharding` for every table, or per table name."""
+    `sharding` for every table (name -> rows), or per table name."""
     per_table = {t: sharding if isinstance(sharding, str) else sharding[t] for t in tables}
     for kind in per_table.values():
         if kind not in SHARDINGS:
             raise ValueError(f"sharding {kind!r} is not one of {SHARDINGS}")
     world_size = dist.get_world_size(group)
+    per_table = never_empty(per_table, tables, world_size)
     topology = TopologyFactory.create_topology(
         trainer_config=TrainerConfig(world_size=world_size, local_world_size=world_size),
         kernel_config=KernelConfig(compute_device=device_type),

@@ -26,7 +26,7 @@ FEATURES = (
     SparseFeature("user", 23),
     SparseFeature("item", 41),
     SparseFeature("genre", 7, bag=True),
-    SparseFeature("one", 1),  # fewer rows than ranks: a row-wise shard may be empty
+    SparseFeature("one", 1),  # fewer rows than ranks: placed table-wise under row_wise
 )
 #: 10 global batches of 32, then a last one of 5 (3 + 2 on two ranks: one sample of padding).
 SAMPLES = 325
