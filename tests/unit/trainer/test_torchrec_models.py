@@ -13,11 +13,14 @@ import pytest
 import torch
 from torch import nn
 
+from bench.sharded_job import Job, run_ranks
 from publisher.codecs import encode_rows, max_abs_error_bound
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import FileStore
 from schemas.delta_blob import decode_delta_blob, round_to_bfloat16
+from schemas.manifest import TableEntry
+from tests.unit.trainer.sharded.job import sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 
 torchrec = pytest.importorskip("torchrec")
@@ -37,7 +40,8 @@ class UserRanker(nn.Module):
     """A user's model: pooled user and item features (the item table serves two features), a
     sequence of watched items, and a dense head."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        """`device`: the tables' ("meta" for DistributedModelParallel to allocate its shards)."""
         super().__init__()
         self.bags = torchrec.EmbeddingBagCollection(
             tables=[
@@ -50,7 +54,8 @@ class UserRanker(nn.Module):
                     num_embeddings=ROWS["item"],
                     feature_names=["item", "seen"],
                 ),
-            ]
+            ],
+            device=device,
         )
         self.sequence = torchrec.EmbeddingCollection(
             tables=[
@@ -60,7 +65,8 @@ class UserRanker(nn.Module):
                     num_embeddings=ROWS["history"],
                     feature_names=["history"],
                 )
-            ]
+            ],
+            device=device,
         )
         self.head = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1))
 
@@ -79,7 +85,8 @@ Batch = tuple[object, object, torch.Tensor, dict[str, np.ndarray]]
 
 
 def batch(step: int) -> Batch:
-    """Step `step`'s inputs, labels and the ids each table is asked for."""
+    """Step `step`'s inputs, labels and the ids each table is asked for (on a sharded job: of
+    one rank, whose `step` is its own)."""
     g = torch.Generator().manual_seed(step)
     user = torch.randint(0, HOT["user"], (BATCH,), generator=g)
     item = torch.randint(0, HOT["item"], (BATCH,), generator=g)
@@ -87,14 +94,14 @@ def batch(step: int) -> Batch:
     seen = torch.randint(0, HOT["item"], (int(seen_lengths.sum()),), generator=g)
     history_lengths = torch.randint(1, 4, (BATCH,), generator=g)
     history = torch.randint(0, HOT["history"], (int(history_lengths.sum()),), generator=g)
-    ones = torch.ones(BATCH, dtype=torch.int64)
+    ones = torch.ones(BATCH, dtype=torch.int32)
     bags = torchrec.KeyedJaggedTensor.from_lengths_sync(
         keys=["u", "item", "seen"],
         values=torch.cat([user, item, seen]),
-        lengths=torch.cat([ones, ones, seen_lengths]),
+        lengths=torch.cat([ones, ones, seen_lengths.int()]),
     )
     sequence = torchrec.KeyedJaggedTensor.from_lengths_sync(
-        keys=["history"], values=history, lengths=history_lengths
+        keys=["history"], values=history, lengths=history_lengths.int()
     )
     labels = (user % 2).float()
     asked = {
@@ -282,3 +289,159 @@ def test_int4_versions_restore_and_resume_within_the_codec_bound(tmp_path: Path)
         )
     for key, value in model.head.state_dict().items():  # the dense part stays fp32: bitwise
         assert torch.equal(value, fresh.head.state_dict()[key]), key
+
+
+# --- the same model sharded by DistributedModelParallel -----------------------------------------
+
+SPARSE_LR, EPS = 0.05, 1e-8
+#: the user table split by rows over the ranks, the others held whole by one rank each.
+SHARDING = {"user": "row_wise", "item": "table_wise", "history": "table_wise"}
+SHARDED_STEPS = 6
+
+
+def sharded_ranker(world: int) -> Job:
+    """`UserRanker` sharded over the default group as a user would: TorchRec's planner with
+    one sharding per table, the tables' optimizer fused (EXACT_ROWWISE_ADAGRAD), Adam on the
+    rest."""
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+    from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+    from torchrec.distributed.types import ShardingEnv
+
+    from trainer.sharded.model import dense_parameters
+    from trainer.sharded.plan import embedding_sharder
+
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": SPARSE_LR}
+    # Row-wise shards on CPU need trainer/sharded/plan.py's sharder for the bags (TorchRec
+    # offers them only on GPUs); its EmbeddingCollection sharder offers them as it is.
+    sharders = [
+        embedding_sharder("cpu", SPARSE_LR),
+        EmbeddingCollectionSharder(fused_params={**fused, "eps": EPS}),
+    ]
+    torch.manual_seed(0)
+    module = UserRanker(device=torch.device("meta"))
+    planner = EmbeddingShardingPlanner(
+        topology=TopologyFactory.create_topology(
+            trainer_config=TrainerConfig(world_size=world, local_world_size=world),
+            kernel_config=KernelConfig(compute_device="cpu"),
+        ),
+        constraints={
+            name: ParameterConstraints(sharding_types=[kind], compute_kernels=["fused"])
+            for name, kind in SHARDING.items()
+        },
+    )
+    group = dist.group.WORLD
+    assert group is not None
+    model = DistributedModelParallel(
+        module,
+        env=ShardingEnv.from_process_group(group),
+        device=torch.device("cpu"),
+        plan=planner.collective_plan(module, sharders, group),
+        sharders=sharders,
+    )
+    return Job(model, torch.optim.Adam(dense_parameters(model), lr=0.01))
+
+
+def _sharded_train_and_publish(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.checkpointing import ShardedCheckpointer
+    from trainer.sharded.collective import TorchCollective
+
+    job = sharded_ranker(world)
+    with ShardedCheckpointer(
+        job.model,
+        job.dense_optimizer,
+        store=FileStore(Path(root)),
+        model_name=MODEL,
+        collective=TorchCollective.new(timeout_s=60.0),
+        sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
+        policy="consecutive",
+        codec="fp32",
+        interval_samples=2 * world * BATCH,
+    ) as ckpt:
+        for step in range(SHARDED_STEPS):
+            bags, sequence, labels, _ = batch(10 * step + rank)
+            loss = nn.functional.binary_cross_entropy_with_logits(job.model(bags, sequence), labels)
+            job.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # the fused optimizer steps the tables here
+            job.dense_optimizer.step()
+            ckpt.step(world * BATCH, BATCH)
+            if ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is not None:
+                ckpt.flush()  # one version per checkpoint
+    assert [r.kind for r in ckpt.records] == ["full", "delta", "delta"]
+    np.savez(Path(root) / f"rank{rank}.npz", **sharded_state(job))
+
+
+def _job_state(root: Path, world: int) -> dict[str, np.ndarray]:
+    """The ranks' saved states put together: `table/NAME`, `acc/NAME`, `dense/KEY`, `opt/..`."""
+    parts: dict[str, dict[int, np.ndarray]] = {}
+    state: dict[str, np.ndarray] = {}
+    for rank in range(world):
+        with np.load(root / f"rank{rank}.npz") as saved:
+            for key, value in saved.items():
+                if key.startswith(("dense/", "opt/")):
+                    state.setdefault(key, value)
+                    continue
+                name, start, part = key.rsplit("/", 2)
+                parts.setdefault(f"{'table' if part == 'w' else 'acc'}/{name}", {})[int(start)] = (
+                    value
+                )
+    for key, shards in parts.items():
+        state[key] = np.concatenate([shards[start] for start in sorted(shards)])
+    return state
+
+
+def _rows_held(root: Path, entry: TableEntry) -> np.ndarray:
+    """The global row ids a version's table entry holds (a shard's are shard-local)."""
+    store = FileStore(root)
+    if entry.shards is None:
+        assert entry.blob is not None
+        return decode_delta_blob(store.get(entry.blob.key)).row_ids
+    return np.concatenate(
+        [decode_delta_blob(store.get(s.blob.key)).row_ids + s.row_start for s in entry.shards]
+    )
+
+
+def test_a_sharded_user_model_publishes_and_resumes_in_one_process_bitwise(
+    tmp_path: Path,
+) -> None:
+    from trainer.rowwise_adagrad import RowWiseAdagrad
+
+    run_ranks(_sharded_train_and_publish, 2, str(tmp_path))
+    versions = Catalog(FileStore(tmp_path), MODEL).versions()
+    assert [v.manifest.kind for v in versions] == ["full", "delta", "delta"]
+    # Named as the unsharded model names them; the row-wise table stored as one shard per rank.
+    user = next(t for t in versions[-1].manifest.tables if t.name == USER)
+    assert user.shards is not None and [(s.row_start, s.row_end) for s in user.shards] == [
+        (0, 25),
+        (25, 50),
+    ]
+    assert sorted(t.name for t in versions[-1].manifest.tables) == sorted(TABLES)
+    # Each delta holds exactly the rows either rank's batches asked for in its interval.
+    for version, steps in ((versions[1], (2, 3)), (versions[2], (4, 5))):
+        asked = [batch(10 * step + rank)[3] for step in steps for rank in range(2)]
+        for entry in version.manifest.tables:
+            wanted = np.unique(np.concatenate([a[entry.name] for a in asked]))
+            np.testing.assert_array_equal(_rows_held(tmp_path, entry), wanted, entry.name)
+
+    # One process, the model unsharded: the tables' optimizer is the row-wise Adagrad the fused
+    # one computes, over the tables in the version's order (by name), then Adam on the rest.
+    job = _job_state(tmp_path, 2)
+    model = UserRanker()
+    order = sorted(TABLES)
+    tables = RowWiseAdagrad([model.get_parameter(f"{n}.weight") for n in order], lr=SPARSE_LR)
+    dense = torch.optim.Adam(model.head.parameters(), lr=0.01)
+    with checkpointer(model, [tables, dense], tmp_path) as ckpt:
+        position = ckpt.resume()
+    assert (position.step, position.samples_seen) == (SHARDED_STEPS, SHARDED_STEPS * 2 * BATCH)
+    for name in TABLES:
+        weight = model.get_parameter(f"{name}.weight")
+        np.testing.assert_array_equal(weight.detach().numpy(), job[f"table/{name}"])
+        np.testing.assert_array_equal(tables.state[weight]["sum"].numpy(), job[f"acc/{name}"])
+    for key, value in model.head.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), job[f"dense/head.{key}"])
+    for i, per in dense.state_dict()["state"].items():
+        for k, v in per.items():
+            np.testing.assert_array_equal(torch.as_tensor(v).numpy(), job[f"opt/{i}/{k}"])
