@@ -20,7 +20,7 @@ from publisher.read.restore import restore
 from publisher.store import FileStore
 from schemas.delta_blob import decode_delta_blob, round_to_bfloat16
 from schemas.manifest import TableEntry
-from tests.unit.trainer.sharded.job import sharded_state
+from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 
 torchrec = pytest.importorskip("torchrec")
@@ -374,6 +374,15 @@ def _sharded_train_and_publish(rank: int, world: int, root: str) -> None:
     np.savez(Path(root) / f"rank{rank}.npz", **sharded_state(job))
 
 
+def _restore_on_ranks(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.restore_shards import restore_sharded
+
+    job = sharded_ranker(world)
+    position = restore_sharded(job.model, job.dense_optimizer, FileStore(Path(root)), MODEL)
+    assert position.step == SHARDED_STEPS
+    assert_holds_expected(job, root)
+
+
 def _job_state(root: Path, world: int) -> dict[str, np.ndarray]:
     """The ranks' saved states put together: `table/NAME`, `acc/NAME`, `dense/KEY`, `opt/..`."""
     parts: dict[str, dict[int, np.ndarray]] = {}
@@ -404,7 +413,7 @@ def _rows_held(root: Path, entry: TableEntry) -> np.ndarray:
     )
 
 
-def test_a_sharded_user_model_publishes_and_resumes_in_one_process_bitwise(
+def test_a_sharded_user_model_publishes_and_restores_on_one_rank_and_in_one_process_bitwise(
     tmp_path: Path,
 ) -> None:
     from trainer.rowwise_adagrad import RowWiseAdagrad
@@ -426,9 +435,13 @@ def test_a_sharded_user_model_publishes_and_resumes_in_one_process_bitwise(
             wanted = np.unique(np.concatenate([a[entry.name] for a in asked]))
             np.testing.assert_array_equal(_rows_held(tmp_path, entry), wanted, entry.name)
 
+    # A job of one rank restores it too (every table whole on that rank).
+    job = _job_state(tmp_path, 2)
+    np.savez(tmp_path / "expected.npz", **job)
+    run_ranks(_restore_on_ranks, 1, str(tmp_path))
+
     # One process, the model unsharded: the tables' optimizer is the row-wise Adagrad the fused
     # one computes, over the tables in the version's order (by name), then Adam on the rest.
-    job = _job_state(tmp_path, 2)
     model = UserRanker()
     order = sorted(TABLES)
     tables = RowWiseAdagrad([model.get_parameter(f"{n}.weight") for n in order], lr=SPARSE_LR)
