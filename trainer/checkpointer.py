@@ -14,6 +14,23 @@ A model trained from raw ids passes its id maps, `id_maps={"embeddings.user": us
 (publisher/id_map.py): every version then carries each map's entries of the rows it writes,
 and `resume` loads the version's maps into those same objects.
 
+A TorchRec model checkpoints like any other: unsharded, an EmbeddingBagCollection
+(EmbeddingCollection) holds one `nn.EmbeddingBag` (`nn.Embedding`) per table, found under its
+module path (`bags.embedding_bags.user`) and tracked by the lookup hooks, which read the ids
+TorchRec passes as `input=`; train it with plain torch optimizers:
+
+    bags = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="user", embedding_dim=16, num_embeddings=1_000_000, feature_names=["user"])])
+    model = Ranker(bags)                      # forward(features: KeyedJaggedTensor)
+    opts = [torch.optim.Adagrad(bags.parameters(), lr=0.05),
+            torch.optim.Adam(model.head.parameters())]
+    ckpt = IncrementalCheckpointer(model, opts, store=URL, model_name="ranker", codec="int4")
+
+TorchRec's own ModelDeltaTracker cannot replace the hooks there: it wants a
+DistributedModelParallel (`model.module`) and tracks only the sharded collections. A model
+sharded by DistributedModelParallel checkpoints with trainer/sharded/checkpointing.py, which
+uses it; its versions resume here into the same model unsharded.
+
 This is the paper's first stage (decoupled checkpointing). At an interval boundary the training
 thread stops only for the copies of trainer/snapshot_capture.py and hands them to a
 `BackgroundPublisher`; a full baseline is copied in chunks, one per `maybe_checkpoint` call

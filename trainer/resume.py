@@ -18,7 +18,7 @@ from torch import nn
 
 from publisher.id_map import IdMap
 from publisher.read.restore import RestoredState
-from publisher.state_dicts import optimizer_state_dicts
+from publisher.state_dicts import RowState, optimizer_state_dicts
 from publisher.write.tracker import EmbeddingModule
 from trainer.errors import CheckpointError
 
@@ -50,6 +50,7 @@ def load_restored(
     missing = sorted(set(tables) - set(state.tables))
     if missing:
         raise CheckpointError(f"version {state.version} lacks tables {missing}")
+    _check_row_state_owners(state, optimizers, tables)
     with torch.no_grad():
         weights: dict[str, torch.Tensor] = {}
         for name, table in tables.items():
@@ -87,6 +88,54 @@ def _check_id_maps(state: RestoredState, id_maps: Mapping[str, IdMap]) -> None:
                 f"of {restored.rows} rows, this trainer a {mode[id_map.hashed]} one of "
                 f"{id_map.rows}"
             )
+
+
+def _check_row_state_owners(
+    state: RestoredState,
+    optimizers: Sequence[torch.optim.Optimizer],
+    tables: Mapping[str, EmbeddingModule],
+) -> None:
+    """Each table's per-row optimizer state must go to the optimizer parameter that is that
+    table's weight here. A torch optimizer loads state by parameter position, so a version whose
+    optimizer listed the tables in another order (a sharded job lists them by name) would hand
+    one table's state to another, silently where their shapes agree."""
+    layout = state.optimizer_meta.get("row_state", {})
+    if not isinstance(layout, Mapping):
+        return  # malformed: _load_optimizers says so
+    here = {
+        id(p): (i, j)
+        for i, optimizer in enumerate(optimizers)
+        for j, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+    }
+    try:
+        owners = {
+            name: (entry.optimizer, entry.param_index)
+            for name, entries in layout.items()
+            if name in tables
+            for entry in (RowState.from_json(e) for e in entries)
+        }
+    except _MALFORMED as exc:
+        raise CheckpointError(
+            f"version {state.version}: malformed per-row optimizer state: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    moved = {
+        name: (kept, here.get(id(tables[name].weight)))
+        for name, kept in owners.items()
+        if here.get(id(tables[name].weight)) != kept
+    }
+    if moved:
+        order = sorted(owners, key=owners.__getitem__)
+        shown = "; ".join(
+            f"table {name!r}: optimizers[{kept[0]}] parameter {kept[1]} there, "
+            + (f"optimizers[{now[0]}] parameter {now[1]} here" if now else "in no optimizer here")
+            for name, (kept, now) in moved.items()
+        )
+        raise CheckpointError(
+            f"version {state.version} keeps per-row optimizer state of tables at other "
+            f"optimizer parameters than this trainer ({shown}); give the optimizers the tables "
+            f"in the version's order: {order}"
+        )
 
 
 #: what interpreting the optimizer metadata (JSON from the store, hostile like any fetched

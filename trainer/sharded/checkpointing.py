@@ -10,6 +10,14 @@
         ckpt.maybe_checkpoint(reader={"offset": n})  # every rank, after every step
     ckpt.close()
 
+`dmp` may be any model DistributedModelParallel shards (the sharded DLRM of
+trainer/sharded/model.py, or a user's own, with EmbeddingBagCollections and EmbeddingCollections
+anywhere in it), its tables sharded table-wise or row-wise with the fused EXACT_ROWWISE_ADAGRAD.
+Tables are named as the unsharded model names them (trainer/sharded/local_shards.py), so a
+version resumes in one process with `IncrementalCheckpointer` on the unsharded model, the fused
+optimizer's part going to a trainer/rowwise_adagrad.py `RowWiseAdagrad` over the tables in name
+order (the version's; a DLRM's `model_config` gives its own order instead).
+
 Every rank makes the same calls at the same steps: its clock counts the job's samples, the same
 number on every rank, so the ranks are due together even when a last, short batch gives them
 unequal slices; each rank's own samples go into its `position.ranks` entry, whose sum is the

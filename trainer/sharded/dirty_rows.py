@@ -29,7 +29,7 @@ from torch import nn
 
 from publisher.write.tracker import RowIds
 from trainer.errors import CheckpointError
-from trainer.sharded.local_shards import ShardedTable, table_name
+from trainer.sharded.local_shards import ShardedTable, table_namer
 
 
 class ShardDirtyRows:
@@ -53,13 +53,13 @@ class ShardDirtyRows:
         self.tracker = init(DeltaTrackerConfig())
         self.tables = dict(tables)
         self.group = group
+        self._name_of = table_namer(model)
 
     def take(self) -> dict[str, RowIds]:
         """Global rows of this rank's shards looked up since the last call, per table (sorted,
         int64); resets the record."""
-        looked_up = {
-            table_name(f"{fqn}.weight"): ids for fqn, ids in self.tracker.get_unique_ids().items()
-        }
+        # The tracker keys ids by the table's module path.
+        looked_up = {self._name_of(fqn): ids for fqn, ids in self.tracker.get_unique_ids().items()}
         rows: dict[str, RowIds] = {}
         for name, table in self.tables.items():
             local = looked_up.get(name)

@@ -8,14 +8,19 @@ kernels' own storage (measured: writing a row through them changes what the next
 reads), so a snapshot copies out of them and a restore writes into them, with no copy of the
 whole table.
 
-A table is named as in a one-process model: the EmbeddingBagCollection's module path and the
-table's name (`embeddings.user` for table `user` of the collection at `embeddings`), the name
-publisher/dlrm.py's `nn.ModuleDict` of tables gives the same table, so versions move between
-the one-process trainer and a sharded job.
+Any model DistributedModelParallel shards works, its tables in EmbeddingBagCollections or
+EmbeddingCollections anywhere in it: every ShardedTensor of its state_dict is a table. A table is
+named as the same model, unsharded, names it for `IncrementalCheckpointer`: by its module path
+(`sparse.bags.embedding_bags.user`; `table_namer`), so a version of the sharded job resumes in
+one process into the unsharded model, and its `restore --model-only` state_dict loads into it. A
+model may name its tables itself with a method `checkpoint_table_name(path)`: the sharded DLRM
+(trainer/sharded/model.py) gives publisher/dlrm.py's names (`embeddings.user`), so versions move
+between the one-process DLRM trainer and a sharded job.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +28,6 @@ from torch import nn
 
 from trainer.errors import CheckpointError
 
-#: what TorchRec puts between an EmbeddingBagCollection's path and its tables' names.
-_TABLES_INFIX = ".embedding_bags."
 _WEIGHT_SUFFIX = ".weight"
 
 
@@ -59,11 +62,17 @@ class ShardedTable:
         return len(self.shards) == 1 and self.shards[0].rows == self.rows
 
 
-def table_name(state_key: str) -> str:
-    """The checkpoint name of the table whose weight has state_dict key `state_key`."""
-    # The leading dot also finds the tables of a collection at the root (`embedding_bags.t`).
-    path, _, rest = f".{state_key.removesuffix(_WEIGHT_SUFFIX)}".partition(_TABLES_INFIX)
-    return f"{path[1:]}.{rest}" if path else rest
+def table_namer(model: nn.Module) -> Callable[[str], str]:
+    """How the checkpoints of `model` (a DistributedModelParallel, or the module it wraps) name
+    the table at a module path: the model's own `checkpoint_table_name(path)` if it has one, else
+    the path itself."""
+    module = getattr(model, "module", model)
+    own: Callable[[str], str] | None = getattr(module, "checkpoint_table_name", None)
+    return own if callable(own) else _module_path
+
+
+def _module_path(path: str) -> str:
+    return path
 
 
 def local_shards(model: nn.Module) -> dict[str, ShardedTable]:
@@ -76,11 +85,15 @@ def local_shards(model: nn.Module) -> dict[str, ShardedTable]:
             "DistributedModelParallel whose tables train with a fused row-wise optimizer"
         )
     optimizer_state = fused.state_dict()["state"]
+    name_of = table_namer(model)
     tables: dict[str, ShardedTable] = {}
     for key, value in model.state_dict().items():
-        if _TABLES_INFIX not in f".{key}" or not hasattr(value, "local_shards"):
+        if not hasattr(value, "local_shards"):
             continue
-        short = key.removesuffix(_WEIGHT_SUFFIX).rsplit(".", 1)[-1]
+        path = key.removesuffix(_WEIGHT_SUFFIX)
+        # The fused optimizer keys a table's state by the TorchRec table name, the path's last
+        # part (`user.momentum1` of `sparse.bags.embedding_bags.user.weight`).
+        short = path.rsplit(".", 1)[-1]
         rows, dim = (int(n) for n in value.size())
         # A row-wise table of fewer rows than ranks leaves some ranks an empty shard.
         held = [s for s in value.local_shards() if int(s.tensor.shape[0]) > 0]
@@ -100,8 +113,9 @@ def local_shards(model: nn.Module) -> dict[str, ShardedTable]:
             shards.append(
                 LocalShard(start, start + int(weight.shape[0]), weight, accumulators[start])
             )
-        tables[table_name(key)] = ShardedTable(
-            table_name(key), rows, dim, tuple(sorted(shards, key=lambda s: s.row_start))
+        name = name_of(path)
+        tables[name] = ShardedTable(
+            name, rows, dim, tuple(sorted(shards, key=lambda s: s.row_start))
         )
     return tables
 

@@ -41,6 +41,8 @@ from trainer.sharded.plan import embedding_sharder, sharding_plan
 #: rows drawn from one generator at initialisation: a row's initial value depends on the seed,
 #: its table and its row only, never on where the shard boundaries fall (the world size).
 INIT_BLOCK_ROWS = 1 << 16
+#: the module path of the tables of `ShardedDLRM.embeddings`, less their names.
+_TABLES_PATH = "embeddings.embedding_bags."
 
 
 class ShardedDLRM(nn.Module):
@@ -69,6 +71,12 @@ class ShardedDLRM(nn.Module):
         self.top = top_mlp(config).to(device)
         self.features = [f.name for f in config.sparse]
         self.pair_rows, self.pair_cols = feature_pairs(len(config.sparse) + 1, device)
+
+    def checkpoint_table_name(self, path: str) -> str:
+        """The checkpoint name of the table at module path `path`: DLRM's (`embeddings.user`
+        for `embeddings.embedding_bags.user`), so versions move between this model and the
+        one-process DLRM (read by trainer/sharded/local_shards.py)."""
+        return TABLE_PREFIX + path.removeprefix(_TABLES_PATH)
 
     def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
         x = self.bottom(bottom_input(dense))

@@ -255,3 +255,40 @@ def test_forged_optimizer_metadata_is_a_checkpoint_error(tmp_path: Path, case: s
     model, opts, ckpt = trainer(seed=5, store=store, policy="consecutive")
     with ckpt, pytest.raises(CheckpointError, match="optimizer state"):
         ckpt.resume()
+
+
+class _TwoTables(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Embedding(10, 4)
+        self.b = torch.nn.Embedding(10, 4)
+
+
+def test_per_row_state_of_tables_listed_in_another_order_is_refused(tmp_path: Path) -> None:
+    # A torch optimizer loads state by parameter position: resumed into an optimizer that lists
+    # the same-shaped tables the other way round, each table would get the other's state.
+    from trainer.rowwise_adagrad import RowWiseAdagrad
+
+    model = _TwoTables()
+    opt = RowWiseAdagrad([model.a.weight, model.b.weight], lr=0.1)
+    store = FileStore(tmp_path)
+    with IncrementalCheckpointer(
+        model, [opt], store=store, model_name="m", policy="full", codec="fp32"
+    ) as ckpt:
+        (model.a(torch.tensor([1])).sum() + 2 * model.b(torch.tensor([2])).sum()).backward()
+        opt.step()
+        ckpt.step(1)
+        ckpt.checkpoint_now()
+    fresh = _TwoTables()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    swapped = RowWiseAdagrad([fresh.b.weight, fresh.a.weight], lr=0.1)
+    refused = pytest.raises(CheckpointError, match=r"in the version's order: \['a', 'b'\]")
+    with (
+        IncrementalCheckpointer(
+            fresh, [swapped], store=store, model_name="m", policy="full", codec="fp32"
+        ) as resumed,
+        refused,
+    ):
+        resumed.resume()
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert all(float(s["sum"].abs().sum()) == 0.0 for s in swapped.state.values())
