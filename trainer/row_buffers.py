@@ -9,6 +9,10 @@ A view handed out belongs to the snapshot that holds it: its buffer goes back to
 when the view (and everything that refers to it, e.g. a torch tensor sharing its memory) has
 been garbage collected, so a snapshot still queued or being encoded is never overwritten.
 Steady state is two buffers per table (the snapshot being published and the next one).
+
+A pool made with `pinned=True` allocates page-locked memory (torch's pinned host allocator): the
+rows a snapshot copies from a GPU land there by DMA, with no staging copy and no pinning during
+the stall (trainer/sharded/checkpointing.py). It needs a CUDA build with a GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 import weakref
 
 import numpy as np
+import torch
 
 #: free buffers kept per (table, kind); more are dropped to bound memory.
 MAX_FREE_PER_KEY = 2
@@ -27,10 +32,17 @@ GROWTH = 1.25
 class RowBufferPool:
     """float32 (n, width) buffers by key, lent out as views and recycled on release."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pinned: bool = False) -> None:
         self._free: dict[tuple[str, int], list[np.ndarray]] = {}
         self._lock = threading.Lock()
         self.allocated_bytes = 0
+        self.pinned = pinned
+
+    def _allocate(self, n: int, width: int) -> np.ndarray:
+        if not self.pinned:
+            return np.empty((n, width), dtype=np.float32)
+        # The array's base is the tensor, which keeps the pinned memory alive.
+        return torch.empty((n, width), dtype=torch.float32, pin_memory=True).numpy()
 
     def take(self, key: str, n: int, width: int, *, exact: bool = False) -> np.ndarray:
         """A float32 (n, width) array whose memory may have held an earlier snapshot's rows.
@@ -45,7 +57,7 @@ class RowBufferPool:
             buf = free.pop(min(fits, key=lambda i: free[i].shape[0])) if fits else None
         if buf is None:
             capacity = n if exact else max(n, int(n * GROWTH))
-            buf = np.empty((capacity, width), dtype=np.float32)
+            buf = self._allocate(capacity, width)
             self.allocated_bytes += buf.nbytes
         view = buf[:n]
         weakref.finalize(view, self._give_back, slot, buf)
@@ -54,7 +66,7 @@ class RowBufferPool:
     def reserve(self, key: str, n: int, width: int) -> None:
         """Allocate and touch an (n, width) buffer now, so the first copy of that size does not
         pay the page faults during a stall."""
-        buf = np.empty((n, width), dtype=np.float32)
+        buf = self._allocate(n, width)
         buf.fill(0.0)  # np.zeros would map lazily zeroed pages: the faults would come later
         self.allocated_bytes += buf.nbytes
         with self._lock:

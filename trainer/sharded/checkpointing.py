@@ -61,8 +61,9 @@ from schemas.manifest import Position
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
+from trainer.row_buffers import RowBufferPool
 from trainer.sharded.dirty_rows import ShardDirtyRows
-from trainer.sharded.local_shards import ShardedTable, local_shards
+from trainer.sharded.local_shards import LocalShard, ShardedTable, local_shards
 from trainer.sharded.optimizer_state import job_optimizer_state
 from trainer.sharded.restore_shards import restore_sharded
 
@@ -139,6 +140,9 @@ class ShardedCheckpointer:
         self.rank_samples = 0
         self.policy: Policy = make_policy(policy, self.table_rows)
         self.dirty = ShardDirtyRows(model, self.tables, group)
+        #: tables on a GPU: their rows are copied into pinned host buffers (`_to_host`).
+        self._on_gpu = any(s.weight.is_cuda for t in self.tables.values() for s in t.shards)
+        self._host_rows = RowBufferPool(pinned=self._on_gpu)
         self.ledger = CheckpointRecords()
         self._results: list[PublishResult] = []
         self._user_on_published = on_published
@@ -195,6 +199,8 @@ class ShardedCheckpointer:
             for name, table in self.tables.items()
             if (rows := self._copy_rows(table, plan.rows[name])) is not None
         )
+        if self._on_gpu:
+            torch.cuda.synchronize()  # every table's device-to-host copy has landed
         dense: dict[str, np.ndarray] = {}
         optimizer: dict[str, np.ndarray] = {}
         optimizer_meta: dict[str, Any] = {}
@@ -247,8 +253,11 @@ class ShardedCheckpointer:
             lo, hi = np.searchsorted(planned, [shard.row_start, shard.row_end])
             ids = np.ascontiguousarray(planned[lo:hi], dtype=np.int64)
         local = torch.from_numpy(ids - shard.row_start)
-        values = shard.weight.detach().index_select(0, local).numpy()
-        aux = shard.accumulator.detach().index_select(0, local).reshape(-1, 1).numpy()
+        if shard.weight.is_cuda:
+            values, aux = self._to_host(table.name, shard, local)
+        else:
+            values = shard.weight.detach().index_select(0, local).numpy()
+            aux = shard.accumulator.detach().index_select(0, local).reshape(-1, 1).numpy()
         return TableRows(
             name=table.name,
             table_rows=table.rows,
@@ -258,6 +267,22 @@ class ShardedCheckpointer:
             aux=aux,
             row_range=None if table.whole else (shard.row_start, shard.row_end),
         )
+
+    def _to_host(
+        self, name: str, shard: LocalShard, local: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows `local` of a GPU shard and their accumulators, gathered on the device and
+        copied into pinned host buffers kept between snapshots (`RowBufferPool`). The copies
+        are asynchronous: `checkpoint_now` synchronises once, after every table's."""
+        on_device = local.to(shard.weight.device)
+        n = int(local.numel())
+        values = self._host_rows.take(f"{name}.weight", n, int(shard.weight.shape[1]))
+        aux = self._host_rows.take(f"{name}.accumulator", n, 1)
+        picked = shard.weight.detach().index_select(0, on_device)
+        torch.from_numpy(values).copy_(picked, non_blocking=True)
+        picked_acc = shard.accumulator.detach().index_select(0, on_device).reshape(-1, 1)
+        torch.from_numpy(aux).copy_(picked_acc, non_blocking=True)
+        return values, aux
 
     # --- publishing results ------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class ShardDirtyRows:
             if local is None or local.numel() == 0 or not table.shards:
                 rows[name] = np.empty(0, dtype=np.int64)
                 continue
-            ids = local.to(torch.int64)
+            ids = local.to("cpu", torch.int64)  # a GPU shard's tracker holds device ids
             # One shard per table and rank is what TorchRec's planner makes; several would
             # need the tracker's ids split per shard, which it does not record.
             if len(table.shards) != 1:
@@ -84,7 +84,12 @@ class ShardDirtyRows:
         for name, rows in zip(self.tables, sizes, strict=True):
             bitmap[start + torch.from_numpy(mine[name])] = 1
             start += rows
-        dist.all_reduce(bitmap, op=dist.ReduceOp.MAX, group=self.group)
+        if dist.get_backend(self.group) == "nccl":  # GPU ranks: NCCL reduces device tensors
+            on_device = bitmap.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group)
+            bitmap = on_device.cpu()
+        else:
+            dist.all_reduce(bitmap, op=dist.ReduceOp.MAX, group=self.group)
         union: dict[str, RowIds] = {}
         start = 0
         for name, rows in zip(self.tables, sizes, strict=True):

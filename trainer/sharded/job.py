@@ -92,7 +92,7 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
 def run_job(args: argparse.Namespace) -> int:
     """`checknrun train --nproc N`: the job's N ranks on this host; returns the exit status."""
     check_job_options(args, args.nproc)
-    backend = "nccl" if args.device == "cuda" and args.nproc > 1 else "gloo"
+    backend = "nccl" if args.device == "cuda" else "gloo"  # as under torchrun
     spawn_ranks(functools.partial(train_rank, args), args.nproc, backend=backend)
     return 0
 

@@ -79,3 +79,31 @@ def test_the_one_process_trainer_resumes_a_sharded_jobs_version(tmp_path: Path) 
     assert latest is not None and latest.manifest.position.samples_seen == SAMPLES
     assert latest.manifest.position.ranks is None
     assert resumed["samples"] == SAMPLES - 256
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
+def test_a_job_on_the_gpu_publishes_what_the_same_job_on_the_cpu_publishes(
+    tmp_path: Path,
+) -> None:
+    """Tables on the GPU: dirty rows from the device tracker, rows copied into pinned host
+    buffers; the versions hold the CPU job's model within float tolerance."""
+    _ratings(tmp_path / "r.csv")
+    states = {}
+    for device in ("cpu", "cuda"):
+        run = tmp_path / device
+        run.mkdir()
+        (run / "r.csv").write_bytes((tmp_path / "r.csv").read_bytes())
+        report = _train(run, "--nproc", "1", "--device", device, "--max-samples", "384")
+        catalog = Catalog(FileStore(str(run / "store")), "m")
+        assert [v.manifest.kind for v in catalog.versions()][:2] == ["full", "delta"]
+        assert report["last_version"] == catalog.latest().version  # type: ignore[union-attr]
+        states[device] = restore(FileStore(str(run / "store")), "m")
+    cpu, gpu = states["cpu"], states["cuda"]
+    assert sorted(gpu.tables) == sorted(cpu.tables)
+    for name, table in cpu.tables.items():
+        torch.testing.assert_close(
+            torch.from_numpy(gpu.tables[name].weights),
+            torch.from_numpy(table.weights),
+            rtol=1e-4,
+            atol=1e-5,
+        )
