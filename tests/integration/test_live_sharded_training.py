@@ -5,12 +5,18 @@ and the topic, as tests/integration/test_live_training.py checks the one-process
 
 from __future__ import annotations
 
+import json
 import random
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from .conftest import Services
 from .test_live_training import (
     BAD_EVENTS,
+    REPO,
+    _env,
     create_topic,
     good_before,
     good_event,
@@ -109,4 +115,42 @@ def test_resume_from_2_ranks_on_1_and_from_1_on_2_loses_or_repeats_no_event(
     last = versions(tmp_path, "live")[-1].manifest
     assert last.position.reader["offsets"] == {str(p): len(v) for p, v in topic.items()}
     assert last.position.samples_seen == 2200
+    _check_versions(tmp_path, topic)
+
+
+def test_sigterm_to_the_job_stops_every_rank_at_one_step_with_a_final_version(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    rng = random.Random(5)
+    create_topic(services, unique_name, 3)
+    produce(services, unique_name, _events(rng, 0, 3000, bad=True))
+    command = train_command(services, unique_name, tmp_path, *SHARDED, "--nproc", "2")
+    process = subprocess.Popen(
+        [*command, "--interval-samples", "1000"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    deadline = time.monotonic() + 180
+    while not versions(tmp_path, "live"):  # the job runs: it trained and committed
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)  # to the spawner: it forwards it to every rank
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-4000:]
+    assert "Traceback" not in err
+    report = json.loads(out)
+
+    topic = read_topic(services, unique_name)
+    last = versions(tmp_path, "live")[-1].manifest
+    # the final version holds every step the job took, and each event before its offsets once
+    assert last.position.samples_seen == report["samples_seen"] > 0
+    _check_versions(tmp_path, topic)
+    done = run([*command, "--resume", "--stop-at-end"])
+    assert done["samples_seen"] == 3000 and done["stream"]["bad_events"] == len(BAD_EVENTS)
+    last = versions(tmp_path, "live")[-1].manifest
+    assert last.position.reader["offsets"] == {str(p): len(v) for p, v in topic.items()}
     _check_versions(tmp_path, topic)

@@ -9,6 +9,10 @@ rank (a row-wise job with unequal ones fails in its backward pass: `ProcessGroup
 invalid tensor size`). The loss of a rank is the sum of its samples' losses times N / b, so
 that the mean over the ranks (what DDP and DMP average) is the mean over the b samples: the
 gradient one process takes on the global batch.
+
+A live topic is not split by sample index: each rank reads its own partitions, and a step's
+global batch is what the ranks hold together (`padded_batch`: a rank's events padded to the
+largest share; trainer/sharded/live_loop.py). The loss scale is the same rule.
 """
 
 from __future__ import annotations
