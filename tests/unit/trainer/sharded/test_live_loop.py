@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,11 +32,13 @@ class FakeEvents:
         self.held = 0
         self.taken = 0
         self.polls = 0
+        self.timeouts: list[float] = []
         self.stop_at_poll = stop_at_poll
         self.stop_event = threading.Event()
 
     def poll(self, timeout_s: float) -> int:
         self.polls += 1
+        self.timeouts.append(timeout_s)
         if self.polls == self.stop_at_poll:
             self.stop_event.set()  # as SIGTERM on this rank would
         if not self.held and self.arrivals:
@@ -80,11 +83,16 @@ def _live_rank(rank: int, world: int, root: str, arrivals: list[list[int]], stop
         stop_event=events.stop_event,
         checkpointer=ckpt,
     )
-    done = {"steps": report.steps, "samples": report.samples, "mine": report.end_offset}
+    done = {
+        "steps": report.steps,
+        "samples": report.samples,
+        "mine": report.end_offset,
+        "timeouts": events.timeouts,
+    }
     (Path(root) / f"rank{rank}.json").write_text(json.dumps(done))
 
 
-def _run(tmp_path: Path, arrivals: list[list[int]], stop: int = 0) -> list[dict[str, int]]:
+def _run(tmp_path: Path, arrivals: list[list[int]], stop: int = 0) -> list[dict[str, Any]]:
     run_ranks(_live_rank, 2, str(tmp_path), arrivals, stop, timeout_s=300)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -98,6 +106,12 @@ def test_ranks_at_their_own_pace_take_the_same_steps_and_stop_together_at_the_en
     assert [d["steps"] for d in done] == [3, 3]
     assert [d["samples"] for d in done] == [18, 18]
     assert [d["mine"] for d in done] == [16, 2]
+    # a rank waits for its reader only after a vote found nothing anywhere: after a step, a
+    # rank with nothing (rank 1 at the last step) must not hold up the others
+    from trainer.sharded.live_loop import POLL_S, STEP_POLL_S
+
+    wait, step = POLL_S, STEP_POLL_S
+    assert [d["timeouts"] for d in done] == [[wait, step, wait, step, step]] * 2
     latest = Catalog(FileStore(tmp_path), MODEL).latest()
     assert latest is not None
     position = latest.manifest.position
