@@ -18,8 +18,8 @@ log or `kafka://HOST:PORT/TOPIC`); without it nothing is announced and subscribe
 
 `--nproc N` trains one model over N processes on this host instead (trainer/sharded/: the
 tables sharded by TorchRec, `--sharding table_wise|row_wise`, `--device cpu|cuda`; the same job
-runs under `torchrun --nproc-per-node N -m trainer.sharded.launch ...`). It does not publish
-versions yet: that is the sharded checkpointer's part.
+runs under `torchrun --nproc-per-node N -m trainer.sharded.launch ...`; a live topic is split
+by partitions over the ranks, trainer/sharded/live_steps.py).
 
 Registered through the `checknrun.commands` entry point `train = "trainer.cli:register"`;
 `python -m trainer.cli train ...` runs it without the entry point.
@@ -204,7 +204,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="train one model over N processes on this host, its tables sharded over them "
-        "(also: torchrun --nproc-per-node N -m trainer.sharded.launch ...)",
+        "(also: torchrun --nproc-per-node N -m trainer.sharded.launch ...); on a live topic "
+        "(with --id-space hash) rank r reads the partitions at index r mod N of the sorted list, "
+        "the ranks step together and stop together (--stop-at-end, SIGTERM on any rank)",
     )
     j.add_argument("--sharding", choices=SHARDINGS, default=SHARDINGS[0], help="with --nproc")
     j.add_argument(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import threading
+from dataclasses import replace
 
 from publisher.cli import CommandError, positive_int
 from publisher.id_map import ID_SPACES
@@ -116,13 +117,19 @@ def table_rows(spec: LiveSpec, text: str) -> dict[str, int]:
     return rows
 
 
-def open_live_stream(args: argparse.Namespace, stop_event: threading.Event) -> KafkaEventStream:
-    """The event stream `--data kafka://...` and the live options describe."""
+def open_live_stream(
+    args: argparse.Namespace,
+    stop_event: threading.Event,
+    partitions: tuple[int, ...] | None = None,
+) -> KafkaEventStream:
+    """The event stream `--data kafka://...` and the live options describe; `partitions`: the
+    ones to read instead of the URL's (one rank's part of a sharded job)."""
     spec = live_spec(args)
     if args.evict_after_s is not None and not args.evict_after_s > 0:
         raise CommandError(f"--evict-after-s must be > 0, got {args.evict_after_s}")
+    source = EventSource.parse(args.data)
     return KafkaEventStream(
-        EventSource.parse(args.data),
+        source if partitions is None else replace(source, partitions=partitions),
         spec,
         table_rows(spec, args.id_capacity),
         IdSpacePolicy(admit_after=args.admit_after, evict_after_s=args.evict_after_s),

@@ -36,7 +36,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig
@@ -331,7 +331,7 @@ class JobPublisher:
         position = Position(
             step=snapshot.position.step,
             samples_seen=sum(r.samples_seen for r in ranks),
-            reader=snapshot.position.reader,
+            reader=job_reader([r.reader for r in ranks]),
             ranks=tuple(ranks),
         )
         header = VersionHeader(
@@ -511,3 +511,22 @@ __all__ = [
     "ThreadCollective",
     "table_order",
 ]
+
+
+Reader = dict[str, int | str | dict[str, int]]
+
+
+def job_reader(readers: Sequence[Mapping[str, int | str | dict[str, int]]]) -> Reader:
+    """The job's reader position, the union of its ranks' (docs/FORMAT.md section 3.3): rank
+    0's, with the offsets of every rank's Kafka partitions (each rank reads its own); a file
+    reader is the same on every rank."""
+    union = dict(readers[0])
+    parts = [r["offsets"] for r in readers if isinstance(r.get("offsets"), dict)]
+    if parts:
+        offsets: dict[str, int] = {}
+        for part in parts:
+            assert isinstance(part, dict)
+            offsets.update(part)
+        # partition numbers in numeric order, as a single process writes them
+        union["offsets"] = dict(sorted(offsets.items(), key=lambda item: (len(item[0]), item[0])))
+    return union

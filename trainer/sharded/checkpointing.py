@@ -68,6 +68,9 @@ from trainer.sharded.optimizer_state import job_optimizer_state
 from trainer.sharded.restore_shards import restore_sharded
 
 Reader = Mapping[str, int | str | dict[str, int]]
+#: a version's metrics, or what gives them when a checkpoint is taken (a collective call for a
+#: job's sums: every rank calls it at the same step).
+Metrics = Mapping[str, float] | Callable[[], Mapping[str, float]]
 
 
 class ShardedCheckpointer:
@@ -173,21 +176,29 @@ class ShardedCheckpointer:
         """One record per checkpoint this rank took, oldest first."""
         return self.ledger.records
 
-    def maybe_checkpoint(self, reader: Reader | None = None) -> CheckpointRecord | None:
+    def maybe_checkpoint(
+        self, reader: Reader | None = None, metrics: Metrics | None = None
+    ) -> CheckpointRecord | None:
         """Checkpoint when the interval has passed (a collective call); re-raises a publishing
-        failure at once."""
+        failure at once. `metrics` may be a callable (called only then, on every rank)."""
         self.background.raise_if_failed()
         if not self.clock.due():
             return None
-        return self.checkpoint_now(reader)
+        return self.checkpoint_now(reader, metrics)
 
     def checkpoint_now(
-        self, reader: Reader | None = None, *, force_full: bool = False
+        self,
+        reader: Reader | None = None,
+        metrics: Metrics | None = None,
+        *,
+        force_full: bool = False,
     ) -> CheckpointRecord:
-        """Snapshot this rank's part now and hand it to the publisher (a collective call)."""
+        """Snapshot this rank's part now and hand it to the publisher (a collective call);
+        `metrics`: the version's (rank 0's are published), or a callable that gives them."""
         if self._closed:
             raise CheckpointError("checkpointer is closed")
         started, started_cpu = time.perf_counter(), time.thread_time()
+        job_metrics = dict(metrics() if callable(metrics) else (metrics or {}))
         mine = self.dirty.take()
         job_rows = self.dirty.union(mine)
         if force_full:
@@ -223,6 +234,7 @@ class ShardedCheckpointer:
             optimizer=optimizer,
             optimizer_meta=optimizer_meta,
             model_config=self.model_config,
+            metrics=job_metrics,
             sequence=self.ledger.next_index,
         )
         copied = time.perf_counter()

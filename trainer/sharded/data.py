@@ -9,6 +9,10 @@ rank (a row-wise job with unequal ones fails in its backward pass: `ProcessGroup
 invalid tensor size`). The loss of a rank is the sum of its samples' losses times N / b, so
 that the mean over the ranks (what DDP and DMP average) is the mean over the b samples: the
 gradient one process takes on the global batch.
+
+A live topic is not split by sample index: each rank reads its own partitions, and a step's
+global batch is what the ranks hold together (`padded_batch`: a rank's events padded to the
+largest share; trainer/sharded/live_loop.py). The loss scale is the same rule.
 """
 
 from __future__ import annotations
@@ -66,7 +70,40 @@ def rank_slice(batch: Batch, rank: int, world_size: int, features: Sequence[str]
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     local = -(-batch.size // world_size)
     lo = min(rank * local, batch.size)
-    hi = min(lo + local, batch.size)
+    return _padded_rows(batch, lo, min(lo + local, batch.size), local, batch.size, features)
+
+
+def padded_batch(
+    batch: Batch | None,
+    local_size: int,
+    global_size: int,
+    features: Sequence[str],
+    n_dense: int,
+) -> RankBatch:
+    """All of `batch` (None: no samples) padded to `local_size` samples: a rank's part of a
+    step whose `global_size` samples the ranks read each from its own source (a live topic's
+    partitions, trainer/sharded/live_loop.py)."""
+    if batch is None:
+        return RankBatch(
+            dense=torch.zeros(local_size, n_dense),
+            features=KeyedJaggedTensor(
+                keys=list(features),
+                values=torch.zeros(0, dtype=torch.int64),
+                lengths=torch.zeros(local_size * len(features), dtype=torch.int64),
+            ),
+            labels=torch.zeros(local_size),
+            weights=torch.zeros(local_size),
+            global_size=global_size,
+        )
+    if batch.size > local_size:
+        raise ValueError(f"a batch of {batch.size} samples does not fit {local_size}")
+    return _padded_rows(batch, 0, batch.size, local_size, global_size, features)
+
+
+def _padded_rows(
+    batch: Batch, lo: int, hi: int, local: int, global_size: int, features: Sequence[str]
+) -> RankBatch:
+    """Samples [lo, hi) of `batch` and weight-0 empty samples after them, `local` in all."""
     pad = local - (hi - lo)
     weights = torch.ones(local)
     weights[hi - lo :] = 0.0
@@ -76,7 +113,7 @@ def rank_slice(batch: Batch, rank: int, world_size: int, features: Sequence[str]
         features=keyed_features(batch.sparse, features, lo, hi, pad),
         labels=torch.cat([batch.labels[lo:hi], batch.labels.new_zeros(pad)]),
         weights=weights,
-        global_size=batch.size,
+        global_size=global_size,
     )
 
 

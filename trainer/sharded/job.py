@@ -1,13 +1,16 @@
 """One rank's job: the stream, sharded model and dense optimizer the `train` options describe.
 
 `checknrun train --nproc N` (trainer/cli.py) checks the options, then spawns the ranks
-(`run_job`); under torchrun each process enters through `torchrun_rank`. Every rank opens the
-same stream and takes its slice of each global batch; rank 0 prints progress and the summary.
+(`run_job`); under torchrun each process enters through `torchrun_rank`. On a file or data set
+every rank opens the same stream and takes its slice of each global batch; on a live topic
+(`--data kafka://...`, `--id-space hash`) each rank reads its own partitions and the ranks vote
+before each step (trainer/sharded/live_steps.py, live_loop.py). Rank 0 prints progress and the
+summary.
 
 Every rank publishes its shards through a ShardedCheckpointer (trainer/sharded/checkpointing.py)
 to `--store`; rank 0 holds the job's lease, commits each version and announces it on `--bus`.
 `--resume` loads a version written by any number of ranks (or by the one-process trainer) and
-continues the file at its reader position.
+continues the file at its reader position, or each partition of the topic at its offset.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import argparse
 import functools
 import json
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torchrec.distributed import DistributedModelParallel
 
 from publisher.bus import open_announcer
 from publisher.cli import (
@@ -34,6 +39,7 @@ from publisher.store import ObjectStore, open_store
 from publisher.write.policies import codec_for_expected_restores
 from publisher.write.publishing import PublishResult
 from schemas.errors import BadDataError
+from schemas.manifest import Position
 from trainer.cli import (
     DEFAULT_INTERVAL_SAMPLES,
     _human_bytes,
@@ -42,19 +48,27 @@ from trainer.cli import (
     default_model_name,
     open_stream,
     resume_version,
+    stop_on_signals,
     whole_batches,
 )
+from trainer.live_options import DEFAULT_COUNT_FEATURES, is_live, open_live_stream
 from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
 from trainer.sharded.checkpointing import ShardedCheckpointer
 from trainer.sharded.collective import TorchCollective
 from trainer.sharded.data import check_batch_size
 from trainer.sharded.launch import run_rank, spawn_ranks
+from trainer.sharded.live_loop import train_sharded_live
+from trainer.sharded.live_steps import StepAgreement, rank_partitions
 from trainer.sharded.loop import ShardedReport, train_sharded
 from trainer.sharded.model import build_sharded_dlrm, dense_parameters
 from trainer.sharded.plan import ROWWISE_ADAGRAD_EPS
+from trainer.sharded.topic_part import RankTopicPart
 from trainer.streams.base import InteractionStream
-from trainer.streams.kafka_events import KafkaEventStream
+from trainer.streams.kafka_events import live_model_extra
+from trainer.streams.kafka_reader import EventSource, topic_partitions
 
+#: `--count-features` left at its default (none in a sharded job).
+_DEFAULT_COUNTS = ",".join(DEFAULT_COUNT_FEATURES)
 #: rank 0 prints a progress line every this many steps.
 PROGRESS_EVERY_STEPS = 50
 
@@ -75,10 +89,16 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
         raise CommandError("--on-nonfinite skip: a sharded job (--nproc) stops on NaN or inf")
     if args.publish_in != "thread":
         raise CommandError("--publish-in process: a sharded job (--nproc) publishes in threads")
-    if args.data.startswith("kafka://"):
+    if is_live(args.data) and args.id_space != "hash":
         raise CommandError(
-            "a sharded job (--nproc) reads a data file or data set: live topics are not split "
-            "over ranks yet"
+            f"--id-space {args.id_space}: a dynamic id space's map belongs to one process, and "
+            "the tables of a sharded job (--nproc) carry no id map: use --id-space hash"
+        )
+    if is_live(args.data) and args.count_features not in ("", _DEFAULT_COUNTS):
+        raise CommandError(
+            f"--count-features {args.count_features}: the prior counts servers read are kept "
+            "in id maps, which the tables of a sharded job (--nproc) do not carry: a sharded "
+            "job trains no count feature (leave out --count-features)"
         )
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
@@ -127,15 +147,21 @@ def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank:
     """Train this rank's part of the job (its process group is up)."""
     torch.set_num_threads(args.threads)
     device = _rank_device(args.device, local_rank)
-    stream = open_stream(args)
-    if isinstance(stream, KafkaEventStream):  # refused by check_job_options
-        raise CommandError("a sharded job reads a data file or data set")
+    stop_event = threading.Event()
+    topic: _TopicSplit | None = None
+    if is_live(args.data):
+        topic = _TopicSplit.open(args, rank, world_size, stop_event)
+        stream: InteractionStream = topic.part.stream
+        extra = live_model_extra(topic.part.stream.spec)
+    else:
+        stream = open_stream(args)
+        extra = {"source": stream.source}
     dim = args.embedding_dim or default_embedding_dim(args.data)
     config = dlrm_config(
         stream.features,
         stream.dense_names,
         DLRMSettings(embedding_dim=dim, bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp),
-        extra={"source": stream.source},
+        extra=extra,
     )
     model = build_sharded_dlrm(
         config, sharding=args.sharding, device=device, seed=args.seed, sparse_lr=args.sparse_lr
@@ -163,11 +189,21 @@ def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank:
         on_published=_published if rank == 0 and not args.json else None,
     )
     try:
-        start, resumed = _resume(checkpointer, stream, args, store, model_name)
+        if topic is None:
+            start, resumed = _resume(
+                checkpointer, args, store, model_name, lambda p: stream.resume_offset(p.reader)
+            )
+            stop = whole_batches(args.max_samples, start, args.batch_size, say=rank == 0)
+        else:
+            start, resumed = _resume(checkpointer, args, store, model_name, topic.resume)
+            if rank == 0 and resumed is not None:
+                topic.part.stream.restore_metrics(
+                    Catalog(store, model_name).find(resumed).manifest.metrics
+                )
+            stop = topic.samples_left(args.max_samples, checkpointer.clock.samples_seen)
     except BaseException:
         checkpointer.close(flush=False)
         raise
-    stop = whole_batches(args.max_samples, start, args.batch_size, say=rank == 0)
     if rank == 0 and not args.json:
         print(
             f"{world_size} rank(s), {args.sharding} tables on {device.type}, publishing "
@@ -175,21 +211,116 @@ def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank:
             + (f", resumed from v{resumed} at sample {start:,}" if resumed is not None else ""),
             file=sys.stderr,
         )
-    report = train_sharded(
-        model,
-        optimizer,
-        stream,
-        batch_size=args.batch_size,
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        start=start,
-        stop=stop,
-        checkpointer=checkpointer,
-        on_step=_progress if rank == 0 and not args.no_progress and not args.json else None,
-    )
+    on_step = _progress if rank == 0 and not args.no_progress and not args.json else None
+    if topic is None:
+        report = train_sharded(
+            model,
+            optimizer,
+            stream,
+            batch_size=args.batch_size,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            start=start,
+            stop=stop,
+            checkpointer=checkpointer,
+            on_step=on_step,
+        )
+        live: dict[str, Any] = {}
+    else:
+        report, live = topic.train(
+            model,
+            optimizer,
+            args,
+            device=device,
+            stop=stop,
+            checkpointer=checkpointer,
+            on_step=on_step,
+        )
     if rank == 0:
-        _report(args, world_size, report, model_name, resumed, checkpointer)
+        _report(args, world_size, report, model_name, resumed, checkpointer, live)
+
+
+class _TopicSplit:
+    """A rank's part of a live topic in a sharded job (trainer/sharded/live_steps.py)."""
+
+    def __init__(
+        self,
+        part: RankTopicPart,
+        partitions: tuple[int, ...],
+        rank: int,
+        world_size: int,
+        stop_event: threading.Event,
+    ) -> None:
+        self.part = part
+        #: the partitions the job reads, sorted.
+        self.partitions = partitions
+        self.rank = rank
+        self.world_size = world_size
+        self.stop_event = stop_event
+
+    @classmethod
+    def open(
+        cls, args: argparse.Namespace, rank: int, world_size: int, stop_event: threading.Event
+    ) -> _TopicSplit:
+        """Ask the broker for the job's partitions and take this rank's."""
+        partitions = topic_partitions(EventSource.parse(args.data))
+        mine = rank_partitions(partitions, rank, world_size)
+        # no count features (check_job_options): they need the id maps' counts
+        uncounted = argparse.Namespace(**{**vars(args), "count_features": ""})
+        stream = open_live_stream(uncounted, stop_event, partitions=mine)
+        return cls(RankTopicPart(stream, mine), partitions, rank, world_size, stop_event)
+
+    def resume(self, position: Position) -> int:
+        """Continue at a version's reader (rank 0 carries the partitions no rank reads)."""
+        self.part.resume(position.reader, self.partitions, carry=self.rank == 0)
+        return 0
+
+    @staticmethod
+    def samples_left(max_samples: int | None, samples_seen: int) -> int | None:
+        """What --max-samples leaves this run (it counts the model's samples in all)."""
+        if max_samples is None:
+            return None
+        if max_samples <= samples_seen:
+            raise CommandError(
+                f"nothing to train: the model has trained {samples_seen:,} samples and "
+                f"--max-samples is {max_samples:,}"
+            )
+        return max_samples - samples_seen
+
+    def train(
+        self,
+        model: DistributedModelParallel,
+        optimizer: torch.optim.Optimizer,
+        args: argparse.Namespace,
+        *,
+        device: torch.device,
+        stop: int | None,
+        checkpointer: ShardedCheckpointer,
+        on_step: Callable[[ShardedReport], None] | None,
+    ) -> tuple[ShardedReport, dict[str, Any]]:
+        """Train until the ranks agree to stop; the report and the job's stream counters."""
+        agreement = StepAgreement.new(COLLECTIVE_TIMEOUT_S)
+        try:
+            self.part.open(args.batch_size // self.world_size)
+            with stop_on_signals(self.stop_event):
+                report = train_sharded_live(
+                    model,
+                    optimizer,
+                    self.part,
+                    agreement,
+                    device=device,
+                    stop_at_end=args.stop_at_end,
+                    stop_event=self.stop_event,
+                    max_samples=stop,
+                    checkpointer=checkpointer,
+                    on_step=on_step,
+                )
+            counters = agreement.sum_counters(self.part.metrics())
+        finally:
+            checkpointer.close()
+            self.part.close()
+        return report, {"samples_seen": checkpointer.clock.samples_seen, "stream": counters}
 
 
 #: how long a rank waits for the others in a publishing round before the job stops.
@@ -198,13 +329,14 @@ COLLECTIVE_TIMEOUT_S = 120.0
 
 def _resume(
     checkpointer: ShardedCheckpointer,
-    stream: InteractionStream,
     args: argparse.Namespace,
     store: ObjectStore,
     model_name: str,
+    continue_at: Callable[[Position], int],
 ) -> tuple[int, int | None]:
-    """(start offset, resumed version) for --resume; (0, None) without it, after refusing to
-    start a new history on a model that has versions unless --new-lineage says so."""
+    """(start offset, resumed version) for --resume, the stream moved to the version's position
+    by `continue_at`; (0, None) without it, after refusing to start a new history on a model
+    that has versions unless --new-lineage says so."""
     if args.resume is None:
         latest = Catalog(store, model_name).latest()
         if latest is not None and not args.new_lineage:
@@ -216,8 +348,7 @@ def _resume(
         return 0, None
     version = resume_version(args.resume)
     try:
-        position = checkpointer.resume(version)
-        start = stream.resume_offset(position.reader)
+        start = continue_at(checkpointer.resume(version))
     except NoVersionError as exc:
         raise CommandError(f"--resume: {exc}; run without --resume to start fresh") from exc
     except BadDataError as exc:
@@ -262,6 +393,7 @@ def _report(
     model_name: str,
     resumed: int | None,
     checkpointer: ShardedCheckpointer,
+    live: Mapping[str, Any],
 ) -> None:
     doc: dict[str, Any] = {
         "model": model_name,
@@ -281,6 +413,7 @@ def _report(
         "seconds": round(report.seconds, 3),
         "samples_per_s": round(report.samples_per_s, 1),
         "rank0_loss": round(report.loss, 6),
+        **live,
     }
     if args.json:
         print(json.dumps(doc))

@@ -25,9 +25,11 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -58,15 +60,43 @@ def spawn_ranks(
     init_method = f"tcp://127.0.0.1:{free_port()}"
     with tempfile.TemporaryDirectory(prefix="checknrun-ranks-") as failures:
         try:
-            start_processes(  # type: ignore[no-untyped-call]
+            context = start_processes(  # type: ignore[no-untyped-call]
                 _spawned_rank,
                 args=(nproc, main, backend, init_method, timeout_s, Path(failures)),
                 nprocs=nproc,
-                join=True,
+                join=False,
                 start_method="spawn",
             )
+            with _signals_to_ranks(context.pids()):
+                while not context.join():
+                    pass
         except (ProcessRaisedException, ProcessExitedException) as exc:
             raise RankFailedError(_first_failure(exc, Path(failures))) from None
+
+
+@contextmanager
+def _signals_to_ranks(pids: Sequence[int]) -> Iterator[None]:
+    """While the ranks run: SIGTERM to this process goes to every rank (a live job's ranks stop
+    together and publish a final version, trainer/sharded/live_steps.py), and Ctrl-C, which the
+    terminal sends the ranks too, leaves the spawner waiting for them to finish."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    }
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _spawned_rank(

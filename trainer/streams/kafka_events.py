@@ -233,37 +233,60 @@ class KafkaEventStream(InteractionStream):
         if self._reader is not None and self._batch_size != batch_size:
             self.close()
         self.open(batch_size)
-        reader = self._reader
-        assert reader is not None
         try:
             offset = start
             while stop is None or offset < stop:
                 if self.stop_event is not None and self.stop_event.is_set():
                     return
-                if self.stop_at_end and all(
-                    self._position[p] >= end for p, end in reader.ends_at_start.items()
-                ):
+                if self.stop_at_end and self.caught_up:
                     return
-                raw = reader.next(POLL_S)
+                raw = self.next_raw(POLL_S)
                 if raw is None:
                     if self.on_idle is not None:
                         self.on_idle()
                     continue
                 if stop is not None and offset + raw.n > stop:
                     raw = raw.head(stop - offset)
-                self.bad.update(raw.bad)
-                self.reader_cpu_s = raw.reader_cpu_s
-                self._highwater.update(raw.highwater)
-                if raw.n == 0:  # only bad records: consumed, nothing to train
-                    self._advance(raw)
+                batch = self.take(raw, offset)
+                if batch is None:
                     continue
-                batch = self._batch(raw, offset)
-                # The loop trains this batch before it asks for the reader state.
-                self._advance(raw)
-                offset += raw.n
+                offset += batch.size
                 yield batch
         finally:
             self.close()
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether every partition is read up to where it ended when the reader started (the
+        end of a `stop_at_end` run); False while no reader is open."""
+        reader = self._reader
+        return reader is not None and all(
+            self._position[p] >= end for p, end in reader.ends_at_start.items()
+        )
+
+    def next_raw(self, timeout_s: float) -> RawEvents | None:
+        """The reader's next parsed batch (None if none came within `timeout_s`), not yet
+        trained: `take` trains it. The stream must be open."""
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError("the stream is not open: call open(batch_size) first")
+        raw = reader.next(timeout_s)
+        if raw is not None:
+            self.reader_cpu_s = raw.reader_cpu_s
+            self._highwater.update(raw.highwater)
+        return raw
+
+    def take(self, raw: RawEvents, offset: int) -> Batch | None:
+        """`raw` (from `next_raw`, perhaps cut by `head`) as the batch at sample `offset` of
+        this run, its bad records counted and the position moved past it: the caller trains it
+        before it asks for the reader state. None when it holds only bad records."""
+        self.bad.update(raw.bad)
+        if raw.n == 0:  # only bad records: consumed, nothing to train
+            self._advance(raw)
+            return None
+        batch = self._batch(raw, offset)
+        self._advance(raw)
+        return batch
 
     def _advance(self, raw: RawEvents) -> None:
         self._position.update(raw.ends)

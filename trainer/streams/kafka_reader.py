@@ -161,10 +161,52 @@ class KafkaReader:
 # --- the child -------------------------------------------------------------------------------
 
 
+def topic_partitions(source: EventSource) -> tuple[int, ...]:
+    """The partitions `source` reads, sorted: those the URL names, else every partition of the
+    topic (asked of the broker, from this process). EventStreamError for a missing topic or
+    partition, EventStreamUnavailableError when the broker cannot be reached."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": source.servers,
+            "group.id": "checknrun-trainer",  # required by librdkafka; never joined
+            "allow.auto.create.topics": False,
+            "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
+        }
+    )
+    try:
+        return tuple(_partitions(consumer, source))
+    finally:
+        consumer.close()
+
+
+def _partitions(consumer: Any, source: EventSource) -> list[int]:
+    """The partitions of `source` that exist, sorted (see `topic_partitions`)."""
+    from confluent_kafka import KafkaException
+
+    try:
+        metadata = consumer.list_topics(source.topic, timeout=METADATA_TIMEOUT_S)
+    except KafkaException as exc:
+        raise EventStreamUnavailableError(f"cannot reach Kafka at {source.servers}: {exc}") from exc
+    topic = metadata.topics.get(source.topic)
+    if topic is None or topic.error is not None or not topic.partitions:
+        raise EventStreamError(
+            f"topic {source.topic!r} does not exist on {source.servers}"
+            + (f" ({topic.error})" if topic is not None and topic.error is not None else "")
+        )
+    existing = sorted(topic.partitions)
+    wanted = list(source.partitions) if source.partitions is not None else existing
+    missing = sorted(set(wanted) - set(existing))
+    if missing:
+        raise EventStreamError(f"topic {source.topic!r} has partitions {existing}, not {missing}")
+    return wanted
+
+
 def _open_consumer(config: ReaderConfig) -> tuple[Any, dict[int, int], dict[int, int]]:
     """A consumer assigned to the partitions to read at their start offsets; with the start
     and end offset of each."""
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
 
     source = config.source
     consumer = Consumer(
@@ -184,25 +226,7 @@ def _open_consumer(config: ReaderConfig) -> tuple[Any, dict[int, int], dict[int,
         }
     )
     try:
-        try:
-            metadata = consumer.list_topics(source.topic, timeout=METADATA_TIMEOUT_S)
-        except KafkaException as exc:
-            raise EventStreamUnavailableError(
-                f"cannot reach Kafka at {source.servers}: {exc}"
-            ) from exc
-        topic = metadata.topics.get(source.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            raise EventStreamError(
-                f"topic {source.topic!r} does not exist on {source.servers}"
-                + (f" ({topic.error})" if topic is not None and topic.error is not None else "")
-            )
-        existing = sorted(topic.partitions)
-        wanted = list(source.partitions) if source.partitions is not None else existing
-        missing = sorted(set(wanted) - set(existing))
-        if missing:
-            raise EventStreamError(
-                f"topic {source.topic!r} has partitions {existing}, not {missing}"
-            )
+        wanted = _partitions(consumer, source)
         starts: dict[int, int] = {}
         ends: dict[int, int] = {}
         for p in wanted:

@@ -359,3 +359,31 @@ def test_gc_deletes_the_id_maps_of_dropped_versions_and_keeps_the_others(
     for v in versions[3:]:
         assert v.manifest.table("users").id_map.key in keys  # type: ignore[union-attr]
         assert same_map(restore(store, "live", v.version).id_maps["users"], expected[v.version])
+
+
+def test_a_version_without_id_maps_resumes_into_hashed_maps_only(tmp_path: Path) -> None:
+    """A sharded job's version (its tables carry no id map) continues in a hashed id space,
+    whose maps hold nothing but counts: they start empty; a dynamic map is refused."""
+    url = f"file://{tmp_path}"
+
+    def checkpointer(seed: int, id_maps: dict[str, IdMap] | None) -> IncrementalCheckpointer:
+        model = Live(seed)
+        optimizers = [
+            torch.optim.SparseAdam([model.users.weight]),
+            torch.optim.Adam(model.head.parameters()),
+        ]
+        return IncrementalCheckpointer(
+            model, optimizers, store=url, model_name="live", id_maps=id_maps
+        )
+
+    with checkpointer(1, None) as ckpt:
+        ckpt.checkpoint_now(reader={"offset": 0})
+    hashed = IdMap(ROWS, hashed=True)
+    with checkpointer(2, {"users": hashed}) as ckpt:
+        ckpt.resume()
+    assert int(hashed.counts.sum()) == 0
+    with (
+        checkpointer(2, {"users": IdMap(ROWS)}) as ckpt,
+        pytest.raises(CheckpointError, match="id map"),
+    ):
+        ckpt.resume()

@@ -1,0 +1,126 @@
+"""Part `livejob`: a live topic trained by a sharded job of N ranks next to one process.
+
+    checknrun bench livejob [--samples 200000] [--nproc 2] [--partitions 4] [--rounds 1]
+                            [--quick] [--json OUT]
+
+Needs Kafka (CHECKNRUN_KAFKA_BOOTSTRAP; source ~/.cache/checknrun/services/env). MovieLens-1M's
+first `--samples` ratings are replayed into a fresh topic of `--partitions` partitions
+(`checknrun replay`, raw ids, keyed by user), then each round trains it from the start with
+`--stop-at-end`, one arm after the other, alternating which goes first:
+
+- 1 process: `checknrun train --data kafka://.../TOPIC --id-space hash --count-features ''`;
+- N ranks: the same with `--nproc N --sharding row_wise` (each rank reads its partitions,
+  trainer/sharded/live_steps.py).
+
+Both arms train in a hashed id space without count features (all a sharded job can), tables of
+the sizes part `live` uses, the same global batch, and publish to a file store at the end only
+(the default interval is longer than the run). Reported per arm: samples/s (the training loop's
+wall clock: the job's samples over rank 0's loop time for the N-rank arm), then the medians and
+N ranks / 1 process. On this 2-core machine N ranks share the cores with their N reader
+processes and the broker: the figure says what the split costs here, not what N machines gain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.live import ID_CAPACITY, MOVIELENS_SAMPLES, _checknrun, _delete_topic
+from bench.machine import describe_machine, log
+from publisher.cli import CommandError, positive_int
+
+DEFAULT_SAMPLES = 200_000
+BATCH = 512
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Samples, ranks, the topic's partitions and rounds."""
+    parser.add_argument(
+        "--samples",
+        type=positive_int,
+        help=f"MovieLens ratings to replay and train on (default {DEFAULT_SAMPLES:,}; --quick "
+        "20,000)",
+    )
+    parser.add_argument("--nproc", type=positive_int, default=2, help="ranks of the job arm")
+    parser.add_argument("--partitions", type=positive_int, default=4, help="of the topic")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="default %(default)s")
+
+
+def run(
+    quick: bool,
+    *,
+    samples: int | None = None,
+    nproc: int = 2,
+    partitions: int = 4,
+    rounds: int = 1,
+) -> dict[str, Any]:
+    """Measure (see the module docstring); progress to stderr, the table to stdout."""
+    bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP", "").strip()
+    if not bootstrap:
+        raise CommandError(
+            "bench livejob needs Kafka: set CHECKNRUN_KAFKA_BOOTSTRAP=HOST:PORT "
+            "(source ~/.cache/checknrun/services/env)"
+        )
+    n = min(samples or (20_000 if quick else DEFAULT_SAMPLES), MOVIELENS_SAMPLES)
+    topic = f"bench-livejob-{uuid.uuid4().hex[:10]}"
+    url = f"kafka://{bootstrap}/{topic}"
+    log(f"livejob: replaying {n:,} MovieLens ratings into {topic} ({partitions} partitions)")
+    _checknrun(
+        "trainer.replay",
+        [
+            *("replay", "--data", "movielens", "--to", f"{url}?partitions={partitions}"),
+            *("--max-events", str(n), "--json", "--no-progress"),
+        ],
+    )
+    arms: dict[str, list[dict[str, Any]]] = {"process": [], "job": []}
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-livejob-") as tmp:
+            for r in range(rounds):
+                order = ("process", "job") if r % 2 == 0 else ("job", "process")
+                for arm in order:
+                    log(f"livejob: round {r + 1}/{rounds}, {arm}")
+                    store = Path(tmp) / f"{arm}-{r}"
+                    arms[arm].append(_train(arm, url, store, r, nproc))
+    finally:
+        _delete_topic(bootstrap, topic)
+    process = statistics.median(a["samples_per_s"] for a in arms["process"])
+    job = statistics.median(a["samples_per_s"] for a in arms["job"])
+    doc = {
+        "part": "livejob",
+        "machine": describe_machine(),
+        "samples": n,
+        "partitions": partitions,
+        "nproc": nproc,
+        "batch_size": BATCH,
+        "runs": arms,
+        "process_samples_per_s": round(process, 1),
+        "job_samples_per_s": round(job, 1),
+        "ratio_job_to_process": round(job / process, 3),
+    }
+    print(f"live topic of {partitions} partitions, {n:,} MovieLens events, medians")
+    print(f"{'arm':<12} {'samples/s':>10}")
+    print(f"{'1 process':<12} {process:>10,.0f}")
+    print(f"{f'{nproc} ranks':<12} {job:>10,.0f}")
+    print(f"{nproc} ranks / 1 process: {doc['ratio_job_to_process']}x")
+    return doc
+
+
+def _train(arm: str, url: str, store: Path, r: int, nproc: int) -> dict[str, Any]:
+    command = [
+        *("train", "--data", url, "--stop-at-end", "--id-space", "hash"),
+        *("--count-features", "", "--id-capacity", ID_CAPACITY, "--batch-size", str(BATCH)),
+        *("--store", f"file://{store}", "--model", f"{arm}-{r}", "--json", "--no-progress"),
+    ]
+    if arm == "job":
+        command += ["--nproc", str(nproc), "--sharding", "row_wise"]
+    doc = _checknrun("trainer.cli", command)
+    return {
+        "samples": doc["samples"],
+        "samples_per_s": doc["samples_per_s"],
+        "bad_events": doc["stream"]["bad_events"],
+    }

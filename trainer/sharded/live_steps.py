@@ -1,0 +1,156 @@
+"""How the ranks of a sharded job on a live topic split it and agree on each step.
+
+Rank r reads the partitions whose index in the sorted partition list (the topic's, or the URL's
+`?partitions=`) is r mod N (`rank_partitions`): every partition has one reader, a rank may have
+none (N > partitions) and still takes every step, with weight-0 padding.
+
+Unlike a file, a topic gives each rank its events at its own pace, but every step all ranks
+must join the same collectives (TorchRec's all-to-alls, the dense all-reduce). So before each
+step the ranks exchange one small vote (`RankVote`: the good events it holds, whether it has
+read its partitions to their end, whether it was asked to stop) with one all_gather of an int64
+tensor on a gloo group of their own, and every rank derives the same `StepPlan` from the votes:
+
+    any rank asked to stop (SIGTERM, Ctrl-C)        -> STOP (events in hand stay unread)
+    events somewhere                                -> STEP: each rank trains what it holds,
+                                                       padded to the largest share
+    none anywhere, --stop-at-end and all at end     -> STOP
+    none anywhere                                   -> WAIT (poll again)
+
+With a sample limit (`--max-samples`) the step that reaches it trains only the events up to it,
+taken in rank order, and the job stops after it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from publisher.write.collective import CollectiveError
+
+
+def rank_partitions(partitions: Sequence[int], rank: int, world_size: int) -> tuple[int, ...]:
+    """The partitions rank `rank` of `world_size` reads: those at index rank mod world_size of
+    the sorted list."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    return tuple(sorted(partitions)[rank::world_size])
+
+
+@dataclass(frozen=True)
+class RankVote:
+    """What one rank says before a step."""
+
+    #: good events it holds, ready to train.
+    events: int
+    #: it holds nothing and has read its partitions up to where they ended when it started
+    #: (a rank without partitions always has).
+    at_end: bool
+    #: it was asked to stop.
+    stop: bool
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor([self.events, int(self.at_end), int(self.stop)], dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, values: torch.Tensor) -> RankVote:
+        events, at_end, stop = (int(v) for v in values.tolist())
+        return cls(events, bool(at_end), bool(stop))
+
+
+class Decision(enum.Enum):
+    STEP = "step"
+    WAIT = "wait"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank does next; for STEP, the events each rank trains (rank order)."""
+
+    decision: Decision
+    take: tuple[int, ...] = ()
+    #: the job stops after this step (it reaches the sample limit).
+    last: bool = False
+
+    @property
+    def local_size(self) -> int:
+        """Samples of every rank's local batch (its events, then padding)."""
+        return max(self.take, default=0)
+
+    @property
+    def global_size(self) -> int:
+        """Samples the job trains in this step."""
+        return sum(self.take)
+
+
+def plan_step(
+    votes: Sequence[RankVote], *, stop_at_end: bool, remaining: int | None = None
+) -> StepPlan:
+    """The plan every rank derives from the same votes (module docstring); `remaining`: samples
+    left before the job's limit (None: no limit)."""
+    if any(v.stop for v in votes) or (remaining is not None and remaining <= 0):
+        return StepPlan(Decision.STOP)
+    held = [v.events for v in votes]
+    if not any(held):
+        if stop_at_end and all(v.at_end for v in votes):
+            return StepPlan(Decision.STOP)
+        return StepPlan(Decision.WAIT)
+    if remaining is None or sum(held) < remaining:
+        return StepPlan(Decision.STEP, tuple(held))
+    take = []
+    for n in held:
+        take.append(min(n, remaining))
+        remaining -= take[-1]
+    return StepPlan(Decision.STEP, tuple(take), last=True)
+
+
+class StepAgreement:
+    """The ranks' vote before each step, on a gloo group of their own (CPU tensors whatever the
+    training backend; nothing else runs collectives on it, so it cannot interleave with the
+    training collectives or the publishing thread's)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    @classmethod
+    def new(cls, timeout_s: float) -> StepAgreement:
+        """An agreement on a new gloo group of every rank (a collective call: every rank makes
+        it, in the same order as its other `new_group` calls)."""
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        assert group is not None  # every rank is a member
+        return cls(group, timeout_s)
+
+    def votes(self, mine: RankVote) -> list[RankVote]:
+        """Every rank's vote, in rank order."""
+        sent = mine.encode()
+        parts = [torch.empty_like(sent) for _ in range(self.world_size)]
+        self._run("the step vote", lambda: dist.all_gather(parts, sent, group=self.group))
+        return [RankVote.decode(p) for p in parts]
+
+    def sum(self, values: Sequence[int]) -> list[int]:
+        """The element-wise sum of every rank's `values` (the same length on every rank)."""
+        total = torch.tensor(list(values), dtype=torch.int64)
+        self._run("a sum over the ranks", lambda: dist.all_reduce(total, group=self.group))
+        return [int(v) for v in total.tolist()]
+
+    def sum_counters(self, mine: Mapping[str, float]) -> dict[str, float]:
+        """Counters (whole numbers, the same names on every rank) summed over the ranks."""
+        names = sorted(mine)
+        return dict(zip(names, map(float, self.sum([round(mine[n]) for n in names])), strict=True))
+
+    def _run(self, what: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except RuntimeError as exc:  # gloo's timeout and lost-peer errors (DistBackendError)
+            raise CollectiveError(
+                f"rank {self.rank}/{self.world_size}: {what} failed, a peer did not answer "
+                f"within {self.timeout_s:g} s: {exc}"
+            ) from exc
