@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,35 +70,18 @@ def run(
     publish_in: str = "thread",
 ) -> dict[str, Any]:
     """Measure (see the module docstring); progress to stderr, the table to stdout."""
-    bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP", "").strip()
-    if not bootstrap:
-        raise CommandError(
-            "bench live needs Kafka: set CHECKNRUN_KAFKA_BOOTSTRAP=HOST:PORT "
-            "(source ~/.cache/checknrun/services/env)"
-        )
+    bootstrap = kafka_bootstrap("live")
     n = min(samples or (50_000 if quick else MOVIELENS_SAMPLES), MOVIELENS_SAMPLES)
     n_rounds = rounds or (1 if quick else 3)
-    topic = f"bench-live-{uuid.uuid4().hex[:10]}"
-    url = f"kafka://{bootstrap}/{topic}"
-    log(f"live: replaying {n:,} MovieLens ratings into {topic} ({partitions} partition(s))")
-    replay = _checknrun(
-        "trainer.replay",
-        [
-            *("replay", "--data", "movielens", "--to", f"{url}?partitions={partitions}"),
-            *("--max-events", str(n), "--json", "--no-progress"),
-        ],
+    replay, arms = alternating_rounds(
+        bootstrap,
+        "live",
+        n,
+        partitions,
+        ("file", "kafka"),
+        n_rounds,
+        lambda arm, url, store, r: _train(arm, url, n, store, r, publish_in),
     )
-    arms: dict[str, list[dict[str, Any]]] = {"file": [], "kafka": []}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
-            for r in range(n_rounds):
-                order = ("file", "kafka") if r % 2 == 0 else ("kafka", "file")
-                for arm in order:
-                    log(f"live: round {r + 1}/{n_rounds}, {arm}")
-                    store = Path(tmp) / f"{arm}-{r}"
-                    arms[arm].append(_train(arm, url, n, store, r, publish_in))
-    finally:
-        _delete_topic(bootstrap, topic)
     doc = {**_summary(arms, n, partitions, replay), "publish_in": publish_in}
     _print(doc)
     return doc
@@ -112,7 +96,7 @@ def _train(arm: str, url: str, n: int, store: Path, r: int, publish_in: str) -> 
         data = ["--data", "movielens", "--max-samples", str(n)]
     else:
         data = ["--data", url, "--stop-at-end", "--id-capacity", ID_CAPACITY]
-    doc = _checknrun("trainer.cli", ["train", *data, *common])
+    doc = checknrun_json("trainer.cli", ["train", *data, *common])
     result = {
         "samples": doc["samples"],
         "samples_per_s": doc["samples_per_s"],
@@ -130,7 +114,54 @@ def _train(arm: str, url: str, n: int, store: Path, r: int, publish_in: str) -> 
     return result
 
 
-def _checknrun(module: str, argv: list[str]) -> dict[str, Any]:
+def kafka_bootstrap(part: str) -> str:
+    """The broker a Kafka part runs against (CommandError when none is set)."""
+    bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP", "").strip()
+    if not bootstrap:
+        raise CommandError(
+            f"bench {part} needs Kafka: set CHECKNRUN_KAFKA_BOOTSTRAP=HOST:PORT "
+            "(source ~/.cache/checknrun/services/env)"
+        )
+    return bootstrap
+
+
+def alternating_rounds(
+    bootstrap: str,
+    part: str,
+    n: int,
+    partitions: int,
+    arms: tuple[str, str],
+    rounds: int,
+    train: Callable[[str, str, Path, int], dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """MovieLens' first `n` ratings replayed into a fresh topic of `partitions`, then `rounds`
+    rounds of both arms, alternating which goes first, each trained by `train(arm, url, store,
+    round)` into a store of its own; the topic is deleted at the end. The replay's report and
+    each arm's runs."""
+    topic = f"bench-{part}-{uuid.uuid4().hex[:10]}"
+    url = f"kafka://{bootstrap}/{topic}"
+    log(f"{part}: replaying {n:,} MovieLens ratings into {topic} ({partitions} partition(s))")
+    replay = checknrun_json(
+        "trainer.replay",
+        [
+            *("replay", "--data", "movielens", "--to", f"{url}?partitions={partitions}"),
+            *("--max-events", str(n), "--json", "--no-progress"),
+        ],
+    )
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"bench-{part}-") as tmp:
+            for r in range(rounds):
+                for arm in arms if r % 2 == 0 else arms[::-1]:
+                    log(f"{part}: round {r + 1}/{rounds}, {arm}")
+                    runs[arm].append(train(arm, url, Path(tmp) / f"{arm}-{r}", r))
+    finally:
+        _delete_topic(bootstrap, topic)
+    return replay, runs
+
+
+def checknrun_json(module: str, argv: list[str]) -> dict[str, Any]:
+    """`python -m MODULE ARGV` in the repository; its JSON report (CommandError on failure)."""
     done = subprocess.run(
         [sys.executable, "-m", module, *argv],
         cwd=REPO,

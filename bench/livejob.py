@@ -23,16 +23,19 @@ processes and the broker: the figure says what the split costs here, not what N 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.live import ID_CAPACITY, MOVIELENS_SAMPLES, _checknrun, _delete_topic
-from bench.machine import describe_machine, log
-from publisher.cli import CommandError, positive_int
+from bench.live import (
+    ID_CAPACITY,
+    MOVIELENS_SAMPLES,
+    alternating_rounds,
+    checknrun_json,
+    kafka_bootstrap,
+)
+from bench.machine import describe_machine
+from publisher.cli import positive_int
 
 DEFAULT_SAMPLES = 200_000
 BATCH = 512
@@ -60,34 +63,17 @@ def run(
     rounds: int = 1,
 ) -> dict[str, Any]:
     """Measure (see the module docstring); progress to stderr, the table to stdout."""
-    bootstrap = os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP", "").strip()
-    if not bootstrap:
-        raise CommandError(
-            "bench livejob needs Kafka: set CHECKNRUN_KAFKA_BOOTSTRAP=HOST:PORT "
-            "(source ~/.cache/checknrun/services/env)"
-        )
+    bootstrap = kafka_bootstrap("livejob")
     n = min(samples or (20_000 if quick else DEFAULT_SAMPLES), MOVIELENS_SAMPLES)
-    topic = f"bench-livejob-{uuid.uuid4().hex[:10]}"
-    url = f"kafka://{bootstrap}/{topic}"
-    log(f"livejob: replaying {n:,} MovieLens ratings into {topic} ({partitions} partitions)")
-    _checknrun(
-        "trainer.replay",
-        [
-            *("replay", "--data", "movielens", "--to", f"{url}?partitions={partitions}"),
-            *("--max-events", str(n), "--json", "--no-progress"),
-        ],
+    _, arms = alternating_rounds(
+        bootstrap,
+        "livejob",
+        n,
+        partitions,
+        ("process", "job"),
+        rounds,
+        lambda arm, url, store, r: _train(arm, url, store, r, nproc),
     )
-    arms: dict[str, list[dict[str, Any]]] = {"process": [], "job": []}
-    try:
-        with tempfile.TemporaryDirectory(prefix="bench-livejob-") as tmp:
-            for r in range(rounds):
-                order = ("process", "job") if r % 2 == 0 else ("job", "process")
-                for arm in order:
-                    log(f"livejob: round {r + 1}/{rounds}, {arm}")
-                    store = Path(tmp) / f"{arm}-{r}"
-                    arms[arm].append(_train(arm, url, store, r, nproc))
-    finally:
-        _delete_topic(bootstrap, topic)
     process = statistics.median(a["samples_per_s"] for a in arms["process"])
     job = statistics.median(a["samples_per_s"] for a in arms["job"])
     doc = {
@@ -118,7 +104,7 @@ def _train(arm: str, url: str, store: Path, r: int, nproc: int) -> dict[str, Any
     ]
     if arm == "job":
         command += ["--nproc", str(nproc), "--sharding", "row_wise"]
-    doc = _checknrun("trainer.cli", command)
+    doc = checknrun_json("trainer.cli", command)
     return {
         "samples": doc["samples"],
         "samples_per_s": doc["samples_per_s"],

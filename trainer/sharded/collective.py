@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from datetime import timedelta
-from typing import cast
+from typing import Self, cast
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,9 @@ import torch.distributed as dist
 from publisher.write.collective import CollectiveError, JSONValue
 
 
-class TorchCollective:
-    """Rank 0's value to every rank (`broadcast`), every rank's value to rank 0 (`gather`)."""
+class GlooGroup:
+    """A gloo group of every rank of the job that one kind of caller uses alone (so its calls
+    cannot interleave with anyone else's), and the one way its calls fail."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         """`group`: a gloo group of the job's ranks used by nothing else; `timeout_s`: what it
@@ -39,21 +40,35 @@ class TorchCollective:
         self.world_size = dist.get_world_size(group)
 
     @classmethod
-    def new(cls, timeout_s: float) -> TorchCollective:
-        """A collective on a new gloo group of every rank (a collective call itself: every rank
-        makes it, in the same order as its other `new_group` calls)."""
+    def new(cls, timeout_s: float) -> Self:
+        """One on a new gloo group of every rank (a collective call itself: every rank makes
+        it, in the same order as its other `new_group` calls)."""
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         assert group is not None  # every rank is a member
         return cls(group, timeout_s)
+
+    def run(self, what: str, call: Callable[[], object]) -> None:
+        """`call()`, a collective on the group: CollectiveError when a peer does not answer."""
+        try:
+            call()
+        except RuntimeError as exc:  # gloo's timeout and lost-peer errors (DistBackendError)
+            raise CollectiveError(
+                f"rank {self.rank}/{self.world_size}: {what} failed, a peer did not answer "
+                f"within {self.timeout_s:g} s: {exc}"
+            ) from exc
+
+
+class TorchCollective(GlooGroup):
+    """Rank 0's value to every rank (`broadcast`), every rank's value to rank 0 (`gather`)."""
 
     def broadcast(self, value: JSONValue) -> JSONValue:
         """Rank 0's `value` on every rank (the others pass None)."""
         payload = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self._run("broadcast", lambda: dist.broadcast(size, 0, group=self.group))
+        self.run("broadcast", lambda: dist.broadcast(size, 0, group=self.group))
         if self.rank != 0:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._run("broadcast", lambda: dist.broadcast(payload, 0, group=self.group))
+        self.run("broadcast", lambda: dist.broadcast(payload, 0, group=self.group))
         return _decode(payload)
 
     def gather(self, value: JSONValue) -> list[JSONValue] | None:
@@ -61,7 +76,7 @@ class TorchCollective:
         payload = _encode(value)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         mine = torch.tensor([payload.numel()], dtype=torch.int64)
-        self._run("gather", lambda: dist.all_gather(sizes, mine, group=self.group))
+        self.run("gather", lambda: dist.all_gather(sizes, mine, group=self.group))
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: payload.numel()] = payload
@@ -70,19 +85,10 @@ class TorchCollective:
             if self.rank == 0
             else None
         )
-        self._run("gather", lambda: dist.gather(padded, parts, dst=0, group=self.group))
+        self.run("gather", lambda: dist.gather(padded, parts, dst=0, group=self.group))
         if parts is None:
             return None
         return [_decode(p[: int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
-
-    def _run(self, what: str, call: Callable[[], object]) -> None:
-        try:
-            call()
-        except RuntimeError as exc:  # gloo's timeout and lost-peer errors (DistBackendError)
-            raise CollectiveError(
-                f"rank {self.rank}/{self.world_size}: {what} failed, a peer did not answer "
-                f"within {self.timeout_s:g} s: {exc}"
-            ) from exc
 
 
 def _encode(value: JSONValue) -> torch.Tensor:

@@ -23,14 +23,13 @@ taken in rank order, and the job stops after it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from publisher.write.collective import CollectiveError
+from trainer.sharded.collective import GlooGroup
 
 
 def rank_partitions(partitions: Sequence[int], rank: int, world_size: int) -> tuple[int, ...]:
@@ -109,48 +108,25 @@ def plan_step(
     return StepPlan(Decision.STEP, tuple(take), last=True)
 
 
-class StepAgreement:
+class StepAgreement(GlooGroup):
     """The ranks' vote before each step, on a gloo group of their own (CPU tensors whatever the
     training backend; nothing else runs collectives on it, so it cannot interleave with the
     training collectives or the publishing thread's)."""
-
-    def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self.group = group
-        self.timeout_s = timeout_s
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    @classmethod
-    def new(cls, timeout_s: float) -> StepAgreement:
-        """An agreement on a new gloo group of every rank (a collective call: every rank makes
-        it, in the same order as its other `new_group` calls)."""
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        assert group is not None  # every rank is a member
-        return cls(group, timeout_s)
 
     def votes(self, mine: RankVote) -> list[RankVote]:
         """Every rank's vote, in rank order."""
         sent = mine.encode()
         parts = [torch.empty_like(sent) for _ in range(self.world_size)]
-        self._run("the step vote", lambda: dist.all_gather(parts, sent, group=self.group))
+        self.run("the step vote", lambda: dist.all_gather(parts, sent, group=self.group))
         return [RankVote.decode(p) for p in parts]
 
     def sum(self, values: Sequence[int]) -> list[int]:
         """The element-wise sum of every rank's `values` (the same length on every rank)."""
         total = torch.tensor(list(values), dtype=torch.int64)
-        self._run("a sum over the ranks", lambda: dist.all_reduce(total, group=self.group))
+        self.run("a sum over the ranks", lambda: dist.all_reduce(total, group=self.group))
         return [int(v) for v in total.tolist()]
 
     def sum_counters(self, mine: Mapping[str, float]) -> dict[str, float]:
         """Counters (whole numbers, the same names on every rank) summed over the ranks."""
         names = sorted(mine)
         return dict(zip(names, map(float, self.sum([round(mine[n]) for n in names])), strict=True))
-
-    def _run(self, what: str, call: Callable[[], object]) -> None:
-        try:
-            call()
-        except RuntimeError as exc:  # gloo's timeout and lost-peer errors (DistBackendError)
-            raise CollectiveError(
-                f"rank {self.rank}/{self.world_size}: {what} failed, a peer did not answer "
-                f"within {self.timeout_s:g} s: {exc}"
-            ) from exc
