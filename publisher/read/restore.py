@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,8 +227,11 @@ def restore_chain(
     progress: bool = False,
     workers: int = 0,
     budget: MemoryBudget | None = None,
+    tables: Collection[str] | None = None,
 ) -> RestoredState:
-    """Apply a chain (baseline first) and return the state at its last version.
+    """Apply a chain (baseline first) and return the state at its last version: of `tables`
+    only when given (the others' blobs are not fetched; RestoreError for a name the version
+    does not have), every table's otherwise.
 
     Tables are independent, so they are restored on `workers` threads (default: one per core):
     sha256, zstd and the numpy scatter release the GIL. Each table reads its chain newest first
@@ -238,7 +241,15 @@ def restore_chain(
     """
     started = time.perf_counter()
     target = chain[-1].manifest
-    mapped = {t.name for t in target.tables if t.id_map is not None}
+    entries = list(target.tables)
+    if tables is not None:
+        unknown = set(tables) - {e.name for e in entries}
+        if unknown:
+            raise RestoreError(
+                f"version {target.version} has no table {', '.join(map(repr, sorted(unknown)))}"
+            )
+        entries = [e for e in entries if e.name in tables]
+    mapped = {t.name for t in entries if t.id_map is not None}
     id_map_bytes = sum(
         t.id_map.size
         for ref in chain
@@ -250,16 +261,16 @@ def restore_chain(
     except MemoryBudgetError as exc:
         raise RestoreError(str(exc)) from exc
     state = RestoredState(manifest=target, tables={})
-    workers = workers or min(len(target.tables), os.cpu_count() or 1) or 1
+    workers = workers or min(len(entries), os.cpu_count() or 1) or 1
     bar = tqdm(
-        total=len(target.tables),
+        total=len(entries),
         desc=f"restore v{target.version} ({len(chain)} versions)",
         unit="table",
         file=sys.stderr,
         disable=True if not progress else None,
     )
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_restore_table, store, chain, e) for e in target.tables]
+        futures = [pool.submit(_restore_table, store, chain, e) for e in entries]
         for future in futures:
             table, id_map, bytes_read = future.result()
             state.tables[table.name] = table
@@ -287,7 +298,9 @@ def restore(
     *,
     progress: bool = False,
     budget: MemoryBudget | None = None,
+    tables: Collection[str] | None = None,
 ) -> RestoredState:
-    """The state of `model` at `version` (the latest when None), if it fits `budget`."""
+    """The state of `model` at `version` (the latest when None), if it fits `budget`; of
+    `tables` only when given (`restore_chain`)."""
     chain = restore_plan(Catalog(store, model), version)
-    return restore_chain(store, chain, progress=progress, budget=budget)
+    return restore_chain(store, chain, progress=progress, budget=budget, tables=tables)

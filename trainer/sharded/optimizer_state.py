@@ -63,8 +63,15 @@ def load_dense_optimizer(state: RestoredState, dense_optimizer: torch.optim.Opti
     """Load optimizer 1 of a restored version into `dense_optimizer`; CheckpointError when the
     version's optimizers are not a row-wise sparse one and one dense one."""
     aux = {name: table.aux for name, table in state.tables.items()}
+    # A rank restores only the tables it holds (restore_shards.py): the sparse optimizer's
+    # columns of the others are not needed for the dense optimizer's state, nor there.
     try:
-        dicts = optimizer_state_dicts(state.optimizer, state.optimizer_meta, aux)
+        row_state = state.optimizer_meta.get("row_state", {})
+        meta = {
+            **state.optimizer_meta,
+            "row_state": {t: e for t, e in row_state.items() if t in aux},
+        }
+        dicts = optimizer_state_dicts(state.optimizer, meta, aux)
         if len(dicts) != 2:
             raise CheckpointError(
                 f"version {state.version} holds {len(dicts)} optimizer(s); a sharded model "

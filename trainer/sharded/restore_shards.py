@@ -5,9 +5,10 @@ A version is one manifest of global tables however many ranks wrote it (docs/FOR
 shards into the live weights and accumulators (views, trainer/sharded/local_shards.py); the
 dense parameters and the dense optimizer go to every rank (data-parallel: the same on all).
 A version of N ranks thus restores on M, and one of the one-process trainer on a sharded job,
-bitwise with the fp32 codec. Each rank reads the whole version: memory for one model copy per
-rank, which is what this machine's models allow; past it a rank would fetch only the blobs
-and shards that cover its rows.
+bitwise with the fp32 codec. A rank fetches only the tables it holds a shard of (table-wise,
+1/N of the tables each); of a row-wise table it still rebuilds every row, and the memory budget
+is still checked against the whole version: past this machine's models a rank would fetch only
+the shard blobs that cover its rows (docs/SCALE.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def restore_sharded(
 ) -> Position:
     """Load `version` (the latest when None) into this rank's shards, its dense parameters and
     `dense_optimizer`; returns the version's position. Every rank calls it."""
-    state = restore(store, model_name, version, budget=budget)
+    held = {name for name, table in local_shards(model).items() if table.shards}
+    state = restore(store, model_name, version, budget=budget, tables=held)
     load_sharded(state, model, dense_optimizer)
     return state.position
 
@@ -48,7 +50,11 @@ def load_sharded(
     is written, the dense optimizer's state by torch as it is loaded, last."""
     tables = local_shards(model)
     _check_tables(state, tables)
-    accumulators = {name: accumulator_column(state, name) for name in tables}
+    held = {name: table for name, table in tables.items() if table.shards}
+    missing = set(held) - set(state.tables)
+    if missing:
+        raise CheckpointError(f"tables {sorted(missing)} of this rank were not restored")
+    accumulators = {name: accumulator_column(state, name) for name in held}
     live = model.state_dict()
     dense_keys = {k for k, v in live.items() if not hasattr(v, "local_shards")}
     if set(state.dense) != dense_keys:
@@ -63,7 +69,7 @@ def load_sharded(
                 f"{state.dense[key].shape} in version {state.version}"
             )
     with torch.no_grad():
-        for name, table in tables.items():
+        for name, table in held.items():
             weights = torch.from_numpy(state.tables[name].weights)
             accumulator = torch.from_numpy(accumulators[name])
             for shard in table.shards:
@@ -76,13 +82,15 @@ def load_sharded(
 
 
 def _check_tables(state: RestoredState, tables: dict[str, ShardedTable]) -> None:
-    if set(state.tables) != set(tables):
+    """The version's tables (its manifest's, restored or not) are the model's, shape for
+    shape."""
+    entries = {t.name: t for t in state.manifest.tables}
+    if set(entries) != set(tables):
         raise CheckpointError(
-            f"version {state.version} has tables {sorted(state.tables)}, this model "
-            f"{sorted(tables)}"
+            f"version {state.version} has tables {sorted(entries)}, this model {sorted(tables)}"
         )
     for name, table in tables.items():
-        shape = state.tables[name].weights.shape
+        shape = (entries[name].rows, entries[name].dim)
         if shape != (table.rows, table.dim):
             raise CheckpointError(
                 f"table {name!r} is {(table.rows, table.dim)} here, {shape} in version "

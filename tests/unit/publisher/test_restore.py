@@ -238,6 +238,38 @@ def test_restore_decodes_each_row_once(tmp_path: Path, monkeypatch: pytest.Monke
         np.testing.assert_array_equal(table.weights, expected[name], strict=True)
 
 
+def test_a_restore_of_some_tables_fetches_only_their_blobs(tmp_path: Path) -> None:
+    fetched: list[str] = []
+
+    class CountingStore(FileStore):
+        def get_range(self, key: str, start: int, length: int) -> bytes:
+            fetched.append(key)
+            return super().get_range(key, start, length)
+
+        def get(self, key: str, max_bytes: int | None = None) -> bytes:
+            fetched.append(key)
+            return super().get(key, max_bytes)
+
+    store = CountingStore(tmp_path)
+    run(store, "consecutive", "fp32", intervals=4)
+    whole = restore(store, "m")
+    one, other = sorted(TABLES)[:2]
+    fetched.clear()
+    part = restore(store, "m", tables={one})
+    assert sorted(part.tables) == [one]
+    np.testing.assert_array_equal(part.tables[one].weights, whole.tables[one].weights)
+    np.testing.assert_array_equal(part.tables[one].aux, whole.tables[one].aux)
+    np.testing.assert_array_equal(part.dense["mlp.w"], whole.dense["mlp.w"])
+    chain = restore_plan(Catalog(store, "m"))
+    blobs = {
+        name: {part.blob.key for r in chain for part in r.manifest.table(name).parts}
+        for name in (one, other)
+    }
+    assert blobs[one] <= set(fetched) and not blobs[other] & set(fetched)
+    with pytest.raises(RestoreError, match="has no table 'nope'"):
+        restore(store, "m", tables={one, "nope"})
+
+
 def test_a_chain_not_starting_with_a_full_table_is_refused_before_any_fetch(
     tmp_path: Path,
 ) -> None:

@@ -69,15 +69,21 @@ def _one_process_version(root: Path, config: DLRMConfig = CONFIG) -> dict[str, n
 
 
 def _restore_and_compare(rank: int, world: int, root: str, sharding: str) -> None:
+    from trainer.sharded.local_shards import local_shards
     from trainer.sharded.restore_shards import restore_sharded
 
     job = sharded_job(sharding, seed=100 + rank)
     position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
     assert (position.step, position.samples_seen) == (6, 192)
     assert_holds_expected(job, root)
+    if world > 1 and sharding == "table_wise":  # a rank restored only the tables it holds
+        held = [name for name, t in local_shards(job.model).items() if t.shards]
+        assert 0 < len(held) < len(CONFIG.sparse)
 
 
-@pytest.mark.parametrize(("world", "sharding"), [(2, "row_wise"), (1, "table_wise")])
+@pytest.mark.parametrize(
+    ("world", "sharding"), [(2, "row_wise"), (2, "table_wise"), (1, "table_wise")]
+)
 def test_one_process_version_restores_bitwise(tmp_path: Path, world: int, sharding: str) -> None:
     expected = _one_process_version(tmp_path / "store")
     np.savez(tmp_path / "store" / "expected.npz", **expected)
