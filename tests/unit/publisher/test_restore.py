@@ -238,19 +238,25 @@ def test_restore_decodes_each_row_once(tmp_path: Path, monkeypatch: pytest.Monke
         np.testing.assert_array_equal(table.weights, expected[name], strict=True)
 
 
+class CountingStore(FileStore):
+    """A file store that records the key of every read (`fetched`)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.fetched: list[str] = []
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        self.fetched.append(key)
+        return super().get_range(key, start, length)
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        self.fetched.append(key)
+        return super().get(key, max_bytes)
+
+
 def test_a_restore_of_some_tables_fetches_only_their_blobs(tmp_path: Path) -> None:
-    fetched: list[str] = []
-
-    class CountingStore(FileStore):
-        def get_range(self, key: str, start: int, length: int) -> bytes:
-            fetched.append(key)
-            return super().get_range(key, start, length)
-
-        def get(self, key: str, max_bytes: int | None = None) -> bytes:
-            fetched.append(key)
-            return super().get(key, max_bytes)
-
     store = CountingStore(tmp_path)
+    fetched = store.fetched
     run(store, "consecutive", "fp32", intervals=4)
     whole = restore(store, "m")
     one, other = sorted(TABLES)[:2]
@@ -273,18 +279,8 @@ def test_a_restore_of_some_tables_fetches_only_their_blobs(tmp_path: Path) -> No
 def test_a_chain_not_starting_with_a_full_table_is_refused_before_any_fetch(
     tmp_path: Path,
 ) -> None:
-    fetched: list[str] = []
-
-    class CountingStore(FileStore):
-        def get_range(self, key: str, start: int, length: int) -> bytes:
-            fetched.append(key)
-            return super().get_range(key, start, length)
-
-        def get(self, key: str, max_bytes: int | None = None) -> bytes:
-            fetched.append(key)
-            return super().get(key, max_bytes)
-
     store = CountingStore(tmp_path)
+    fetched = store.fetched
     run(store, "consecutive", "int4", intervals=3)
     chain = restore_plan(Catalog(store, "m"))
     fetched.clear()
