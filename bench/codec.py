@@ -15,6 +15,9 @@ matching `_unpack` decoding the kernel's fused rows chunk by chunk into a preall
 the codec does (one call on all rows faults in a fresh output array and runs several times
 slower). The ratio codec / kernel is the codec's cost over the bare kernel: the codec also
 checks its input for NaN (the kernel does not) and splits fused rows into the blob's sections.
+Where the codec encodes on the kernel, a third encoder takes turns with them: the encode the
+publisher runs, on rows its snapshot has already checked for NaN and inf
+(`encode_rows(..., checked_finite=True)`), whose cost over the kernel is the split alone.
 `embedding_bag_byte_prepack` quantises with float32 scale and bias, which a blob does not carry,
 so int8 encodes with the codec's own code (`encode_on_kernel` false) and its ratio compares two
 different quantisations.
@@ -86,6 +89,10 @@ class CodecResult:
     #: codec throughput / kernel throughput.
     encode_vs_kernel: float | None = None
     decode_vs_kernel: float | None = None
+    #: the publisher's encode of rows its snapshot checked (`checked_finite`), where the codec
+    #: encodes on the kernel: MB/s and / kernel throughput.
+    checked_encode_mb_s: float | None = None
+    checked_encode_vs_kernel: float | None = None
 
 
 def embedding_like_rows(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -175,6 +182,10 @@ def measure(
     mb = timed.nbytes / 1e6
     encoders: list[Callable[[], object]] = [lambda: encode_rows(codec, timed)]
     decoders: list[Callable[[], object]] = [lambda: decode_rows(q_timed, out)]
+    bits = CODEC_BITS[codec]
+    int_codec = is_integer_codec(codec)
+    uniform_int = int_codec and not codec.endswith("-adaptive")
+    on_kernel = uniform_int and rowwise_kernels.encodes(bits, dim)
     kernels = _torch_kernels(codec, dim)
     if kernels is not None:
         prepack, unpack = kernels
@@ -182,13 +193,13 @@ def measure(
         fused = prepack(timed_t)
         encoders.append(lambda: prepack(timed_t))
         decoders.append(_kernel_decoder(unpack, fused, np.ones_like(timed)))
+        if on_kernel:
+            encoders.append(lambda: encode_rows(codec, timed, checked_finite=True))
     t_enc = _median_seconds(encoders, repeats)
     t_dec = _median_seconds(decoders, repeats)
     kernel_enc = mb / t_enc[1] if kernels else None
     kernel_dec = mb / t_dec[1] if kernels else None
-    bits = CODEC_BITS[codec]
-    int_codec = is_integer_codec(codec)
-    uniform_int = int_codec and not codec.endswith("-adaptive")
+    checked = len(t_enc) == 3
     return CodecResult(
         codec=codec,
         bits=bits,
@@ -202,12 +213,14 @@ def measure(
         max_error_to_bound=float(ratios.max()),
         bytes_per_row=enc_bytes,
         ratio_vs_fp32=row_bytes("fp32", dim) / enc_bytes,
-        encode_on_kernel=uniform_int and rowwise_kernels.encodes(bits, dim),
+        encode_on_kernel=on_kernel,
         decode_on_kernel=int_codec and rowwise_kernels.decodes(bits),
         kernel_encode_mb_s=kernel_enc,
         kernel_decode_mb_s=kernel_dec,
         encode_vs_kernel=t_enc[1] / t_enc[0] if kernels else None,
         decode_vs_kernel=t_dec[1] / t_dec[0] if kernels else None,
+        checked_encode_mb_s=mb / t_enc[2] if checked else None,
+        checked_encode_vs_kernel=t_enc[1] / t_enc[2] if checked else None,
     )
 
 
@@ -219,6 +232,7 @@ def format_table(results: Sequence[CodecResult]) -> str:
         "enc MB/s",
         "torch enc",
         "enc/torch",
+        "checked/torch",
         "dec MB/s",
         "torch dec",
         "dec/torch",
@@ -235,6 +249,7 @@ def format_table(results: Sequence[CodecResult]) -> str:
             f"{r.encode_mb_s:,.0f}",
             _optional(r.kernel_encode_mb_s, "{:,.0f}"),
             _optional(r.encode_vs_kernel, "{:.2f}x"),
+            _optional(r.checked_encode_vs_kernel, "{:.2f}x"),
             f"{r.decode_mb_s:,.0f}",
             _optional(r.kernel_decode_mb_s, "{:,.0f}"),
             _optional(r.decode_vs_kernel, "{:.2f}x"),
@@ -350,8 +365,10 @@ def run(
     kernel_target = {
         r.codec: {
             "encode_vs_kernel": r.encode_vs_kernel,
+            "checked_encode_vs_kernel": r.checked_encode_vs_kernel,
             "encode_on_kernel": r.encode_on_kernel,
             "met": r.encode_vs_kernel >= KERNEL_ENCODE_RATIO,
+            "met_as_published": (r.checked_encode_vs_kernel or 0.0) >= KERNEL_ENCODE_RATIO,
         }
         for r in results
         if r.codec in ("int4", "int8") and r.encode_vs_kernel is not None

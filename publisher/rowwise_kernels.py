@@ -43,6 +43,7 @@ __all__ = [
     "decodes",
     "encode_fused",
     "encodes",
+    "fields",
     "fuse",
     "fused_row_bytes",
     "split",
@@ -147,6 +148,12 @@ def split(fused: torch.Tensor, codes: np.ndarray, scale: np.ndarray, bias: np.nd
     fields = rows[:, rb : rb + 4].view(np.uint16)
     scale.view(np.uint16)[:] = fields[:, 0]
     bias.view(np.uint16)[:] = fields[:, 1]
+
+
+def fields(fused: np.ndarray, rb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Views of fused rows (m, rb + 4): the codes (m, rb), fp16 scale and bias (m,)."""
+    halves = fused[:, rb : rb + 4].view(np.float16)
+    return fused[:, :rb], halves[:, 0], halves[:, 1]
 
 
 def fuse(fused: np.ndarray, codes: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> None:

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from publisher.codecs import encode_rows
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig
 from publisher.read.catalog import VersionRef
 from publisher.store import ObjectStore
@@ -268,7 +269,10 @@ class JobPublisher:
         unknown = sorted({t.name for t in snapshot.tables} - set(order))
         if unknown:
             raise JobMismatchError(f"tables {unknown} are not the model's {list(order)}")
-        tables = [encode_table(t, self.tunables) for t in snapshot.tables]
+        tables = [
+            encode_table(t, self.tunables, encode_rows(t.codec, t.values, checked_finite=True))
+            for t in snapshot.tables
+        ]
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
             encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)

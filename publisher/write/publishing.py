@@ -226,7 +226,7 @@ class CheckpointPublisher:
             measure_s += time.perf_counter() - measuring
         tables = []
         for t in rows:
-            q = encode_rows(t.codec, t.values)
+            q = encode_rows(t.codec, t.values, checked_finite=True)  # check_finite above
             tables.append(encode_table(t, self.tunables, q))
             if meter is not None:  # table by table: one table's decoded rows at a time
                 measuring = time.perf_counter()

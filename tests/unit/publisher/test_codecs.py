@@ -532,7 +532,12 @@ def test_encoding_does_not_alias_the_input() -> None:
         ({"dim": 0}, "dim"),
         ({"codes": np.zeros((2, 4), dtype=np.uint8)}, "3 bytes per row"),
         ({"codes": np.zeros((2, 3), dtype=np.int8)}, "uint8"),
-        ({"codes": np.zeros((2, 6), dtype=np.uint8)[:, ::2]}, "C-contiguous"),
+        ({"codes": np.zeros((2, 6), dtype=np.uint8)[:, ::2]}, "each row contiguous"),
+        # rows overlapping: 3-byte rows 2 bytes apart
+        (
+            {"codes": np.lib.stride_tricks.as_strided(np.zeros(8, np.uint8), (2, 3), (2, 1))},
+            "apart",
+        ),
         ({"scale": np.zeros(2, dtype=np.float32)}, "scale must be a float16"),
         ({"bias": np.zeros(3, dtype=np.float16)}, r"bias must be a float16 array of shape \(2,\)"),
     ],
@@ -548,6 +553,16 @@ def test_quantized_rows_validates_its_fields(kwargs: dict[str, object], match: s
     fields.update(kwargs)
     with pytest.raises(CodecError, match=match):
         QuantizedRows(**fields)  # type: ignore[arg-type]
+
+
+def test_quantized_rows_may_sit_apart() -> None:
+    # The publisher's encode keeps views of the kernel's fused rows (codes, then the fields).
+    fused = np.arange(2 * 7, dtype=np.uint8).reshape(2, 7)
+    q = QuantizedRows("int4", 5, fused[:, :3], np.zeros(2, np.float16), np.ones(2, np.float16))
+    assert (
+        decode_rows(q).tobytes()
+        == decode_rows(QuantizedRows("int4", 5, fused[:, :3].copy(), q.scale, q.bias)).tobytes()
+    )
 
 
 def test_float_codecs_carry_no_scale_or_bias() -> None:

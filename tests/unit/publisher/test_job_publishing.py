@@ -29,7 +29,7 @@ from publisher.write.job_publishing import (
     ThreadCollective,
 )
 from publisher.write.publishing import PublishResult
-from publisher.write.snapshot import Snapshot
+from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot
 from publisher.write.version_writer import PartsError
 from schemas.errors import UnavailableError
 from schemas.store_keys import head_key
@@ -195,6 +195,28 @@ def test_ranks_that_disagree_commit_nothing(tmp_path: Path) -> None:
     for result in results:
         assert isinstance(result, RankFailedError) and result.rank == 1
         assert JobMismatchError.__name__ in result.error and "sequence" in result.error
+    with pytest.raises(NotFoundError):
+        store.get(head_key("m"))
+    for publisher in publishers:
+        publisher.close()
+
+
+def test_a_rank_holding_nan_commits_nothing(tmp_path: Path) -> None:
+    # The codec trusts the job publisher's one check of the snapshot (its kernel path would
+    # quantise NaN to code 0 without a word): that check must refuse the part.
+    run = _run(tmp_path, "single")
+    store = FileStore(tmp_path / "job")
+    publishers = job_publishers(store, "m", 2)
+    (first,) = _snapshots(run, 1)
+    parts = split_snapshot(first, row_wise(TABLE_ROWS, 2), 2)
+    table = replace(parts[1].tables[0], codec="int4")
+    assert len(table.row_ids) > 3
+    table.values[3, 1] = float("nan")
+    parts[1] = replace(parts[1], tables=(table, *parts[1].tables[1:]))
+    results = on_ranks(2, lambda r: publishers[r].publish(parts[r]))
+    for result in results:
+        assert isinstance(result, RankFailedError) and result.rank == 1
+        assert NonFiniteSnapshotError.__name__ in result.error
     with pytest.raises(NotFoundError):
         store.get(head_key("m"))
     for publisher in publishers:
