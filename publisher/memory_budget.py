@@ -7,7 +7,9 @@ Every reader that allocates from a manifest checks it here first, against one bu
 
 - restore, and a trainer's resume (`publisher.read.restore`), allocate the version's state in
   fp32: every table with its optimizer columns, the dense and optimizer tensors. That is
-  `Manifest.full_fp32_bytes` (docs/FORMAT.md section 3.1). A table with an id map adds the map:
+  `Manifest.full_fp32_bytes` (docs/FORMAT.md section 3.1), less the tables and rows a restore
+  of some of them leaves out (a rank of a sharded job: its budget is per rank). A table with
+  an id map adds the map:
   `ID_MAP_ROW_BYTES` per row, plus its keys, which come from the chain's id-map blobs, so at
   most the sum of their sizes (`id_map_restore_bytes`).
 - a server (`server.model_buffer`) allocates the model its `model_config` builds,
@@ -26,13 +28,14 @@ physical memory, or its cgroup's limit when that is lower.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from publisher.dlrm import DLRMConfig
 from publisher.live_features import LiveSpec
 from schemas.errors import BadDataError
-from schemas.manifest import Manifest
+from schemas.manifest import Manifest, full_fp32_bytes
 
 #: the share of the machine's memory the model state may take by default: the rest is left to
 #: the interpreter, torch (~0.7 GiB), request buffers and what a reader holds while it works.
@@ -91,10 +94,23 @@ class MemoryBudget:
         """The budget a setting gives: its bytes, or the machine's default when it is None."""
         return cls.of_machine() if limit_bytes is None else cls(limit_bytes)
 
-    def check_restore(self, manifest: Manifest, id_map_blob_bytes: int = 0) -> None:
+    def check_restore(
+        self,
+        manifest: Manifest,
+        id_map_blob_bytes: int = 0,
+        rows: Mapping[str, int] | None = None,
+    ) -> None:
         """Raise MemoryBudgetError unless restoring `manifest`'s state fits; `id_map_blob_bytes`
-        is the size of the id-map blobs its chain reads (see `id_map_restore_bytes`)."""
-        needed = manifest.full_fp32_bytes + id_map_restore_bytes(manifest, id_map_blob_bytes)
+        is the size of the id-map blobs its chain reads (see `id_map_restore_bytes`). `rows`:
+        table -> how many of its rows are restored, when not every row of every table (the
+        tables not named are not restored; the dense and optimizer tensors always are)."""
+        restored = {t.name: t.rows for t in manifest.tables} if rows is None else rows
+        left_out = sum(
+            t.full_fp32_bytes - full_fp32_bytes([(restored.get(t.name, 0), t.dim, t.aux_dim)])
+            for t in manifest.tables
+        )
+        needed = manifest.full_fp32_bytes - left_out
+        needed += id_map_restore_bytes(manifest, id_map_blob_bytes, restored)
         self._check(f"restoring version {manifest.version}", needed)
 
     def check_model(self, manifest: Manifest, config: DLRMConfig, copies: int) -> None:
@@ -113,12 +129,16 @@ class MemoryBudget:
             )
 
 
-def id_map_restore_bytes(manifest: Manifest, id_map_blob_bytes: int) -> int:
+def id_map_restore_bytes(
+    manifest: Manifest, id_map_blob_bytes: int, rows: Mapping[str, int] | None = None
+) -> int:
     """What rebuilding `manifest`'s id maps may allocate: `ID_MAP_ROW_BYTES` per row of every
-    table with an id map, plus the keys, whose bytes are at most `id_map_blob_bytes` (the sizes
-    of the id-map blobs read: every key comes from one)."""
-    rows = sum(t.rows for t in manifest.tables if t.id_map is not None)
-    return rows * ID_MAP_ROW_BYTES + id_map_blob_bytes if rows else 0
+    table with an id map (of the `rows` restored of each, when given: `check_restore`), plus
+    the keys, whose bytes are at most `id_map_blob_bytes` (the sizes of the id-map blobs read:
+    every key comes from one)."""
+    restored = {t.name: t.rows for t in manifest.tables} if rows is None else rows
+    mapped = sum(restored.get(t.name, 0) for t in manifest.tables if t.id_map is not None)
+    return mapped * ID_MAP_ROW_BYTES + id_map_blob_bytes if mapped else 0
 
 
 def served_id_maps_bytes(config: DLRMConfig) -> int:

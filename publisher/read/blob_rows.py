@@ -19,7 +19,7 @@ rows each decode 1.0x the table's rows instead of 1.76x, with no float scatter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import numpy as np
@@ -51,8 +51,11 @@ def join_shards(table_rows: int, shards: list[tuple[int, DeltaBlob]]) -> DeltaBl
     """One blob of a table's rows from the blobs of its row-range shards (docs/FORMAT.md 3.3),
     given as (row_start, blob) sorted by row_start, each checked against its shard entry: the
     shards' row ids offset by their row_start, their codes, scales and optimizer columns
-    concatenated (still encoded), so every reader of a table's blob reads a sharded one too."""
+    concatenated (still encoded), so every reader of a table's blob reads a sharded one too.
+    One shard of every row is that blob itself (no copy)."""
     first = shards[0][1]
+    if len(shards) == 1 and shards[0][0] == 0 and first.table_rows == table_rows:
+        return first
     encodings = {blob.aux_encoding for _, blob in shards}
     return DeltaBlob(
         table=first.table,
@@ -66,6 +69,26 @@ def join_shards(table_rows: int, shards: list[tuple[int, DeltaBlob]]) -> DeltaBl
         aux=np.concatenate([blob.aux for _, blob in shards]),
         # In memory the aux is float32 either way; a bfloat16 one stays bfloat16 values.
         aux_encoding=encodings.pop() if len(encodings) == 1 else "float32",
+    )
+
+
+def rows_between(blob: DeltaBlob, start: int, end: int) -> DeltaBlob:
+    """The rows [start, end) of `blob` as a blob of a table of `end - start` rows, its ids
+    counted from `start`: still encoded, its arrays slices of `blob`'s (the ids are sorted, so
+    the rows in range are one run of them). Every row of `blob` is `blob` itself."""
+    if (start, end) == (0, blob.table_rows):
+        return blob
+    first, last = (int(i) for i in np.searchsorted(blob.row_ids, (start, end)))
+    run = slice(first, last)
+    # An fp codec's scale and bias are empty: a slice of them stays empty.
+    return replace(
+        blob,
+        table_rows=end - start,
+        row_ids=blob.row_ids[run] - start,
+        codes=blob.codes[run],
+        scale=blob.scale[run],
+        bias=blob.bias[run],
+        aux=blob.aux[run],
     )
 
 

@@ -3,10 +3,13 @@
 The chain is planned by `publisher.read.planner` and each blob is written into its table by
 `publisher.read.blob_rows`: the paths a following server uses too. A table stored in row-range
 shards (docs/FORMAT.md 3.3) is read as one blob (`read_blob` joins its shards), at the cost of
-one copy of that version's encoded rows of the table while they are joined. A table's chain is read
-newest version first, and each row is decoded once, from the newest version that holds it: the
-result is bit for bit that of applying the chain oldest first, and memory stays near one copy
-of the model plus, per worker, one blob and one table's codes. The target's state
+one copy of that version's encoded rows of the table while they are joined. A table may be
+restored over a range of its rows only (`rows=`, a rank of a row-wise sharded job): its arrays
+are that range's, the shard blobs that do not overlap it are not fetched, and a blob that does
+gives only its rows inside it. A table's chain is read newest version first, and each row is
+decoded once, from the newest version that holds it: the result is bit for bit that of applying
+the chain oldest first, and memory stays near one copy of the model plus, per worker, one blob
+and one table's codes. What is restored of the target's state (the tables and rows asked for)
 is checked against the memory budget before anything is fetched (publisher/memory_budget.py),
 and every blob against the sha256 in its manifest before it is decoded. With the fp32 codec the
 result is bitwise equal to the trainer's state at that version; with a lossy codec each row is
@@ -16,7 +19,7 @@ within its codec's error bound and its optimizer columns are the trainer's round
 A table with an id map (an open id space, docs/FORMAT.md section 7) gets its map rebuilt by the
 same rule, from the id-map blob beside each table blob (publisher/read/id_map_rows.py), so the
 map is the trainer's at that version, exactly. Either every version of a table's chain carries
-an id map or none does.
+an id map or none does, and a table with one is restored whole.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +37,7 @@ from tqdm import tqdm
 
 from publisher.id_map import IdMap, IdMapError
 from publisher.memory_budget import MemoryBudget, MemoryBudgetError
-from publisher.read.blob_rows import NewestRows, join_shards
+from publisher.read.blob_rows import NewestRows, join_shards, rows_between
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.id_map_rows import NewestIdEntries, read_id_entries
 from publisher.read.planner import restore_plan
@@ -46,6 +49,8 @@ from schemas.tensor_blob import decode_tensors
 
 #: shard blobs of one table fetched at once (network-bound on S3; hashing releases the GIL).
 SHARD_FETCH_CONCURRENCY = 8
+#: a half-open range [start, end) of a table's global rows.
+RowRange = tuple[int, int]
 
 
 class RestoreError(BadDataError):
@@ -54,11 +59,13 @@ class RestoreError(BadDataError):
 
 @dataclass
 class TableState:
-    """One embedding table: weights and per-row optimizer columns."""
+    """One embedding table, or a range of its rows: weights and per-row optimizer columns."""
 
     name: str
     weights: np.ndarray  # float32 (rows, dim)
     aux: np.ndarray  # float32 (rows, aux_dim)
+    #: the table's global row that `weights[0]` is: 0 unless a row range was restored.
+    row_start: int = 0
 
 
 @dataclass
@@ -84,20 +91,36 @@ class RestoredState:
         return self.manifest.position
 
 
-def read_blob(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
+def read_blob(store: ObjectStore, entry: TableEntry, rows: RowRange | None = None) -> DeltaBlob:
     """Fetch, verify and decode one table's blob, checking it matches its manifest entry: the
     table's rows with global row ids, whether it is stored whole or in row-range shards
     (docs/FORMAT.md section 3.3), whose blobs are fetched in parallel and joined.
 
+    Given `rows` (start, end), within the table: only the blobs that overlap them are fetched,
+    and the blob returned is of a table of `end - start` rows, its ids counted from `start`.
+
     Each blob's decoder caps are its part's (`TableEntry.blob_limits`): a blob declaring a
     bigger table or shard than its entry fails on its header, before a byte is inflated.
     Raises IntegrityError, FormatError or RestoreError on the first blob that fails."""
-    if entry.shards is None:
-        return _read_part(store, entry, entry.parts[0])
-    parts = entry.parts
-    with ThreadPoolExecutor(max_workers=min(len(parts), SHARD_FETCH_CONCURRENCY)) as pool:
-        blobs = list(pool.map(lambda part: _read_part(store, entry, part), parts))
-    return join_shards(entry.rows, [(p.row_start, b) for p, b in zip(parts, blobs, strict=True)])
+    start, end = (0, entry.rows) if rows is None else rows
+    parts = _overlapping(entry, start, end)
+    if len(parts) == 1:
+        blobs = [_read_part(store, entry, parts[0])]
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(parts), SHARD_FETCH_CONCURRENCY)) as pool:
+            blobs = list(pool.map(lambda part: _read_part(store, entry, part), parts))
+    pieces = []
+    for part, blob in zip(parts, blobs, strict=True):
+        first, last = max(part.row_start, start), min(part.row_end, end)
+        pieces.append(
+            (first - start, rows_between(blob, first - part.row_start, last - part.row_start))
+        )
+    return join_shards(end - start, pieces)
+
+
+def _overlapping(entry: TableEntry, start: int, end: int) -> list[TableShard]:
+    """The parts of `entry` that hold rows of [start, end)."""
+    return [p for p in entry.parts if p.row_start < end and start < p.row_end]
 
 
 def _read_part(store: ObjectStore, entry: TableEntry, part: TableShard) -> DeltaBlob:
@@ -121,10 +144,10 @@ def _read_part(store: ObjectStore, entry: TableEntry, part: TableShard) -> Delta
 
 
 def _restore_table(
-    store: ObjectStore, chain: list[VersionRef], target_entry: TableEntry
+    store: ObjectStore, chain: list[VersionRef], target_entry: TableEntry, rows: RowRange
 ) -> tuple[TableState, IdMap | None, int]:
-    """One table (and its id map, if it has one) at the chain's last version, and the blob
-    bytes read for it.
+    """The `rows` of one table (and its id map, if it has one: then every row) at the chain's
+    last version, and the blob bytes read for it.
 
     The chain is read newest version first and each row is decoded once, from the newest
     version that holds it (`NewestRows`): a row a newer delta gave is neither decoded nor
@@ -145,41 +168,55 @@ def _restore_table(
             f"table {target_entry.name!r}: versions {versions} of the chain of version "
             f"{chain[-1].version} carry no id map where the others do"
         )
+    start, end = rows
+    if all(with_map) and rows != (0, target_entry.rows):
+        # A sharded job writes no id map (docs/FORMAT.md 3.3): a map is rebuilt for every row.
+        raise RestoreError(
+            f"table {target_entry.name!r} carries an id map: it restores whole, not rows "
+            f"[{start}, {end}) of its {target_entry.rows}"
+        )
     newest, *older = reversed(entries)
-    first = _read_entry(store, newest)
+    first = _read_entry(store, newest, rows)
     # Sized from the target's entry, which the memory budget checked, and only once a verified
     # blob agrees with it.
     table = TableState(
         name=target_entry.name,
-        weights=np.empty((target_entry.rows, target_entry.dim), dtype=np.float32),
-        aux=np.empty((target_entry.rows, target_entry.aux_dim), dtype=np.float32),
+        weights=np.empty((end - start, target_entry.dim), dtype=np.float32),
+        aux=np.empty((end - start, target_entry.aux_dim), dtype=np.float32),
+        row_start=start,
     )
-    rows = NewestRows(table.weights, table.aux)
+    newest_rows = NewestRows(table.weights, table.aux)
     id_rows = NewestIdEntries(target_entry.rows) if all(with_map) else None
-    for entry, blob in _newest_first(store, first, newest, older):
-        rows.add(blob)
+    for entry, blob in _newest_first(store, first, newest, older, rows):
+        newest_rows.add(blob)
         if id_rows is not None:
             _add_id_entries(store, id_rows, entry, blob)
-    rows.decode()
+    newest_rows.decode()
     id_map = None
     if id_rows is not None:
         try:
             id_map = id_rows.build()
         except (FormatError, IdMapError) as exc:
             raise RestoreError(f"table {target_entry.name!r}: id map: {exc}") from exc
-    read = sum(e.stored_bytes for e in entries)
+    read = sum(part.blob.size for e in entries for part in _overlapping(e, start, end))
+    read += sum(e.id_map.size for e in entries if e.id_map is not None)
     return table, id_map, read
 
 
 def _newest_first(
-    store: ObjectStore, first: DeltaBlob, newest: TableEntry, older: list[TableEntry]
+    store: ObjectStore,
+    first: DeltaBlob,
+    newest: TableEntry,
+    older: list[TableEntry],
+    rows: RowRange,
 ) -> Iterator[tuple[TableEntry, DeltaBlob]]:
-    """Each entry with its blob, newest first; an older blob is fetched only when reached."""
+    """Each entry with its blob of `rows`, newest first; an older blob is fetched only when
+    reached."""
     yield newest, first
     for entry in older:
         # Every blob is fetched and verified, even once newer ones gave every row: a chain
         # restores only if all of it is sound, whatever order it is read in.
-        yield entry, _read_entry(store, entry)
+        yield entry, _read_entry(store, entry, rows)
 
 
 def _add_id_entries(
@@ -194,10 +231,10 @@ def _add_id_entries(
         raise RestoreError(f"{entry.id_map.key}: {exc}") from exc
 
 
-def _read_entry(store: ObjectStore, entry: TableEntry) -> DeltaBlob:
+def _read_entry(store: ObjectStore, entry: TableEntry, rows: RowRange) -> DeltaBlob:
     """`read_blob`, a malformed blob raising RestoreError."""
     try:
-        return read_blob(store, entry)  # it matches its entry, hence the target's shape
+        return read_blob(store, entry, rows)  # it matches its entry, hence the target's shape
     except FormatError as exc:
         raise RestoreError(f"table {entry.name!r}: {exc}") from exc
 
@@ -228,16 +265,23 @@ def restore_chain(
     workers: int = 0,
     budget: MemoryBudget | None = None,
     tables: Collection[str] | None = None,
+    rows: Mapping[str, RowRange] | None = None,
 ) -> RestoredState:
     """Apply a chain (baseline first) and return the state at its last version: of `tables`
     only when given (the others' blobs are not fetched; RestoreError for a name the version
     does not have), every table's otherwise.
 
+    `rows` limits tables restored to a range of their rows: table -> (start, end), half-open,
+    `TableState.row_start` is start (a table not named is restored whole). RestoreError for
+    a range that is empty or not within the table, a table not restored, or one with an id map
+    (unless the range is every row).
+
     Tables are independent, so they are restored on `workers` threads (default: one per core):
     sha256, zstd and the numpy scatter release the GIL. Each table reads its chain newest first
     and decodes each row once, and memory stays near one model copy plus one blob and one
-    table's codes per worker. Before anything is fetched the target's state must fit `budget`
-    (default: the machine's), else RestoreError (from a MemoryBudgetError).
+    table's codes per worker. Before anything is fetched what it restores of the target's state
+    (those tables and rows) must fit `budget` (default: the machine's), else RestoreError (from
+    a MemoryBudgetError).
     """
     started = time.perf_counter()
     target = chain[-1].manifest
@@ -249,6 +293,7 @@ def restore_chain(
                 f"version {target.version} has no table {', '.join(map(repr, sorted(unknown)))}"
             )
         entries = [e for e in entries if e.name in tables]
+    ranges = _row_ranges(target, entries, rows or {})
     mapped = {t.name for t in entries if t.id_map is not None}
     id_map_bytes = sum(
         t.id_map.size
@@ -257,7 +302,8 @@ def restore_chain(
         if t.id_map is not None and t.name in mapped
     )
     try:
-        (budget or MemoryBudget.of_machine()).check_restore(target, id_map_bytes)
+        restored = {name: end - start for name, (start, end) in ranges.items()}
+        (budget or MemoryBudget.of_machine()).check_restore(target, id_map_bytes, restored)
     except MemoryBudgetError as exc:
         raise RestoreError(str(exc)) from exc
     state = RestoredState(manifest=target, tables={})
@@ -270,7 +316,7 @@ def restore_chain(
         disable=True if not progress else None,
     )
     with bar, ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_restore_table, store, chain, e) for e in entries]
+        futures = [pool.submit(_restore_table, store, chain, e, ranges[e.name]) for e in entries]
         for future in futures:
             table, id_map, bytes_read = future.result()
             state.tables[table.name] = table
@@ -291,6 +337,30 @@ def restore_chain(
     return state
 
 
+def _row_ranges(
+    target: Manifest, entries: list[TableEntry], rows: Mapping[str, RowRange]
+) -> dict[str, RowRange]:
+    """Each table to restore -> the range of its rows to restore: `rows`' (checked), else
+    every row."""
+    names = {e.name for e in entries}
+    unknown = set(rows) - names
+    if unknown:
+        raise RestoreError(
+            f"rows asked of tables {sorted(unknown)} that version {target.version} does not "
+            f"restore (restored: {sorted(names)})"
+        )
+    ranges = {}
+    for entry in entries:
+        start, end = rows.get(entry.name, (0, entry.rows))
+        if not 0 <= start < end <= entry.rows:
+            raise RestoreError(
+                f"table {entry.name!r}: rows [{start}, {end}) are not a non-empty range of its "
+                f"rows [0, {entry.rows})"
+            )
+        ranges[entry.name] = (start, end)
+    return ranges
+
+
 def restore(
     store: ObjectStore,
     model: str,
@@ -299,8 +369,9 @@ def restore(
     progress: bool = False,
     budget: MemoryBudget | None = None,
     tables: Collection[str] | None = None,
+    rows: Mapping[str, RowRange] | None = None,
 ) -> RestoredState:
     """The state of `model` at `version` (the latest when None), if it fits `budget`; of
-    `tables` only when given (`restore_chain`)."""
+    `tables` only when given, and of the named tables' `rows` ranges only (`restore_chain`)."""
     chain = restore_plan(Catalog(store, model), version)
-    return restore_chain(store, chain, progress=progress, budget=budget, tables=tables)
+    return restore_chain(store, chain, progress=progress, budget=budget, tables=tables, rows=rows)

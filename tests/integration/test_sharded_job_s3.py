@@ -53,6 +53,13 @@ def test_a_sharded_job_on_minio_is_followed_through_kafka(
         job, single = restore(store, "m", 3), restore(run.store, "m", 3)
         for name, table in single.tables.items():
             assert job.tables[name].weights.tobytes() == table.weights.tobytes()
+        # A rank's rows only: rank 1's shard of f0 and a range across both shards of f1.
+        rows = {"embeddings.f0": (1500, 3000), "embeddings.f1": (400, 600)}
+        part = restore(store, "m", 3, rows=rows)
+        for name, (start, end) in rows.items():
+            whole = job.tables[name].weights[start:end]
+            assert part.tables[name].weights.tobytes() == whole.tobytes()
+        assert part.bytes_read < job.bytes_read
         reference.bootstrap()
         assert live.digest() == reference.digest()
     finally:

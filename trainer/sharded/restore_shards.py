@@ -1,14 +1,18 @@
 """A committed version into a sharded model, at any world size.
 
 A version is one manifest of global tables however many ranks wrote it (docs/FORMAT.md 2.1,
-3.3), so every rank rebuilds it with publisher/read/restore.py and copies the rows of its own
-shards into the live weights and accumulators (views, trainer/sharded/local_shards.py); the
-dense parameters and the dense optimizer go to every rank (data-parallel: the same on all).
+3.3), so every rank rebuilds its part of it with publisher/read/restore.py and copies the rows
+of its own shards into the live weights and accumulators (views, trainer/sharded/local_shards.py);
+the dense parameters and the dense optimizer go to every rank (data-parallel: the same on all).
 A version of N ranks thus restores on M, and one of the one-process trainer on a sharded job,
-bitwise with the fp32 codec. A rank fetches only the tables it holds a shard of (table-wise,
-1/N of the tables each); of a row-wise table it still rebuilds every row, and the memory budget
-is still checked against the whole version: past this machine's models a rank would fetch only
-the shard blobs that cover its rows (docs/SCALE.md).
+bitwise with the fp32 codec.
+
+A rank restores only the tables it holds a shard of (table-wise: 1/N of the tables each), and of
+each only the range of rows from its first shard's start to its last shard's end (row-wise: 1/N
+of the rows; TorchRec's row-wise plans give a rank one shard of a table: exactly its rows):
+of a version written by a job only the shard blobs that overlap it are fetched, of a one-process
+version the table's blob is fetched and the rows outside dropped. The memory budget counts what
+the rank restores, so it is per rank.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch
 from torch import nn
 
 from publisher.memory_budget import MemoryBudget
-from publisher.read.restore import RestoredState, restore
+from publisher.read.catalog import Catalog
+from publisher.read.planner import restore_plan
+from publisher.read.restore import RestoredState, RowRange, restore_chain
 from publisher.store import ObjectStore
-from schemas.manifest import Position
+from schemas.manifest import Manifest, Position
 from trainer.errors import CheckpointError
 from trainer.sharded.local_shards import ShardedTable, local_shards
 from trainer.sharded.optimizer_state import accumulator_column, load_dense_optimizer
@@ -35,11 +41,20 @@ def restore_sharded(
     budget: MemoryBudget | None = None,
 ) -> Position:
     """Load `version` (the latest when None) into this rank's shards, its dense parameters and
-    `dense_optimizer`; returns the version's position. Every rank calls it."""
-    held = {name for name, table in local_shards(model).items() if table.shards}
-    state = restore(store, model_name, version, budget=budget, tables=held)
+    `dense_optimizer`; returns the version's position. Every rank calls it. A version whose
+    tables are not the model's raises CheckpointError before any blob is fetched."""
+    tables = local_shards(model)
+    chain = restore_plan(Catalog(store, model_name), version)
+    _check_tables(chain[-1].manifest, tables)
+    held = {name: _held_rows(table) for name, table in tables.items() if table.shards}
+    state = restore_chain(store, chain, budget=budget, tables=set(held), rows=held)
     load_sharded(state, model, dense_optimizer)
     return state.position
+
+
+def _held_rows(table: ShardedTable) -> RowRange:
+    """The range of `table`'s rows this rank's shards span (it holds at least one)."""
+    return table.shards[0].row_start, table.shards[-1].row_end
 
 
 def load_sharded(
@@ -49,11 +64,19 @@ def load_sharded(
     when it does not fit: its tables, accumulators and dense tensors are checked before anything
     is written, the dense optimizer's state by torch as it is loaded, last."""
     tables = local_shards(model)
-    _check_tables(state, tables)
+    _check_tables(state.manifest, tables)
     held = {name: table for name, table in tables.items() if table.shards}
     missing = set(held) - set(state.tables)
     if missing:
         raise CheckpointError(f"tables {sorted(missing)} of this rank were not restored")
+    for name, table in held.items():
+        restored = state.tables[name]
+        start, end = _held_rows(table)
+        if start < restored.row_start or end > restored.row_start + len(restored.weights):
+            raise CheckpointError(
+                f"table {name!r}: this rank holds rows [{start}, {end}), the restored state "
+                f"[{restored.row_start}, {restored.row_start + len(restored.weights)})"
+            )
     accumulators = {name: accumulator_column(state, name) for name in held}
     live = model.state_dict()
     dense_keys = {k for k, v in live.items() if not hasattr(v, "local_shards")}
@@ -72,8 +95,9 @@ def load_sharded(
         for name, table in held.items():
             weights = torch.from_numpy(state.tables[name].weights)
             accumulator = torch.from_numpy(accumulators[name])
+            offset = state.tables[name].row_start
             for shard in table.shards:
-                rows = slice(shard.row_start, shard.row_end)
+                rows = slice(shard.row_start - offset, shard.row_end - offset)
                 shard.weight.copy_(weights[rows])
                 shard.accumulator.copy_(accumulator[rows])
         for key in dense_keys:
@@ -81,18 +105,18 @@ def load_sharded(
     load_dense_optimizer(state, dense_optimizer)
 
 
-def _check_tables(state: RestoredState, tables: dict[str, ShardedTable]) -> None:
+def _check_tables(manifest: Manifest, tables: dict[str, ShardedTable]) -> None:
     """The version's tables (its manifest's, restored or not) are the model's, shape for
     shape."""
-    entries = {t.name: t for t in state.manifest.tables}
+    entries = {t.name: t for t in manifest.tables}
     if set(entries) != set(tables):
         raise CheckpointError(
-            f"version {state.version} has tables {sorted(entries)}, this model {sorted(tables)}"
+            f"version {manifest.version} has tables {sorted(entries)}, this model {sorted(tables)}"
         )
     for name, table in tables.items():
         shape = (entries[name].rows, entries[name].dim)
         if shape != (table.rows, table.dim):
             raise CheckpointError(
                 f"table {name!r} is {(table.rows, table.dim)} here, {shape} in version "
-                f"{state.version}"
+                f"{manifest.version}"
             )

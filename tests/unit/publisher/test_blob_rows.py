@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from publisher.codecs import QuantizedRows, decode_rows
-from publisher.read.blob_rows import decode_blob, write_blob
+from publisher.read.blob_rows import decode_blob, rows_between, write_blob
 from schemas.delta_blob import DeltaBlob
 from tests.support import delta_blob_of
 
@@ -87,3 +87,19 @@ def test_a_table_of_another_shape_is_refused(
     aux = None if aux_shape is None else np.zeros(aux_shape, dtype=np.float32)
     with pytest.raises(ValueError, match="the table is"):
         write_blob(blob_of(np.arange(ROWS)), weights, aux)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_rows_between_is_the_rows_in_range_with_ids_from_its_start(codec: str) -> None:
+    ids = np.array([0, 7, 8, 20, 31, 49])
+    blob = blob_of(ids, codec=codec)
+    part = rows_between(blob, 8, 31)
+    assert part.table_rows == 23 and part.codec == codec
+    np.testing.assert_array_equal(part.row_ids, [0, 12])  # rows 8 and 20
+    np.testing.assert_array_equal(decoded(part), decoded(blob)[2:4])
+    np.testing.assert_array_equal(part.aux, blob.aux[2:4])
+    assert np.shares_memory(part.codes, blob.codes)  # still encoded, not copied
+    assert rows_between(blob, 21, 31).n_rows == 0  # no row of the blob in range
+    assert rows_between(blob, 0, ROWS) is blob
+    every = rows_between(blob_of(np.arange(ROWS), codec=codec), 10, 20)
+    np.testing.assert_array_equal(every.row_ids, np.arange(10))  # every row in range: positions

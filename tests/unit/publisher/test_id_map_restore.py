@@ -244,6 +244,17 @@ def test_the_memory_budget_counts_the_id_maps(tmp_path: Path) -> None:
         restore(store, "m", budget=MemoryBudget(needed - 1))
 
 
+def test_a_table_with_an_id_map_restores_whole_not_a_row_range(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    states = three_versions(store)
+    with pytest.raises(
+        RestoreError, match=r"carries an id map: it restores whole, not rows \[0, 5\)"
+    ):
+        restore(store, "m", rows={"users": (0, 5)})
+    every = restore(store, "m", rows={"users": (0, ROWS)})
+    assert same_map(every.id_maps["users"], states[-1])
+
+
 def test_newest_id_entries_needs_every_row() -> None:
     rows = NewestIdEntries(4)
     assert rows.add(np.array([1, 2]), _entries(["a", "b"]), hashed=False) == 2

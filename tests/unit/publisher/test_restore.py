@@ -11,13 +11,23 @@ import numpy as np
 import pytest
 import torch
 
+from bench.sharded_run import job_publishers, publish_step, row_wise
+from bench.synthetic_run import SyntheticRun, small_config
 from publisher.cli import main
 from publisher.codecs import QuantizedRows, decode_rows, encode_rows, max_abs_error_bound
+from publisher.memory_budget import MemoryBudget
 from publisher.read import blob_rows
 from publisher.read.blob_rows import write_blob
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
-from publisher.read.restore import RestoreError, read_blob, restore, restore_chain
+from publisher.read.restore import (
+    RestoredState,
+    RestoreError,
+    RowRange,
+    read_blob,
+    restore,
+    restore_chain,
+)
 from publisher.store import FileStore, IntegrityError
 from publisher.write.policies import make_policy
 from publisher.write.publishing import BackgroundPublisher, CheckpointPublisher
@@ -274,6 +284,153 @@ def test_a_restore_of_some_tables_fetches_only_their_blobs(tmp_path: Path) -> No
     assert blobs[one] <= set(fetched) and not blobs[other] & set(fetched)
     with pytest.raises(RestoreError, match="has no table 'nope'"):
         restore(store, "m", tables={one, "nope"})
+
+
+def assert_rows_of(part: RestoredState, whole: RestoredState, rows: dict[str, RowRange]) -> None:
+    """Each table of `part` is bit for bit the rows `rows` names (every row if unnamed) of the
+    same table in `whole`, its weights and optimizer columns."""
+    for name, table in part.tables.items():
+        start, end = rows.get(name, (0, len(whole.tables[name].weights)))
+        assert table.row_start == start and table.weights.shape[0] == end - start, name
+        for got, full in (
+            (table.weights, whole.tables[name].weights),
+            (table.aux, whole.tables[name].aux),
+        ):
+            np.testing.assert_array_equal(got.view(np.uint32), full[start:end].view(np.uint32))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_row_range_restores_bitwise_the_rows_of_a_full_restore(
+    tmp_path: Path, codec: str
+) -> None:
+    """One-process versions (one blob per table): each blob is fetched and only the rows in
+    range kept, at every version of a chain of deltas of few, most and every row."""
+    store = CountingStore(tmp_path)
+    run(
+        store,
+        "consecutive",
+        codec,
+        intervals=8,
+        fractions=[1.0, 0.1, 0.5, 0.02, 1.0, 0.1, 0.3, 0.0],
+    )
+    rows: dict[str, RowRange] = {"emb.a": (123, 401), "emb.b": (63, 64)}
+    for version in range(1, 9):
+        whole = restore(store, "m", version)
+        store.fetched.clear()
+        part = restore(store, "m", version, rows=rows)
+        assert_rows_of(part, whole, rows)
+        np.testing.assert_array_equal(part.dense["mlp.w"], whole.dense["mlp.w"])
+        chain = restore_plan(Catalog(store, "m"), version)
+        blobs = {t.blob.key for ref in chain for t in ref.manifest.tables if t.blob is not None}
+        assert blobs <= set(store.fetched) and part.bytes_read == whole.bytes_read
+    assert len(restore_plan(Catalog(store, "m"))) == 8  # a baseline and 7 deltas
+    some = restore(store, "m", tables={"emb.a"}, rows={"emb.a": (0, 1)})
+    assert list(some.tables) == ["emb.a"] and some.tables["emb.a"].weights.shape == (1, 8)
+
+
+def job_versions(root: Path, codec: str, ranks: int, versions: int) -> tuple[FileStore, FileStore]:
+    """`versions` versions (a full, then deltas) of one state, published by a job of `ranks`
+    row-wise ranks (one shard blob per rank of every table) into root/job, which counts its
+    fetches, and by one writer into root/single."""
+    config = small_config(rows=(300, 101), bag_rows=20, dim=8)
+    single = SyntheticRun(FileStore(root / "single"), "m", config, codec=codec)
+    store = CountingStore(root / "job")
+    publishers = job_publishers(store, "m", ranks)
+    layout = row_wise({"embeddings." + f.name: f.rows for f in config.sparse}, ranks)
+    for i in range(versions):
+        publish_step(single, publishers, layout, i)
+    for publisher in publishers:
+        publisher.close()
+    single.close()
+    return store, single.store  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_row_range_of_a_job_version_fetches_only_the_shards_it_overlaps(
+    tmp_path: Path, codec: str
+) -> None:
+    store, single = job_versions(tmp_path, codec, ranks=4, versions=4)
+    assert isinstance(store, CountingStore)
+    f0 = Catalog(store, "m").find(4).manifest.table("embeddings.f0")
+    assert f0.shards is not None
+    assert [(s.row_start, s.row_end) for s in f0.shards] == [
+        (0, 75),
+        (75, 150),
+        (150, 225),
+        (225, 300),
+    ]
+    rows: dict[str, RowRange] = {"embeddings.f0": (80, 160), "embeddings.tags": (0, 5)}
+    for version in range(1, 5):
+        whole = restore(store, "m", version)
+        one_writer = restore(single, "m", version)
+        store.fetched.clear()
+        part = restore(store, "m", version, rows=rows)
+        assert_rows_of(part, whole, rows)
+        assert_rows_of(restore(single, "m", version, rows=rows), one_writer, rows)
+        assert_rows_of(part, one_writer, rows)
+        chain = restore_plan(Catalog(store, "m"), version)
+        shards = [ref.manifest.table("embeddings.f0").shards or () for ref in chain]
+        overlapping = {s.blob.key for parts in shards for s in parts[1:3]}
+        outside = {s.blob.key for parts in shards for s in (parts[0], parts[3])}
+        assert overlapping <= set(store.fetched) and not outside & set(store.fetched)
+        tags = {s.blob.key for ref in chain for s in ref.manifest.table("embeddings.tags").parts}
+        assert len(tags & set(store.fetched)) == len(chain)  # rows 0-4: rank 0's shard only
+        assert part.bytes_read < whole.bytes_read
+
+
+def test_the_memory_budget_counts_the_rows_restored(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    run(store, "consecutive", "fp32", intervals=3)
+    manifest = Catalog(store, "m").find(3).manifest
+    a, b = manifest.table("emb.a"), manifest.table("emb.b")
+    rows: dict[str, RowRange] = {"emb.a": (100, 200)}
+    row_bytes = (a.dim + a.aux_dim) * 4
+    fits_range = manifest.full_fp32_bytes - (a.rows - 100) * row_bytes
+    assert restore(store, "m", budget=MemoryBudget(fits_range), rows=rows).version == 3
+    with pytest.raises(RestoreError, match="over the memory budget"):
+        restore(store, "m", budget=MemoryBudget(fits_range))  # the whole table does not fit
+    with pytest.raises(RestoreError, match="over the memory budget"):
+        restore(store, "m", budget=MemoryBudget(fits_range - 1), rows=rows)
+    fits_one = fits_range - b.full_fp32_bytes  # a restore of some tables counts only those
+    some = restore(store, "m", budget=MemoryBudget(fits_one), tables={"emb.a"}, rows=rows)
+    assert list(some.tables) == ["emb.a"]
+    with pytest.raises(RestoreError, match="over the memory budget"):
+        restore(store, "m", budget=MemoryBudget(fits_one - 1), tables={"emb.a"}, rows=rows)
+
+
+@pytest.mark.parametrize(
+    ("tables", "rows", "error"),
+    [
+        (
+            None,
+            {"emb.a": (0, 0)},
+            r"rows \[0, 0\) are not a non-empty range of its rows \[0, 500\)",
+        ),
+        (None, {"emb.a": (7, 3)}, r"rows \[7, 3\) are not"),
+        (None, {"emb.a": (-1, 10)}, r"rows \[-1, 10\) are not"),
+        (
+            None,
+            {"emb.b": (10, 65)},
+            r"rows \[10, 65\) are not a non-empty range of its rows \[0, 64\)",
+        ),
+        (
+            {"emb.b"},
+            {"emb.a": (0, 10)},
+            r"rows asked of tables \['emb.a'\] that version 2 does not",
+        ),
+        (None, {"nope": (0, 1)}, r"rows asked of tables \['nope'\]"),
+    ],
+)
+def test_a_bad_row_range_is_refused_before_any_blob_is_fetched(
+    tmp_path: Path, tables: set[str] | None, rows: dict[str, RowRange], error: str
+) -> None:
+    store = CountingStore(tmp_path)
+    run(store, "consecutive", "fp32", intervals=2)
+    blobs = set(Catalog(store, "m").find(2).manifest.blobs)
+    store.fetched.clear()
+    with pytest.raises(RestoreError, match=error):
+        restore(store, "m", tables=tables, rows=rows)
+    assert not {b.key for b in blobs} & set(store.fetched)
 
 
 def test_a_chain_not_starting_with_a_full_table_is_refused_before_any_fetch(

@@ -12,8 +12,11 @@ import torch
 
 from bench.sharded_job import CONFIG, EPS, SPARSE_LR, Job, run_ranks, sharded_job, train_sharded
 from publisher.dlrm import DLRM
+from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
+from publisher.read.planner import restore_plan
 from publisher.store import FileStore
+from tests.unit.publisher.test_restore import CountingStore
 from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.online import OptimizerSettings, build_optimizers
@@ -87,10 +90,20 @@ def _restore_and_compare(rank: int, world: int, root: str, sharding: str) -> Non
     from trainer.sharded.restore_shards import restore_sharded
 
     job = sharded_job(sharding, seed=100 + rank)
-    position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
+    store = CountingStore(Path(root))
+    chain = restore_plan(Catalog(store, MODEL))
+    # Row-wise on 2 ranks, a rank restores about half of every table: its budget is its own.
+    whole = chain[-1].manifest.full_fp32_bytes
+    budget = MemoryBudget(whole - 1 if world > 1 else whole)
+    position = restore_sharded(job.model, job.dense_optimizer, store, MODEL, budget=budget)
     assert position.step == STEPS
     assert position.samples_seen == 2 * STEPS * BATCH  # the job's: both ranks' samples
     assert_holds_expected(job, root)
+    # The user table's shard blobs (one per rank) are fetched by the rank restoring its rows.
+    shards = [ref.manifest.table("embeddings.user").shards or () for ref in chain]
+    mine = {parts[rank].blob.key for parts in shards}
+    others = {p.blob.key for parts in shards for p in parts} - mine
+    assert mine <= set(store.fetched) and bool(others & set(store.fetched)) == (world == 1)
 
 
 def test_two_ranks_publish_and_restore_bitwise_on_two_ranks_one_rank_and_one_process(

@@ -13,6 +13,8 @@ import torch
 
 from bench.sharded_job import CONFIG, SPARSE_LR, batch, run_ranks, sharded_job
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
+from publisher.memory_budget import MemoryBudget
+from publisher.read.catalog import Catalog
 from publisher.store import FileStore
 from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
@@ -73,7 +75,13 @@ def _restore_and_compare(rank: int, world: int, root: str, sharding: str) -> Non
     from trainer.sharded.restore_shards import restore_sharded
 
     job = sharded_job(sharding, seed=100 + rank)
-    position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
+    store = FileStore(root)
+    head = Catalog(store, MODEL).latest()
+    assert head is not None
+    # On 2 ranks a rank restores half the tables or half the rows: its budget is its own.
+    whole = head.manifest.full_fp32_bytes
+    budget = MemoryBudget(whole - 1 if world > 1 else whole)
+    position = restore_sharded(job.model, job.dense_optimizer, store, MODEL, budget=budget)
     assert (position.step, position.samples_seen) == (6, 192)
     assert_holds_expected(job, root)
     if world > 1 and sharding == "table_wise":  # a rank restored only the tables it holds
