@@ -742,6 +742,10 @@ def _as_float32_rows(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
 def _shared_tensor(arr: np.ndarray) -> torch.Tensor:
     """torch.from_numpy for arrays that are only read, such as views of a fetched blob's
     bytes, which are read-only (torch would warn) and may be unaligned (torch copes)."""
+    if any(stride % arr.itemsize for stride in arr.strides):
+        # torch takes strides in whole items only: fp16 fields or codes of rows that sit apart
+        # by an odd number of bytes (`QuantizedRows`) are copied first.
+        arr = np.ascontiguousarray(arr)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(arr)

@@ -50,6 +50,8 @@ class RowBufferPool:
         `exact` allocates exactly n rows when a new buffer is needed (for full copies, whose
         size never changes).
         """
+        if n == 0:  # nothing to hold: a free buffer would be tied up for the snapshot's life
+            return np.empty((0, width), dtype=np.float32)
         slot = (key, width)
         with self._lock:
             free = self._free.get(slot, [])

@@ -555,14 +555,22 @@ def test_quantized_rows_validates_its_fields(kwargs: dict[str, object], match: s
         QuantizedRows(**fields)  # type: ignore[arg-type]
 
 
-def test_quantized_rows_may_sit_apart() -> None:
-    # The publisher's encode keeps views of the kernel's fused rows (codes, then the fields).
-    fused = np.arange(2 * 7, dtype=np.uint8).reshape(2, 7)
-    q = QuantizedRows("int4", 5, fused[:, :3], np.zeros(2, np.float16), np.ones(2, np.float16))
-    assert (
-        decode_rows(q).tobytes()
-        == decode_rows(QuantizedRows("int4", 5, fused[:, :3].copy(), q.scale, q.bias)).tobytes()
-    )
+@pytest.mark.parametrize("codec", ["fp32", "fp16", "int8", "int4", "int3", "int2-adaptive"])
+@pytest.mark.parametrize("gap", [1, 4], ids=["odd", "even"])
+def test_quantized_rows_may_sit_apart(codec: str, gap: int) -> None:
+    # The publisher's encode keeps views of the kernel's fused rows (codes, then the fields);
+    # rows and fields any number of bytes apart decode as their contiguous copies do.
+    q = encode_rows(codec, rows_for_tests(6, 5 if codec != "int3" else 8))
+    rb = q.codes.shape[1]
+    apart = np.zeros((q.n_rows, rb + gap), dtype=np.uint8)
+    apart[:, :rb] = q.codes
+    fields = np.zeros((q.n_rows, 4 + gap), dtype=np.uint8)
+    halves = fields[:, :4].view(np.float16)
+    scale, bias = (halves[:, 0], halves[:, 1]) if q.scale.size else (q.scale, q.bias)
+    scale[:] = q.scale
+    bias[:] = q.bias
+    spread = QuantizedRows(codec, q.dim, apart[:, :rb], scale, bias)
+    assert decode_rows(spread).tobytes() == decode_rows(q).tobytes()
 
 
 def test_float_codecs_carry_no_scale_or_bias() -> None:
