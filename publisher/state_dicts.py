@@ -52,6 +52,44 @@ def module_tensors(module: torch.nn.Module, skip: set[str]) -> dict[str, np.ndar
     }
 
 
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The name the optimizer blob records for an optimizer's class (docs/FORMAT.md 5)."""
+    kind = type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def state_dict_misfits(
+    optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], stored_class: object
+) -> list[str]:
+    """Why an optimizer state_dict a checkpoint holds would not fit `optimizer`; [] if it fits.
+
+    torch's `load_state_dict` checks only the number of parameters per group and hands state
+    over by position: another optimizer's state loads and fails at the next step (SGD finding
+    no `momentum`), and a parameter's moments land on whichever parameter now sits at its
+    position. So: the class the blob recorded (`stored_class`, None for an older blob) must be
+    the optimizer's, and every state tensor must fit the parameter at its position: one value
+    (a step count), the parameter's shape, or one entry per row (a row-wise accumulator).
+    Parameters of equal shapes that swapped places cannot be told apart here.
+    """
+    found = optimizer_class(optimizer)
+    if stored_class is not None and stored_class != found:
+        return [f"the state is of a {stored_class}, this optimizer a {found}"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    misfits = []
+    for index, per_param in sorted(state_dict.get("state", {}).items()):
+        if not isinstance(index, int) or not 0 <= index < len(params):
+            misfits.append(f"state of parameter {index!r}: this optimizer has {len(params)}")
+            continue
+        shape = tuple(params[index].shape)
+        for name, value in sorted(per_param.items()):
+            if not isinstance(value, torch.Tensor) or value.numel() == 1:
+                continue
+            got = tuple(value.shape)
+            if got != shape and not (got and shape and got[0] == shape[0]):
+                misfits.append(f"parameter {index} is {shape} here, its {name!r} is {got}")
+    return misfits
+
+
 def flatten_optimizer_state(
     state: dict[str, Any],
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -204,6 +242,7 @@ class OptimizerStateLayout:
             # The tensor blob stores 0-d arrays (Adam's `step`) as shape (1,): keep the shapes
             # so a resume puts back exactly what the optimizer had.
             meta["shapes"] = {k: list(v.shape) for k, v in flat.items()}
+            meta["class"] = optimizer_class(optimizer)
             tensors.update({OPTIMIZER_PREFIX.format(i) + k: v for k, v in flat.items()})
             metas.append(meta)
         row_state = {name: [s.to_json() for s in layout] for name, layout in layouts.items()}

@@ -18,7 +18,7 @@ from torch import nn
 
 from publisher.id_map import IdMap
 from publisher.read.restore import RestoredState
-from publisher.state_dicts import RowState, optimizer_state_dicts
+from publisher.state_dicts import RowState, optimizer_state_dicts, state_dict_misfits
 from publisher.write.tracker import EmbeddingModule
 from trainer.errors import CheckpointError
 
@@ -51,6 +51,7 @@ def load_restored(
     if missing:
         raise CheckpointError(f"version {state.version} lacks tables {missing}")
     _check_row_state_owners(state, optimizers, tables)
+    optimizer_states = _optimizer_states(state, optimizers)
     with torch.no_grad():
         weights: dict[str, torch.Tensor] = {}
         for name, table in tables.items():
@@ -68,7 +69,7 @@ def load_restored(
             raise CheckpointError(
                 f"version {state.version} does not fit this model: {exc}"
             ) from exc
-    _load_optimizers(state, optimizers)
+    _load_optimizers(state, optimizers, optimizer_states)
     if not _hashed_without_maps(state, id_maps or {}):
         for name, id_map in (id_maps or {}).items():
             id_map.load_from(state.id_maps[name])
@@ -153,22 +154,47 @@ def _check_row_state_owners(
 _MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
 
 
-def _load_optimizers(state: RestoredState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def _optimizer_states(
+    state: RestoredState, optimizers: Sequence[torch.optim.Optimizer]
+) -> list[dict[str, Any]]:
+    """The state_dicts the version holds for `optimizers`, each checked to fit its optimizer
+    (publisher/state_dicts.py `state_dict_misfits`) before anything is loaded."""
     # The one place the trainer interprets that metadata: whatever it holds ends here as a
     # CheckpointError (exit 1 for `train --resume`), never as an escaping KeyError.
     try:
-        held = len(state.optimizer_meta.get("optimizers", []))
-        if held != len(optimizers):
+        metas = state.optimizer_meta.get("optimizers", [])
+        if len(metas) != len(optimizers):
             raise CheckpointError(
-                f"version {state.version} holds state of {held} optimizer(s), "
+                f"version {state.version} holds state of {len(metas)} optimizer(s), "
                 f"this trainer has {len(optimizers)}"
             )
         aux = {name: table.aux for name, table in state.tables.items()}
         dicts = optimizer_state_dicts(state.optimizer, state.optimizer_meta, aux)
+        misfits = [
+            f"optimizers[{i}]: {why}"
+            for i, (optimizer, sd, meta) in enumerate(zip(optimizers, dicts, metas, strict=True))
+            for why in state_dict_misfits(optimizer, sd, meta.get("class"))
+        ]
+    except _MALFORMED as exc:
+        raise CheckpointError(
+            f"version {state.version}: optimizer state is malformed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if misfits:
+        raise CheckpointError(
+            f"version {state.version}: optimizer state does not fit: {'; '.join(misfits)}"
+        )
+    return dicts
+
+
+def _load_optimizers(
+    state: RestoredState,
+    optimizers: Sequence[torch.optim.Optimizer],
+    dicts: Sequence[dict[str, Any]],
+) -> None:
+    try:
         for optimizer, sd in zip(optimizers, dicts, strict=True):
             optimizer.load_state_dict(sd)
     except _MALFORMED as exc:
         raise CheckpointError(
-            f"version {state.version}: optimizer state does not fit or is malformed: "
-            f"{type(exc).__name__}: {exc}"
+            f"version {state.version}: optimizer state does not fit: {type(exc).__name__}: {exc}"
         ) from exc

@@ -25,6 +25,7 @@ from publisher.state_dicts import (
     OptimizerStateLayout,
     RowState,
     optimizer_state_dicts,
+    state_dict_misfits,
 )
 from trainer.errors import CheckpointError
 
@@ -59,9 +60,12 @@ def job_optimizer_state(
     return renamed, {"optimizers": [sparse_meta, *meta["optimizers"]], "row_state": row_state}
 
 
-def load_dense_optimizer(state: RestoredState, dense_optimizer: torch.optim.Optimizer) -> None:
-    """Load optimizer 1 of a restored version into `dense_optimizer`; CheckpointError when the
-    version's optimizers are not a row-wise sparse one and one dense one."""
+def dense_optimizer_state(
+    state: RestoredState, dense_optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Optimizer 1 of a restored version as `dense_optimizer`'s state_dict, checked to fit it
+    (publisher/state_dicts.py `state_dict_misfits`); CheckpointError when the version's
+    optimizers are not a row-wise sparse one and one dense one, or the dense one does not fit."""
     aux = {name: table.aux for name, table in state.tables.items()}
     # A rank restores only the tables it holds (restore_shards.py): the sparse optimizer's
     # columns of the others are not needed for the dense optimizer's state, nor there.
@@ -77,12 +81,36 @@ def load_dense_optimizer(state: RestoredState, dense_optimizer: torch.optim.Opti
                 f"version {state.version} holds {len(dicts)} optimizer(s); a sharded model "
                 "loads a sparse row-wise one and a dense one"
             )
-        dense_optimizer.load_state_dict(dicts[1])
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        stored_class = meta["optimizers"][1].get("class")
+        misfits = state_dict_misfits(dense_optimizer, dicts[1], stored_class)
+    except _MALFORMED as exc:
         raise CheckpointError(
-            f"version {state.version}: dense optimizer state does not fit or is malformed: "
+            f"version {state.version}: dense optimizer state is malformed: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    if misfits:
+        raise CheckpointError(
+            f"version {state.version}: dense optimizer state does not fit: {'; '.join(misfits)}"
+        )
+    return dicts[1]
+
+
+def load_dense_optimizer(
+    state: RestoredState, dense_optimizer: torch.optim.Optimizer, checked: dict[str, Any]
+) -> None:
+    """Load `checked` (from `dense_optimizer_state`) into `dense_optimizer`."""
+    try:
+        dense_optimizer.load_state_dict(checked)
+    except _MALFORMED as exc:
+        raise CheckpointError(
+            f"version {state.version}: dense optimizer state does not fit: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+#: what interpreting the optimizer metadata (JSON from the store) and loading it raise when it
+#: is malformed.
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError)
 
 
 def accumulator_column(state: RestoredState, table: str) -> np.ndarray:

@@ -28,7 +28,11 @@ from publisher.store import ObjectStore
 from schemas.manifest import Manifest, Position
 from trainer.errors import CheckpointError
 from trainer.sharded.local_shards import ShardedTable, local_shards
-from trainer.sharded.optimizer_state import accumulator_column, load_dense_optimizer
+from trainer.sharded.optimizer_state import (
+    accumulator_column,
+    dense_optimizer_state,
+    load_dense_optimizer,
+)
 
 
 def restore_sharded(
@@ -62,7 +66,7 @@ def load_sharded(
 ) -> None:
     """Put a restored version into a sharded model (see `restore_sharded`); CheckpointError
     when it does not fit: its tables, accumulators and dense tensors are checked before anything
-    is written, the dense optimizer's state by torch as it is loaded, last."""
+    is written, the dense optimizer's state too (it is loaded last)."""
     tables = local_shards(model)
     _check_tables(state.manifest, tables)
     held = {name: table for name, table in tables.items() if table.shards}
@@ -91,6 +95,7 @@ def load_sharded(
                 f"dense tensor {key!r} is {tuple(live[key].shape)} here, "
                 f"{state.dense[key].shape} in version {state.version}"
             )
+    optimizer_state = dense_optimizer_state(state, dense_optimizer)
     with torch.no_grad():
         for name, table in held.items():
             weights = torch.from_numpy(state.tables[name].weights)
@@ -102,7 +107,7 @@ def load_sharded(
                 shard.accumulator.copy_(accumulator[rows])
         for key in dense_keys:
             live[key].copy_(torch.from_numpy(state.dense[key]))
-    load_dense_optimizer(state, dense_optimizer)
+    load_dense_optimizer(state, dense_optimizer, optimizer_state)
 
 
 def _check_tables(manifest: Manifest, tables: dict[str, ShardedTable]) -> None:

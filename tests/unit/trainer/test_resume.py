@@ -292,3 +292,66 @@ def test_per_row_state_of_tables_listed_in_another_order_is_refused(tmp_path: Pa
         resumed.resume()
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
     assert all(float(s["sum"].abs().sum()) == 0.0 for s in swapped.state.values())
+
+
+class _Dense(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(5, 3)
+        self.first = torch.nn.Linear(3, 4)
+        self.second = torch.nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(self.table(ids)))
+
+
+def _trained_dense(store: FileStore, optimizer: Callable[..., torch.optim.Optimizer]) -> None:
+    model = _Dense()
+    opt = optimizer(model.parameters(), lr=0.1)
+    with IncrementalCheckpointer(
+        model, [opt], store=store, model_name="m", policy="full", codec="fp32"
+    ) as ckpt:
+        model(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        ckpt.step(1)
+        ckpt.checkpoint_now()
+
+
+def _refused_untouched(
+    store: FileStore, params: Callable[[_Dense], list[torch.nn.Parameter]], match: str
+) -> None:
+    fresh = _Dense()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    opt = torch.optim.Adam(params(fresh), lr=0.1)
+    with (
+        IncrementalCheckpointer(
+            fresh, [opt], store=store, model_name="m", policy="full", codec="fp32"
+        ) as resumed,
+        pytest.raises(CheckpointError, match=match),
+    ):
+        resumed.resume()
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert not opt.state  # nothing loaded
+
+
+def test_state_of_another_optimizer_class_is_refused_before_anything_is_loaded(
+    tmp_path: Path,
+) -> None:
+    # torch would load SGD's state into Adam and fail at the next step, on a missing key.
+    store = FileStore(tmp_path)
+    _trained_dense(store, torch.optim.SGD)
+    _refused_untouched(
+        store, lambda m: list(m.parameters()), r"torch\.optim\.sgd\.SGD, this optimizer a"
+    )
+
+
+def test_dense_state_at_parameters_of_other_shapes_is_refused(tmp_path: Path) -> None:
+    # The version's moments listed the parameters first then second; this optimizer lists them
+    # the other way round, so each position holds another shape's moments.
+    store = FileStore(tmp_path)
+    _trained_dense(store, torch.optim.Adam)
+    _refused_untouched(
+        store,
+        lambda m: [m.table.weight, *m.second.parameters(), *m.first.parameters()],
+        r"parameter 1 is \(2, 4\) here, its 'exp_avg' is \(4, 3\)",
+    )
