@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from publisher.read.catalog import Catalog, NoVersionError
 from publisher.state_dicts import module_tensors
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
@@ -159,6 +160,8 @@ class ShardedCheckpointer:
         )
         self.background = JobBackgroundPublisher(self.publisher, on_published=self._published)
         self._closed = False
+        #: the version `resume` loaded, None before.
+        self.resumed_from: int | None = None
 
     # --- the training loop's calls ---------------------------------------------------------
 
@@ -335,15 +338,28 @@ class ShardedCheckpointer:
         state and the dense optimizer (every rank calls it); the step and sample counters continue
         from its position (the job's samples for the clock, this rank's part of them for its
         position, so the next version's sum is right), and the next checkpoint is a full
-        baseline."""
+        baseline. `resumed_from` is then the version loaded."""
+        if version is None:
+            version = self._agreed_latest()
         position = restore_sharded(
             self.model, self.dense_optimizer, self.store, self.model_name, version
         )
+        self.resumed_from = version
         self.clock.resume_at(position.step, position.samples_seen)
         self.rank_samples = self._resumed_samples(position)
         self.dirty.take()  # loading is not training: nothing is dirty
         self.policy.force_full()
         return position
+
+    def _agreed_latest(self) -> int:
+        """The latest committed version, as rank 0 reads it, on every rank: read by each rank,
+        "latest" could differ while another writer (the job being replaced) still commits, and
+        ranks would load different versions. NoVersionError on every rank if there is none."""
+        latest = Catalog(self.store, self.model_name).latest() if self.rank == 0 else None
+        agreed = self.publisher.collective.broadcast(None if latest is None else latest.version)
+        if not isinstance(agreed, int):
+            raise NoVersionError(f"model {self.model_name!r} has no committed version")
+        return agreed
 
     def _resumed_samples(self, position: Position) -> int:
         """This rank's samples at `position`: its own when the job that wrote it had as many

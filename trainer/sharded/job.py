@@ -353,10 +353,7 @@ def _resume(
         raise CommandError(f"--resume: {exc}; run without --resume to start fresh") from exc
     except BadDataError as exc:
         raise CommandError(f"--resume: {exc}") from exc
-    if version is None:
-        latest = Catalog(store, model_name).latest()
-        version = None if latest is None else latest.version
-    return start, version
+    return start, checkpointer.resumed_from
 
 
 def _published(result: PublishResult) -> None:

@@ -16,6 +16,8 @@ from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
 from publisher.store import FileStore
+from schemas.manifest import Head
+from schemas.store_keys import head_key
 from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.errors import CheckpointError
@@ -114,3 +116,45 @@ def test_a_version_of_another_shape_is_refused_and_nothing_is_written(tmp_path: 
     other = replace(CONFIG, sparse=(SparseFeature("user", 99), *CONFIG.sparse[1:]))
     _one_process_version(tmp_path / "store", other)
     run_ranks(_refuse_and_keep, 1, str(tmp_path / "store"))
+
+
+class _StaleHead(FileStore):
+    """A store whose HEAD still names version 1: what a rank reads while another writer is
+    committing a newer one."""
+
+    def get(self, key: str, max_bytes: int | None = None) -> bytes:
+        if key == head_key(MODEL):
+            first = Catalog(FileStore(self.root), MODEL).versions()[0]
+            return Head(model=MODEL, version=first.version, manifest=first.key).to_json()
+        return super().get(key, max_bytes)
+
+
+def _resume_latest(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.checkpointing import ShardedCheckpointer
+    from trainer.sharded.collective import TorchCollective
+
+    job = sharded_job("table_wise")
+    store = _StaleHead(root) if rank == 0 else FileStore(root)
+    with ShardedCheckpointer(
+        job.model,
+        job.dense_optimizer,
+        store=store,
+        model_name=MODEL,
+        collective=TorchCollective.new(timeout_s=30.0),
+        sparse_hyper={"lr": SPARSE_LR, "eps": 1e-8},
+        policy="consecutive",
+        codec="fp32",
+        interval_samples=64,
+        model_config=CONFIG.to_json(),
+    ) as ckpt:
+        position = ckpt.resume()
+        assert ckpt.resumed_from == 1
+        assert (position.step, position.samples_seen) == (3, 96)
+
+
+def test_every_rank_resumes_the_latest_version_rank_0_read(tmp_path: Path) -> None:
+    # Rank 0 read HEAD before another writer committed version 2, rank 1 after: every rank
+    # must load the version rank 0 read.
+    _one_process_version(tmp_path / "store")
+    assert [v.version for v in Catalog(FileStore(tmp_path / "store"), MODEL).versions()] == [1, 2]
+    run_ranks(_resume_latest, 2, str(tmp_path / "store"))
