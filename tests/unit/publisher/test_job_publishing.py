@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -184,43 +185,43 @@ def test_a_rank_that_never_answers_times_out_and_commits_nothing(tmp_path: Path)
     assert publishers[0].writer is not None and publishers[0].writer._stop.is_set()
 
 
-def test_ranks_that_disagree_commit_nothing(tmp_path: Path) -> None:
+def _rank_1_fails_and_nothing_is_committed(
+    tmp_path: Path, spoil: Callable[[Snapshot], Snapshot], *error: str
+) -> None:
+    """Two ranks publish the first version, rank 1's part spoiled: both fail, naming rank 1
+    and every string of `error`, and no version is committed."""
     run = _run(tmp_path, "single")
     store = FileStore(tmp_path / "job")
     publishers = job_publishers(store, "m", 2)
     (first,) = _snapshots(run, 1)
     parts = split_snapshot(first, row_wise(TABLE_ROWS, 2), 2)
-    parts[1] = replace(parts[1], sequence=7)
+    parts[1] = spoil(parts[1])
     results = on_ranks(2, lambda r: publishers[r].publish(parts[r]))
     for result in results:
         assert isinstance(result, RankFailedError) and result.rank == 1
-        assert JobMismatchError.__name__ in result.error and "sequence" in result.error
+        assert all(e in result.error for e in error)
     with pytest.raises(NotFoundError):
         store.get(head_key("m"))
     for publisher in publishers:
         publisher.close()
+
+
+def test_ranks_that_disagree_commit_nothing(tmp_path: Path) -> None:
+    _rank_1_fails_and_nothing_is_committed(
+        tmp_path, lambda part: replace(part, sequence=7), JobMismatchError.__name__, "sequence"
+    )
 
 
 def test_a_rank_holding_nan_commits_nothing(tmp_path: Path) -> None:
     # The codec trusts the job publisher's one check of the snapshot (its kernel path would
     # quantise NaN to code 0 without a word): that check must refuse the part.
-    run = _run(tmp_path, "single")
-    store = FileStore(tmp_path / "job")
-    publishers = job_publishers(store, "m", 2)
-    (first,) = _snapshots(run, 1)
-    parts = split_snapshot(first, row_wise(TABLE_ROWS, 2), 2)
-    table = replace(parts[1].tables[0], codec="int4")
-    assert len(table.row_ids) > 3
-    table.values[3, 1] = float("nan")
-    parts[1] = replace(parts[1], tables=(table, *parts[1].tables[1:]))
-    results = on_ranks(2, lambda r: publishers[r].publish(parts[r]))
-    for result in results:
-        assert isinstance(result, RankFailedError) and result.rank == 1
-        assert NonFiniteSnapshotError.__name__ in result.error
-    with pytest.raises(NotFoundError):
-        store.get(head_key("m"))
-    for publisher in publishers:
-        publisher.close()
+    def spoil(part: Snapshot) -> Snapshot:
+        table = replace(part.tables[0], codec="int4")
+        assert len(table.row_ids) > 3
+        table.values[3, 1] = float("nan")
+        return replace(part, tables=(table, *part.tables[1:]))
+
+    _rank_1_fails_and_nothing_is_committed(tmp_path, spoil, NonFiniteSnapshotError.__name__)
 
 
 @pytest.mark.parametrize(
