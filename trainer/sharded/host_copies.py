@@ -126,7 +126,8 @@ def chunk_plan(tables: Mapping[str, ShardedTable], chunk_bytes: int) -> list[lis
     for name, table in tables.items():
         if not table.shards:
             continue
-        rows, size = table.shards[0].rows, row_bytes(table.dim)
+        (shard,) = table.shards  # one per rank and table (see dirty_rows.py)
+        rows, size = shard.rows, row_bytes(table.dim)
         start = 0
         while start < rows:
             fits = budget // size

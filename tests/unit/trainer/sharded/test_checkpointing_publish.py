@@ -286,13 +286,26 @@ def _close_during_chunked_full(rank: int, world: int, root: str) -> None:
     assert resumed.resume().step == 3
     _assert_state(again, at_close)
     with resumed:
+        for step in range(3, 5):
+            train_sharded(again, seed=10 * step + rank, size=BATCH)
+            resumed.step(world * BATCH, BATCH)
+            assert resumed.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is None
+        assert resumed.copying_full  # due at step 5: a full after a resume, in chunks
         train_sharded(again, seed=99 + rank, size=BATCH)
         resumed.step(world * BATCH, BATCH)
-        assert resumed.checkpoint_now(reader={"offset": 4 * BATCH}, force_full=True).kind == "full"
-    assert resumed.last_version == 2
+        # checkpoint_now completes the full being copied, in one stop, whatever it asks for.
+        now = resumed.checkpoint_now(reader={"offset": 6 * BATCH}, force_full=True)
+        at_now = sharded_state(again)
+    assert (now.kind, now.step, len(now.pauses_ms)) == ("full", 6, 1)
+    assert resumed.last_version == 2 and not resumed.copying_full
+    from trainer.sharded.restore_shards import restore_sharded
+
+    other = sharded_job(MIXED, seed=77)
+    assert restore_sharded(other.model, other.dense_optimizer, FileStore(root), MODEL).step == 6
+    _assert_state(other, at_now)
 
 
-def test_close_during_a_chunked_full_commits_it_and_the_job_resumes_from_it(
+def test_close_or_checkpoint_now_during_a_chunked_full_commits_it_and_the_job_resumes(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "store"
