@@ -143,6 +143,7 @@ class ShardedCheckpointer:
         tunables: Tunables = DEFAULT_TUNABLES,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
+        preallocate: bool = True,
     ) -> None:
         """
         Args:
@@ -161,6 +162,9 @@ class ShardedCheckpointer:
             group: the training group the dirty bitmaps are reduced over (None: default).
             timeout_s: how long a rank's publisher waits for its own trainer's snapshot of
                 the sequence rank 0 picked (JobPublisher); the collective has its own timeout.
+            preallocate: allocate and touch the host buffers of one full copy of this rank's
+                shards now, so no stop of a full copied in chunks pays page faults (or pinning,
+                on a GPU) for them (the first full would allocate them; the pool keeps them).
         """
         if codec not in CODECS:
             raise CheckpointError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
@@ -191,6 +195,11 @@ class ShardedCheckpointer:
         self.dirty = ShardDirtyRows(model, self.tables, group)
         self._copier = ShardRowCopier(self.tables, codec)
         self._chunk_bytes = tunables.full_copy_chunk_bytes
+        chunked_here = (
+            self._chunk_bytes is not None and len(chunk_plan(self.tables, self._chunk_bytes)) > 1
+        )
+        if preallocate and chunked_here:  # else a full's first chunk pays its faults, no more
+            self._copier.reserve_full()
         #: a full baseline being copied in chunks, from its first stop to its last.
         self._chunked: _Chunked | None = None
         self.ledger = CheckpointRecords()

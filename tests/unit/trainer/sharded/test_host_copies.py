@@ -74,3 +74,16 @@ def test_a_full_copied_in_chunks_is_the_shards_at_the_last_stop() -> None:
         assert np.array_equal(table_rows.aux.reshape(-1), shard.accumulator.numpy())
         assert table_rows.row_ids.tolist() == list(range(shard.row_start, shard.row_end))
     assert rows["a"].row_range == (10, 33) and rows["b"].row_range is None
+
+
+def test_reserved_buffers_are_the_ones_a_full_copies_into() -> None:
+    tables = _tables()
+    copier = ShardRowCopier(tables, "fp32")
+    copier.reserve_full()
+    full_bytes = sum(row_bytes(t.dim) * s.rows for t in tables.values() for s in t.shards)
+    assert copier.buffers.allocated_bytes == full_bytes
+    full = ChunkedShardFull(tables, chunk_plan(tables, 64), copier)
+    assert copier.buffers.allocated_bytes == full_bytes  # taken from the pool, none allocated
+    while not full.copied:
+        full.copy_chunk()
+    assert np.array_equal(full.values["a"], tables["a"].shards[0].weight.numpy())
