@@ -1,7 +1,7 @@
 """Part `shardckpt`: a sharded job's checkpoints on 1 vs 2 ranks, the same model and data.
 
     checknrun bench shardckpt [--rows 400000 --dim 32 --steps 24 --every 4 --batch 2048
-                               --codec int4 --repeats 2] [--quick] [--json OUT]
+                               --codec int4 --repeats 2 --full-chunk-mib 32] [--quick] [--json OUT]
 
 Trains bench/sharded_job.py's DLRM (tables `user` of `--rows` rows split row-wise over the
 ranks, `item` and `ad` of a half and a quarter of that held whole) for `--steps` steps of one
@@ -12,7 +12,11 @@ machine. Reports per arm the median stall of each rank (the training thread's st
 the all_reduce, plan, copies, hand-off), the median publish time per version on rank 0 (its
 round: reserve, encode and upload its blobs, wait for every rank's report, manifest and HEAD),
 and the bytes each rank wrote per version (median, fulls and deltas apart). The first
-checkpoint (the full baseline) is left out of the stall and publish medians.
+checkpoint (the full baseline) is left out of the stall and publish medians; its stops are
+reported apart (`full_stop_ms_median` and `_max`, `full_stops`): copied in chunks of
+`--full-chunk-mib` per step (0: in one stop), it stops once per chunk and once more to copy the
+rows changed meanwhile (run it with `--steps` past `--every` plus its chunk count, or `close`
+completes it in one stop).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from bench.sharded_job import EPS, SPARSE_LR, run_ranks, sharded_job, train_shar
 from publisher.cli import positive_int
 from publisher.dlrm import DLRMConfig, SparseFeature
 from publisher.store import FileStore
+from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.publishing import PublishResult
 from schemas.codec_names import CODECS
 from schemas.manifest import BlobRef, Manifest
@@ -41,6 +46,8 @@ SIZES: dict[str, tuple[int, int]] = {
     "repeats": (2, 1),
 }
 WORLDS = (1, 2)
+#: MiB of a full baseline copied per step by default: the trainers' (0: one stop).
+DEFAULT_CHUNK_MIB = (DEFAULT_TUNABLES.full_copy_chunk_bytes or 0) >> 20
 SHARDING = {"user": "row_wise", "item": "table_wise", "ad": "table_wise"}
 
 
@@ -53,6 +60,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=positive_int, default=32, help="elements per row")
     parser.add_argument("--every", type=positive_int, default=4, help="steps per checkpoint")
     parser.add_argument("--codec", choices=CODECS, default="int4", help="the tables' codec")
+    parser.add_argument(
+        "--full-chunk-mib",
+        type=_mib,
+        default=DEFAULT_CHUNK_MIB,
+        help="MiB of a full baseline copied per step (0: the whole full in one stop)",
+    )
+
+
+def _mib(text: str) -> int:
+    """A whole number of MiB, 0 or more (argparse type)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected MiB >= 0, got {text}")
+    return value
 
 
 def config_of(rows: int, dim: int) -> DLRMConfig:
@@ -90,13 +111,22 @@ def _job(rank: int, world: int, root: str, options: dict[str, Any]) -> None:
         interval_samples=every * batch,
         model_config=config.to_json(),
         on_published=results.append,
+        tunables=Tunables(full_copy_chunk_bytes=int(options["full_chunk_mib"]) << 20 or None),
     )
     with ckpt:
         for step in range(int(options["steps"])):
             train_sharded(job, seed=step, size=batch, config=config, part=(rank, world))
             ckpt.step(batch, batch // world)
             ckpt.maybe_checkpoint(reader={"step": step + 1})
+    full = ckpt.records[0]
     figures = {
+        # a chunked full's stops: its first and one per chunk, then the last (copy, hand-off)
+        "full_stops_ms": [
+            *full.pauses_ms,
+            full.stall_breakdown_ms["copy"] + full.stall_breakdown_ms["handoff"]
+            if full.pauses_ms
+            else full.stall_ms,
+        ],
         "stall_ms": [r.stall_ms for r in ckpt.records],
         "rows_copied": [r.rows_copied for r in ckpt.records],
         "publish_s": [r.encode_s + r.commit_s for r in results],
@@ -133,13 +163,20 @@ def run(
     dim: int = 32,
     every: int = 4,
     codec: str = "int4",
+    full_chunk_mib: int = DEFAULT_CHUNK_MIB,
 ) -> dict[str, Any]:
     """Both arms, alternating `repeats` times; medians per arm and the 2-rank / 1-rank ratios."""
     sizes = {k: (d, q) for k, (d, q) in SIZES.items()}
     given = {"rows": rows, "steps": steps, "batch": batch, "repeats": repeats}
     chosen = {k: v if v is not None else sizes[k][1 if quick else 0] for k, v in given.items()}
     config = config_of(chosen["rows"], dim)
-    options = {**chosen, "every": every, "codec": codec, "config": config.to_json()}
+    options = {
+        **chosen,
+        "every": every,
+        "codec": codec,
+        "full_chunk_mib": full_chunk_mib,
+        "config": config.to_json(),
+    }
     gathered: dict[int, list[dict[str, Any]]] = {w: [] for w in WORLDS}
     for repeat in range(chosen["repeats"]):
         for world in WORLDS:
@@ -158,7 +195,11 @@ def run(
             # the first checkpoint is the full baseline: a different size of work
             stalls = [s for one in mine for s in one["stall_ms"][1:]]
             copied = [c for one in mine for c in one["rows_copied"][1:]]
+            full_stops = [s for one in mine for s in one["full_stops_ms"]]
             per_rank[str(rank)] = {
+                "full_stop_ms_median": _median(full_stops),
+                "full_stop_ms_max": round(max(full_stops), 3),
+                "full_stops": len(full_stops) // len(mine),
                 "stall_ms_median": _median(stalls),
                 "rows_copied_median": _median([float(c) for c in copied]),
             }
@@ -188,7 +229,9 @@ def run(
     }
     for name, arm in arms.items():
         per_rank_text = ", ".join(
-            f"rank {r}: {v['stall_ms_median']} ms" for r, v in arm["ranks"].items()
+            f"rank {r}: {v['stall_ms_median']} ms (full: {v['full_stops']} stops, median "
+            f"{v['full_stop_ms_median']} ms, max {v['full_stop_ms_max']} ms)"
+            for r, v in arm["ranks"].items()
         )
         print(
             f"{name} rank(s): stall {per_rank_text}; publish {arm['publish_s_median']} s "

@@ -27,7 +27,8 @@ class Tunables:
     #: first (publisher/memory_budget.py); None: 3/4 of the machine's memory.
     memory_budget_bytes: int | None = None
     #: bytes of a full baseline (rows and optimizer columns) the trainer copies per training
-    #: step (trainer/snapshot_capture.py): 32 MiB is ~5 ms of copy on an idle core, so a 1.1 GB
+    #: step (trainer/snapshot_capture.py; a sharded job's rank of its shards,
+    #: trainer/sharded/host_copies.py): 32 MiB is ~5 ms of copy on an idle core, so a 1.1 GB
     #: baseline costs ~35 short stops instead of one 0.1-1.2 s stall. None: one stop.
     full_copy_chunk_bytes: int | None = 32 << 20
 

@@ -41,6 +41,9 @@ class CheckpointRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     #: where the stall went: dirty bitmaps + policy, copies, hand-off to the publisher.
     stall_breakdown_ms: dict[str, float] = field(default_factory=dict)
+    #: milliseconds of each stop before the last of a full copied in chunks (its first stop
+    #: and each chunk's); empty for a checkpoint taken in one stop.
+    pauses_ms: list[float] = field(default_factory=list)
     #: CPU time of the training thread in the stall's last stop (not inflated by other
     #: processes taking the cores, unlike `stall_ms`).
     stall_cpu_ms: float = 0.0

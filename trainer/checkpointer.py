@@ -392,6 +392,7 @@ class IncrementalCheckpointer:
         record.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
         # The longest single stop: a chunked full's chunks are stops of their own.
         record.stall_ms = max([(done - started) * 1e3, *pauses])
+        record.pauses_ms = list(pauses)
         # "handoff" includes merging into a pending snapshot
         record.stall_breakdown_ms = {**breakdown, "handoff": (done - handoff) * 1e3}
         self.clock.restart()

@@ -11,6 +11,8 @@ local_shards.py     a DMP's table shards and fused accumulators as views, with g
 dirty_rows.py       the rows each rank's shards changed (ModelDeltaTracker), and the job's
 optimizer_state.py  the fused row-wise optimizer in the one-process trainer's layout
 checkpointing.py    ShardedCheckpointer: each rank snapshots its shards, one version per job
+host_copies.py      a rank's shard rows copied to host memory: planned rows, or a full in chunks
+training_group.py   reductions over the training group (gloo on the host, NCCL on the device)
 restore_shards.py   a version into a sharded model at any world size
 """
 

@@ -28,17 +28,33 @@ version's `samples_seen`. The stall, on the training thread of each rank:
   (publisher/write/policies.py) plans from the job's rows, so every rank takes the same
   decision (full or delta, relative to what);
 - copies of the planned rows of this rank's shards, weights and accumulator (the one aux
-  column), into `TableRows` with `row_range` (None for a table held whole); rank 0 also copies
-  the dense parameters and the dense optimizer state (trainer/sharded/optimizer_state.py, the
-  one-process trainer's layout);
+  column), into `TableRows` with `row_range` (None for a table held whole;
+  trainer/sharded/host_copies.py); rank 0 also copies the dense parameters and the dense
+  optimizer state (trainer/sharded/optimizer_state.py, the one-process trainer's layout);
 - the `Snapshot` handed to the `JobBackgroundPublisher` (publisher/write/job_publishing.py),
   which writes every rank's blobs in parallel and commits one version for the job.
+
+A full baseline copies every row of the rank's shards, seconds for a rank holding a few GB, and
+the ranks meet at every step's collectives, so one rank's stop stalls the job. When some rank's
+shards take more than one chunk of `Tunables.full_copy_chunk_bytes`, the full is copied in
+chunks instead (as trainer/snapshot_capture.py does in one process): the stop that plans it
+agrees on the job's chunk count K (one all_reduce MAX of the ranks' counts, on the training
+group), allocates the host buffers and copies the first chunk; each of the next K - 1
+`maybe_checkpoint` calls copies one more (a rank with fewer chunks has nothing left to copy);
+the K-th is the last stop, at the same step on every rank: it copies the rows of the rank's
+shards that the tracker recorded since the first chunk over their chunk copies, and those rows
+are taken off it, plus the dense state on rank 0, and submits the full. The version is the model
+at that last stop, exactly, and the next delta holds the rows changed after it. No collective
+runs per chunk. Meanwhile no other checkpoint begins; `checkpoint_now` and `close` complete the
+full at once. Each stop's pause is in the record (`pauses_ms`, "chunk_pauses",
+"longest_chunk_pause"; `stall_ms` is the longest stop).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,7 +68,7 @@ from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.collective import Collective
 from publisher.write.job_publishing import JobBackgroundPublisher, JobPublisher, table_order
-from publisher.write.policies import Policy, make_policy
+from publisher.write.policies import Plan, Policy, make_policy
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot, TableRows
 from publisher.write.tracker import RowIds
@@ -62,16 +78,46 @@ from schemas.manifest import Position
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
-from trainer.row_buffers import RowBufferPool
 from trainer.sharded.dirty_rows import ShardDirtyRows
-from trainer.sharded.local_shards import LocalShard, ShardedTable, local_shards
+from trainer.sharded.host_copies import ChunkedShardFull, ShardRowCopier, chunk_plan
+from trainer.sharded.local_shards import ShardedTable, local_shards
 from trainer.sharded.optimizer_state import job_optimizer_state
 from trainer.sharded.restore_shards import restore_sharded
+from trainer.sharded.training_group import all_reduce_max
 
 Reader = Mapping[str, int | str | dict[str, int]]
 #: a version's metrics, or what gives them when a checkpoint is taken (a collective call for a
 #: job's sums: every rank calls it at the same step).
 Metrics = Mapping[str, float] | Callable[[], Mapping[str, float]]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a checkpoint's first stop decided, and when it began."""
+
+    plan: Plan
+    #: the rows any rank changed in the interval, per table (what the plan came from).
+    job_rows: dict[str, RowIds]
+    #: `time.perf_counter()` and `time.thread_time()` when the stop began.
+    started: float
+    started_cpu: float
+    #: seconds of the dirty rows' take, their all_reduce and the plan.
+    plan_s: float
+
+
+@dataclass
+class _Chunked:
+    """A full baseline being copied in chunks, one per `maybe_checkpoint` call."""
+
+    planned: _Planned
+    full: ChunkedShardFull
+    #: calls before the last stop: the job's most chunks of any rank (counted from the first
+    #: stop, which copies one), the same on every rank.
+    calls_left: int
+    #: the step, reader and metrics of the latest call, which `close` completes the full with.
+    latest: tuple[int, Reader | None, Metrics | None]
+    #: milliseconds of each stop before the last.
+    pauses_ms: list[float]
 
 
 class ShardedCheckpointer:
@@ -98,6 +144,7 @@ class ShardedCheckpointer:
         tunables: Tunables = DEFAULT_TUNABLES,
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
+        preallocate: bool = True,
     ) -> None:
         """
         Args:
@@ -116,6 +163,9 @@ class ShardedCheckpointer:
             group: the training group the dirty bitmaps are reduced over (None: default).
             timeout_s: how long a rank's publisher waits for its own trainer's snapshot of
                 the sequence rank 0 picked (JobPublisher); the collective has its own timeout.
+            preallocate: allocate and touch the host buffers of one full copy of this rank's
+                shards now, so no stop of a full copied in chunks pays page faults (or pinning,
+                on a GPU) for them (the first full would allocate them; the pool keeps them).
         """
         if codec not in CODECS:
             raise CheckpointError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
@@ -144,9 +194,15 @@ class ShardedCheckpointer:
         self.rank_samples = 0
         self.policy: Policy = make_policy(policy, self.table_rows)
         self.dirty = ShardDirtyRows(model, self.tables, group)
-        #: tables on a GPU: their rows are copied into pinned host buffers (`_to_host`).
-        self._on_gpu = any(s.weight.is_cuda for t in self.tables.values() for s in t.shards)
-        self._host_rows = RowBufferPool(pinned=self._on_gpu)
+        self._copier = ShardRowCopier(self.tables, codec)
+        self._chunk_bytes = tunables.full_copy_chunk_bytes
+        chunked_here = (
+            self._chunk_bytes is not None and len(chunk_plan(self.tables, self._chunk_bytes)) > 1
+        )
+        if preallocate and chunked_here:  # else a full's first chunk pays its faults, no more
+            self._copier.reserve_full()
+        #: a full baseline being copied in chunks, from its first stop to its last.
+        self._chunked: _Chunked | None = None
         self.ledger = CheckpointRecords()
         self._results: list[PublishResult] = []
         self._user_on_published = on_published
@@ -179,15 +235,40 @@ class ShardedCheckpointer:
         """One record per checkpoint this rank took, oldest first."""
         return self.ledger.records
 
+    @property
+    def copying_full(self) -> bool:
+        """Whether a full baseline is being copied in chunks (its last stop is still to come)."""
+        return self._chunked is not None
+
     def maybe_checkpoint(
         self, reader: Reader | None = None, metrics: Metrics | None = None
     ) -> CheckpointRecord | None:
         """Checkpoint when the interval has passed (a collective call); re-raises a publishing
-        failure at once. `metrics` may be a callable (called only then, on every rank)."""
+        failure at once. `metrics` may be a callable (called only then, on every rank).
+
+        A full baseline larger than `Tunables.full_copy_chunk_bytes` on some rank is copied in
+        chunks, one per call, and published by the call after the job's last chunk (None until
+        then): every rank makes the same calls, so every rank finishes at the same step."""
         self.background.raise_if_failed()
+        chunked = self._chunked
+        if chunked is not None:
+            chunked.latest = (self.clock.step_count, reader, metrics)
+            chunked.calls_left -= 1
+            if chunked.calls_left > 0:
+                started = time.perf_counter()
+                chunked.full.copy_chunk()  # nothing left on a rank holding fewer chunks
+                self._copier.synchronize()
+                chunked.pauses_ms.append((time.perf_counter() - started) * 1e3)
+                return None
+            return self._finish_chunked(reader, metrics)
         if not self.clock.due():
             return None
-        return self.checkpoint_now(reader, metrics)
+        if self._closed:
+            raise CheckpointError("checkpointer is closed")
+        planned = self._plan(force_full=False)
+        if self._begin_chunked(planned, reader, metrics):
+            return None
+        return self._one_stop(planned, reader, metrics)
 
     def checkpoint_now(
         self,
@@ -197,24 +278,99 @@ class ShardedCheckpointer:
         force_full: bool = False,
     ) -> CheckpointRecord:
         """Snapshot this rank's part now and hand it to the publisher (a collective call);
-        `metrics`: the version's (rank 0's are published), or a callable that gives them."""
+        `metrics`: the version's (rank 0's are published), or a callable that gives them.
+        A full baseline being copied in chunks is completed now (in one stop) and is this
+        snapshot, a full whatever `force_full` says."""
         if self._closed:
             raise CheckpointError("checkpointer is closed")
+        if self._chunked is not None:
+            return self._finish_chunked(reader, metrics)
+        return self._one_stop(self._plan(force_full=force_full), reader, metrics)
+
+    def _plan(self, *, force_full: bool) -> _Planned:
+        """The start of a stop: this rank's dirty rows, the job's (an all_reduce), the plan."""
         started, started_cpu = time.perf_counter(), time.thread_time()
-        job_metrics = dict(metrics() if callable(metrics) else (metrics or {}))
-        mine = self.dirty.take()
-        job_rows = self.dirty.union(mine)
+        job_rows = self.dirty.union(self.dirty.take())
         if force_full:
             self.policy.force_full()
         plan = self.policy.plan(job_rows)
-        planned = time.perf_counter()
+        return _Planned(plan, job_rows, started, started_cpu, time.perf_counter() - started)
+
+    def _one_stop(
+        self, planned: _Planned, reader: Reader | None, metrics: Metrics | None
+    ) -> CheckpointRecord:
+        """Copy the planned rows and hand the snapshot over, in this one stop."""
+        plan = planned.plan
         tables = tuple(
             rows
             for name, table in self.tables.items()
-            if (rows := self._copy_rows(table, plan.rows[name])) is not None
+            if (rows := self._copier.rows(table, plan.rows[name])) is not None
         )
-        if self._on_gpu:
-            torch.cuda.synchronize()  # every table's device-to-host copy has landed
+        self._copier.synchronize()  # every table's device-to-host copy has landed
+        stop = (planned.started, planned.started_cpu)
+        return self._submit(planned, tables, reader, metrics, stop, stop[0] + planned.plan_s)
+
+    def _begin_chunked(
+        self, planned: _Planned, reader: Reader | None, metrics: Metrics | None
+    ) -> bool:
+        """Begin copying a full plan in chunks when some rank's shards take more than one
+        (one all_reduce of the ranks' chunk counts, the same decision on every rank): allocate
+        the host buffers and copy the first chunk. False: take it in one stop."""
+        if planned.plan.kind != "full" or self._chunk_bytes is None:
+            return False
+        chunks = chunk_plan(self.tables, self._chunk_bytes)
+        counts = all_reduce_max(torch.tensor([len(chunks)], dtype=torch.int64), self.dirty.group)
+        job_chunks = int(counts.item())
+        if job_chunks <= 1:
+            return False
+        full = ChunkedShardFull(self.tables, chunks, self._copier)
+        full.copy_chunk()
+        self._copier.synchronize()
+        self._chunked = _Chunked(
+            planned,
+            full,
+            calls_left=job_chunks,
+            latest=(self.clock.step_count, reader, metrics),
+            pauses_ms=[(time.perf_counter() - planned.started) * 1e3],
+        )
+        return True
+
+    def _finish_chunked(self, reader: Reader | None, metrics: Metrics | None) -> CheckpointRecord:
+        """The last stop of a full copied in chunks: the chunks left, then the rows of this
+        rank's shards changed since the first one (taken: the next delta holds only rows
+        changed after this stop) copied again, then the snapshot of the model now."""
+        chunked = self._chunked
+        assert chunked is not None
+        self._chunked = None
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        # The policy planned the full at its first stop and never sees the rows taken here: it
+        # counts the next interval from this baseline, which holds their values now.
+        chunked.full.refresh(self.dirty.take())
+        return self._submit(
+            chunked.planned,
+            chunked.full.table_rows(),
+            reader,
+            metrics,
+            (started, started_cpu),
+            started,
+            chunked.pauses_ms,
+        )
+
+    def _submit(
+        self,
+        planned: _Planned,
+        tables: tuple[TableRows, ...],
+        reader: Reader | None,
+        metrics: Metrics | None,
+        stop: tuple[float, float],
+        copy_started: float,
+        pauses_ms: Sequence[float] = (),
+    ) -> CheckpointRecord:
+        """The snapshot of `tables` (copied), the dense state and optimizer now (rank 0), and
+        the version's metrics, handed to the publisher; its record. `stop`: when this stop
+        began (`perf_counter`, `thread_time`); `pauses_ms`: the stops before it (a chunked
+        full's)."""
+        job_metrics = dict(metrics() if callable(metrics) else (metrics or {}))
         dense: dict[str, np.ndarray] = {}
         optimizer: dict[str, np.ndarray] = {}
         optimizer_meta: dict[str, Any] = {}
@@ -223,6 +379,7 @@ class ShardedCheckpointer:
             optimizer, optimizer_meta = job_optimizer_state(
                 self.dense_optimizer, list(self.tables), self.sparse_hyper
             )
+        plan = planned.plan
         snapshot = Snapshot(
             kind=plan.kind,
             relative_to=plan.relative_to,
@@ -241,63 +398,26 @@ class ShardedCheckpointer:
             sequence=self.ledger.next_index,
         )
         copied = time.perf_counter()
-        record = CheckpointRecord.of(snapshot, job_rows, self.table_rows)
+        record = CheckpointRecord.of(snapshot, planned.job_rows, self.table_rows)
         self.ledger.add(record)
         self.background.submit(snapshot)
         done = time.perf_counter()
-        record.stall_ms = (done - started) * 1e3
+        started, started_cpu = stop
+        # The longest single stop: a chunked full's chunks are stops of their own.
+        record.stall_ms = max([(done - started) * 1e3, *pauses_ms])
         record.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
         record.stall_breakdown_ms = {
-            "dirty_rows_and_plan": (planned - started) * 1e3,
-            "copy": (copied - planned) * 1e3,
+            "dirty_rows_and_plan": planned.plan_s * 1e3,  # a chunked full's: at its first stop
+            "copy": (copied - copy_started) * 1e3,
             "handoff": (done - copied) * 1e3,
         }
+        if pauses_ms:
+            record.stall_breakdown_ms["chunk_pauses"] = sum(pauses_ms)
+            record.stall_breakdown_ms["longest_chunk_pause"] = max(pauses_ms)
+        record.pauses_ms = list(pauses_ms)
         self.clock.restart()
         self.ledger.settle(self._results)
         return record
-
-    def _copy_rows(self, table: ShardedTable, planned: RowIds | None) -> TableRows | None:
-        """Copies of this rank's planned rows of `table` (None: all of them) and their
-        accumulators; None when this rank holds none of the table."""
-        if not table.shards:
-            return None
-        (shard,) = table.shards  # one per rank and table (see dirty_rows.py)
-        if planned is None:
-            ids = np.arange(shard.row_start, shard.row_end, dtype=np.int64)
-        else:
-            lo, hi = np.searchsorted(planned, [shard.row_start, shard.row_end])
-            ids = np.ascontiguousarray(planned[lo:hi], dtype=np.int64)
-        local = torch.from_numpy(ids - shard.row_start)
-        if shard.weight.is_cuda:
-            values, aux = self._to_host(table.name, shard, local)
-        else:
-            values = shard.weight.detach().index_select(0, local).numpy()
-            aux = shard.accumulator.detach().index_select(0, local).reshape(-1, 1).numpy()
-        return TableRows(
-            name=table.name,
-            table_rows=table.rows,
-            codec=self.codec,
-            row_ids=ids,
-            values=values,
-            aux=aux,
-            row_range=None if table.whole else (shard.row_start, shard.row_end),
-        )
-
-    def _to_host(
-        self, name: str, shard: LocalShard, local: torch.Tensor
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows `local` of a GPU shard and their accumulators, gathered on the device and
-        copied into pinned host buffers kept between snapshots (`RowBufferPool`). The copies
-        are asynchronous: `checkpoint_now` synchronises once, after every table's."""
-        on_device = local.to(shard.weight.device)
-        n = int(local.numel())
-        values = self._host_rows.take(f"{name}.weight", n, int(shard.weight.shape[1]))
-        aux = self._host_rows.take(f"{name}.accumulator", n, 1)
-        picked = shard.weight.detach().index_select(0, on_device)
-        torch.from_numpy(values).copy_(picked, non_blocking=True)
-        picked_acc = shard.accumulator.detach().index_select(0, on_device).reshape(-1, 1)
-        torch.from_numpy(aux).copy_(picked_acc, non_blocking=True)
-        return values, aux
 
     # --- publishing results ------------------------------------------------------------------
 
@@ -318,9 +438,16 @@ class ShardedCheckpointer:
         self.ledger.settle(self._results)
 
     def close(self, flush: bool = True) -> None:
-        """Flush (optionally) and stop the publisher (rank 0 releases the job's lease)."""
+        """Flush (optionally) and stop the publisher (rank 0 releases the job's lease); a
+        collective call. With `flush`, a full being copied in chunks since the last
+        `maybe_checkpoint`, with no step since, is completed now and published as that call
+        would have (after further steps its reader no longer matches the model)."""
         if self._closed:
             return
+        chunked = self._chunked
+        if flush and chunked is not None and chunked.latest[0] == self.clock.step_count:
+            self._finish_chunked(chunked.latest[1], chunked.latest[2])
+        self._chunked = None
         self._closed = True
         self.background.close(flush=flush)
         self.ledger.settle(self._results)
@@ -348,6 +475,7 @@ class ShardedCheckpointer:
         self.clock.resume_at(position.step, position.samples_seen)
         self.rank_samples = self._resumed_samples(position)
         self.dirty.take()  # loading is not training: nothing is dirty
+        self._chunked = None  # a full being copied in chunks was of the state replaced here
         self.policy.force_full()
         return position
 

@@ -30,6 +30,7 @@ from torch import nn
 from publisher.write.tracker import RowIds
 from trainer.errors import CheckpointError
 from trainer.sharded.local_shards import ShardedTable, table_namer
+from trainer.sharded.training_group import all_reduce_max
 
 
 class ShardDirtyRows:
@@ -84,12 +85,7 @@ class ShardDirtyRows:
         for name, rows in zip(self.tables, sizes, strict=True):
             bitmap[start + torch.from_numpy(mine[name])] = 1
             start += rows
-        if dist.get_backend(self.group) == "nccl":  # GPU ranks: NCCL reduces device tensors
-            on_device = bitmap.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=self.group)
-            bitmap = on_device.cpu()
-        else:
-            dist.all_reduce(bitmap, op=dist.ReduceOp.MAX, group=self.group)
+        bitmap = all_reduce_max(bitmap, self.group)
         union: dict[str, RowIds] = {}
         start = 0
         for name, rows in zip(self.tables, sizes, strict=True):

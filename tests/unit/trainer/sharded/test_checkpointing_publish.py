@@ -10,12 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from bench.sharded_job import CONFIG, EPS, SPARSE_LR, Job, run_ranks, sharded_job, train_sharded
+from bench.sharded_job import (
+    CONFIG,
+    EPS,
+    SPARSE_LR,
+    Job,
+    batch,
+    run_ranks,
+    sharded_job,
+    train_sharded,
+)
 from publisher.dlrm import DLRM
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
 from publisher.store import FileStore
+from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from tests.unit.publisher.test_restore import CountingStore
 from tests.unit.trainer.sharded.job import assert_holds_expected, sharded_state
 from trainer.checkpointer import IncrementalCheckpointer
@@ -29,7 +39,14 @@ MIXED = {"user": "row_wise", "item": "table_wise", "ad": "table_wise"}
 STEPS, BATCH = 6, 8
 
 
-def checkpointer(job: Job, root: str, world: int, *, timeout_s: float = 30.0) -> object:
+def checkpointer(
+    job: Job,
+    root: str,
+    world: int,
+    *,
+    timeout_s: float = 30.0,
+    tunables: Tunables = DEFAULT_TUNABLES,
+) -> object:
     """Each rank trains BATCH samples a step: the job's clock counts world * BATCH."""
     from trainer.sharded.checkpointing import ShardedCheckpointer
     from trainer.sharded.collective import TorchCollective
@@ -46,6 +63,7 @@ def checkpointer(job: Job, root: str, world: int, *, timeout_s: float = 30.0) ->
         interval_samples=2 * world * BATCH,
         model_config=CONFIG.to_json(),
         timeout_s=timeout_s,
+        tunables=tunables,
     )
 
 
@@ -154,3 +172,155 @@ def test_two_ranks_publish_and_restore_bitwise_on_two_ranks_one_rank_and_one_pro
     for i, per in dense_opt.state_dict()["state"].items():
         for k, v in per.items():
             assert np.array_equal(v.numpy().reshape(-1), expected[f"opt/{i}/{k}"].reshape(-1))
+
+
+#: 10 rows a chunk: a row of this rank's shards is 8 float32 weights and its accumulator.
+CHUNK_ROWS = 10
+CHUNKED = Tunables(full_copy_chunk_bytes=CHUNK_ROWS * 4 * (CONFIG.embedding_dim + 1))
+
+
+def _job_chunks(job: Job) -> int:
+    """The job's chunk count: the most chunks of any rank's shards (a collective call)."""
+    import torch.distributed as dist
+
+    from trainer.sharded.local_shards import local_shards
+
+    rows = sum(s.rows for t in local_shards(job.model).values() for s in t.shards)
+    counts = torch.tensor([-(-rows // CHUNK_ROWS)])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return int(counts.item())
+
+
+def _rows_in_shards(job: Job, seeds: list[int]) -> int:
+    """Rows of this rank's shards the batches `seeds` (of every rank) look up."""
+    from trainer.sharded.local_shards import local_shards
+
+    count = 0
+    for name, table in local_shards(job.model).items():
+        feature = name.removeprefix("embeddings.")
+        ids = np.unique(np.concatenate([batch(seed, BATCH)[1][feature].values for seed in seeds]))
+        for s in table.shards:
+            count += int(((ids >= s.row_start) & (ids < s.row_end)).sum())
+    return count
+
+
+def _assert_state(job: Job, want: dict[str, np.ndarray]) -> None:
+    got = sharded_state(job)
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert np.array_equal(got[key].reshape(value.shape), value), key
+
+
+def _chunked_full_then_delta(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.checkpointing import ShardedCheckpointer
+    from trainer.sharded.restore_shards import restore_sharded
+
+    job = sharded_job(MIXED)
+    ckpt = checkpointer(job, root, world, tunables=CHUNKED)
+    assert isinstance(ckpt, ShardedCheckpointer)
+    chunks = _job_chunks(job)
+    assert chunks > 3
+    steps = 0
+
+    def train() -> object:
+        nonlocal steps
+        train_sharded(job, seed=10 * steps + rank, size=BATCH)
+        ckpt.step(world * BATCH, BATCH)
+        steps += 1
+        return ckpt.maybe_checkpoint(reader={"offset": steps * BATCH})
+
+    with ckpt:
+        assert train() is None and not ckpt.copying_full
+        assert train() is None and ckpt.copying_full  # due: the full's first chunk
+        at_begin = sharded_state(job)
+        while (full := train()) is None:
+            assert steps < 2 + chunks
+        # Every rank finishes at the same step, the job's chunk count after the first.
+        assert steps == 2 + chunks and not ckpt.copying_full
+        at_finish = sharded_state(job)
+        ckpt.flush()
+        train_sharded(job, seed=10 * steps + rank, size=BATCH)
+        ckpt.step(world * BATCH, BATCH)
+        delta = ckpt.checkpoint_now(reader={"offset": (steps + 1) * BATCH})
+        at_delta = sharded_state(job)
+    (first, second) = ckpt.records
+    assert first is full and second is delta
+    assert (first.kind, first.step, first.version) == ("full", 2 + chunks, 1)
+    # Every stop of the full is recorded: its first, one per step after it, and the last.
+    assert len(first.pauses_ms) == chunks
+    breakdown = first.stall_breakdown_ms
+    assert breakdown["longest_chunk_pause"] == max(first.pauses_ms)
+    assert breakdown["chunk_pauses"] == sum(first.pauses_ms)
+    assert first.stall_ms >= max(first.pauses_ms)
+    # The next delta holds exactly the rows the step after the full changed: those changed
+    # while it was copied are in the full, taken off the tracker at its last stop.
+    assert (second.kind, second.version) == ("delta", 2)
+    assert second.rows_copied == _rows_in_shards(job, [10 * steps + r for r in range(world)])
+    assert any(not np.array_equal(at_begin[k], at_finish[k]) for k in at_finish)
+
+    # Restored, each version is the model at its own last stop, bitwise: the full the model
+    # at its finishing step (not at its first), every shard, accumulator, dense and Adam.
+    store = FileStore(root)
+    for version, state in ((1, at_finish), (2, at_delta)):
+        other = sharded_job(MIXED, seed=77)
+        position = restore_sharded(other.model, other.dense_optimizer, store, MODEL, version)
+        assert position.step == (2 + chunks if version == 1 else 3 + chunks)
+        _assert_state(other, state)
+
+
+def test_a_full_baseline_is_copied_in_chunks_and_is_the_model_at_its_last_stop(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    run_ranks(_chunked_full_then_delta, 2, str(root))
+
+
+def _close_during_chunked_full(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.checkpointing import ShardedCheckpointer
+
+    job = sharded_job(MIXED)
+    ckpt = checkpointer(job, root, world, tunables=CHUNKED)
+    assert isinstance(ckpt, ShardedCheckpointer)
+    with ckpt:
+        for step in range(3):
+            train_sharded(job, seed=10 * step + rank, size=BATCH)
+            ckpt.step(world * BATCH, BATCH)
+            assert ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is None
+        assert ckpt.copying_full  # begun at step 2, one more chunk copied at step 3
+        at_close = sharded_state(job)
+    (record,) = ckpt.records
+    assert (record.kind, record.step, record.version, len(record.pauses_ms)) == ("full", 3, 1, 2)
+
+    # A new job resumes from it, the model at close, and publishes on.
+    again = sharded_job(MIXED, seed=55)
+    resumed = checkpointer(again, root, world, tunables=CHUNKED)
+    assert isinstance(resumed, ShardedCheckpointer)
+    assert resumed.resume().step == 3
+    _assert_state(again, at_close)
+    with resumed:
+        for step in range(3, 5):
+            train_sharded(again, seed=10 * step + rank, size=BATCH)
+            resumed.step(world * BATCH, BATCH)
+            assert resumed.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is None
+        assert resumed.copying_full  # due at step 5: a full after a resume, in chunks
+        train_sharded(again, seed=99 + rank, size=BATCH)
+        resumed.step(world * BATCH, BATCH)
+        # checkpoint_now completes the full being copied, in one stop, whatever it asks for.
+        now = resumed.checkpoint_now(reader={"offset": 6 * BATCH}, force_full=True)
+        at_now = sharded_state(again)
+    assert (now.kind, now.step, len(now.pauses_ms)) == ("full", 6, 1)
+    assert resumed.last_version == 2 and not resumed.copying_full
+    from trainer.sharded.restore_shards import restore_sharded
+
+    other = sharded_job(MIXED, seed=77)
+    assert restore_sharded(other.model, other.dense_optimizer, FileStore(root), MODEL).step == 6
+    _assert_state(other, at_now)
+
+
+def test_close_or_checkpoint_now_during_a_chunked_full_commits_it_and_the_job_resumes(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    run_ranks(_close_during_chunked_full, 2, str(root))
