@@ -319,7 +319,9 @@ class ShardedCheckpointer:
         if planned.plan.kind != "full" or self._chunk_bytes is None:
             return False
         chunks = chunk_plan(self.tables, self._chunk_bytes)
-        counts = all_reduce_max(torch.tensor([len(chunks)], dtype=torch.int64), self.dirty.group)
+        counts = all_reduce_max(
+            torch.tensor([len(chunks)], dtype=torch.int64), self.dirty.group, self.dirty.device
+        )
         job_chunks = int(counts.item())
         if job_chunks <= 1:
             return False

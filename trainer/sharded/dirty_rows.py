@@ -30,7 +30,7 @@ from torch import nn
 from publisher.write.tracker import RowIds
 from trainer.errors import CheckpointError
 from trainer.sharded.local_shards import ShardedTable, table_namer
-from trainer.sharded.training_group import all_reduce_max
+from trainer.sharded.training_group import all_reduce_max, shard_devices
 
 
 class ShardDirtyRows:
@@ -54,6 +54,8 @@ class ShardDirtyRows:
         self.tracker = init(DeltaTrackerConfig())
         self.tables = dict(tables)
         self.group = group
+        #: the GPU the bitmaps are reduced on with NCCL: the shards' (None: the current one).
+        self.device = next(iter(shard_devices(self.tables)), None)
         self._name_of = table_namer(model)
 
     def take(self) -> dict[str, RowIds]:
@@ -85,7 +87,7 @@ class ShardDirtyRows:
         for name, rows in zip(self.tables, sizes, strict=True):
             bitmap[start + torch.from_numpy(mine[name])] = 1
             start += rows
-        bitmap = all_reduce_max(bitmap, self.group)
+        bitmap = all_reduce_max(bitmap, self.group, self.device)
         union: dict[str, RowIds] = {}
         start = 0
         for name, rows in zip(self.tables, sizes, strict=True):

@@ -33,6 +33,7 @@ from publisher.write.tracker import RowIds
 from trainer.errors import CheckpointError
 from trainer.row_buffers import RowBufferPool
 from trainer.sharded.local_shards import LocalShard, ShardedTable
+from trainer.sharded.training_group import shard_devices
 
 
 def row_bytes(dim: int) -> int:
@@ -47,8 +48,10 @@ class ShardRowCopier:
         """`tables`: this rank's `local_shards`; `codec`: the one every table is encoded with."""
         self.tables = dict(tables)
         self.codec = codec
-        #: tables on a GPU: their rows are copied into pinned host buffers (`gather`).
-        self.on_gpu = any(s.weight.is_cuda for t in tables.values() for s in t.shards)
+        #: the GPUs the shards live on: their rows are copied into pinned host buffers
+        #: (`gather`), and `synchronize` waits for each.
+        self.devices = shard_devices(self.tables)
+        self.on_gpu = bool(self.devices)
         self.buffers = RowBufferPool(pinned=self.on_gpu)
 
     def reserve_full(self) -> None:
@@ -64,8 +67,8 @@ class ShardRowCopier:
 
     def synchronize(self) -> None:
         """Wait for the device-to-host copies issued so far (nothing to wait for on CPU)."""
-        if self.on_gpu:
-            torch.cuda.synchronize()
+        for device in self.devices:  # not only the current device: the shards' own
+            torch.cuda.synchronize(device)
 
     def rows(self, table: ShardedTable, planned: RowIds | None) -> TableRows | None:
         """Copies of this rank's planned rows of `table` (None: all of them) and their
