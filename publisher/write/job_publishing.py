@@ -264,13 +264,17 @@ class JobPublisher:
             )
         if self.rank != 0 and (snapshot.dense or snapshot.optimizer):
             raise JobMismatchError(f"rank {self.rank} sent dense state; rank 0 holds it")
-        snapshot.check_finite()
+        largest = snapshot.check_finite()
         order = table_order(snapshot.model_config) or sorted(t.name for t in snapshot.tables)
         unknown = sorted({t.name for t in snapshot.tables} - set(order))
         if unknown:
             raise JobMismatchError(f"tables {unknown} are not the model's {list(order)}")
         tables = [
-            encode_table(t, self.tunables, encode_rows(t.codec, t.values, checked_finite=True))
+            encode_table(
+                t,
+                self.tunables,
+                encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name]),
+            )
             for t in snapshot.tables
         ]
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None

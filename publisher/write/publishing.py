@@ -211,7 +211,7 @@ class CheckpointPublisher:
         NonFiniteSnapshotError (nothing written) when the snapshot holds NaN or inf.
         """
         started = time.perf_counter()
-        snapshot.check_finite()
+        largest = snapshot.check_finite()
         rows = snapshot.tables
         if self.codec_rule is not None:
             rows = tuple(replace(t, codec=self.codec_rule.codec) for t in rows)
@@ -226,7 +226,8 @@ class CheckpointPublisher:
             measure_s += time.perf_counter() - measuring
         tables = []
         for t in rows:
-            q = encode_rows(t.codec, t.values, checked_finite=True)  # check_finite above
+            # check_finite above refused NaN and inf and measured each table's magnitude
+            q = encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name])
             tables.append(encode_table(t, self.tunables, q))
             if meter is not None:  # table by table: one table's decoded rows at a time
                 measuring = time.perf_counter()

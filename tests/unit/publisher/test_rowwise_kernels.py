@@ -16,6 +16,7 @@ import torch
 from bench.codec import embedding_like_rows
 from publisher import rowwise_kernels
 from publisher.codecs import (
+    FP16_FIELDS_SAFE,
     NonFiniteRowsError,
     OutOfRangeRowsError,
     QuantizedRows,
@@ -281,3 +282,24 @@ def test_kernel_decode_of_any_finite_fields_matches_own_decode(
     decoded = decode_rows(q)
     monkeypatch.setattr(rowwise_kernels, "DECODE_BITS", frozenset())
     assert decode_rows(q).tobytes() == decoded.tobytes()
+
+
+@pytest.mark.parametrize("codec", KERNEL_CODECS)
+def test_a_bound_within_fp16_skips_only_the_field_check(codec: str) -> None:
+    # The publisher's snapshot check measures each table's largest magnitude on the same read
+    # that refuses NaN; within FP16_FIELDS_SAFE no fp16 scale or bias can overflow.
+    x = embedding_like_rows(300, 64)
+    bounded = encode_rows(codec, x, checked_finite=True, max_abs=float(np.abs(x).max()))
+    plain = encode_rows(codec, x)
+    for part in ("codes", "scale", "bias"):
+        assert getattr(bounded, part).tobytes() == getattr(plain, part).tobytes()
+    # The bound is safe for every integer codec: the widest row it allows encodes finite.
+    edge = np.tile(np.array([-FP16_FIELDS_SAFE, FP16_FIELDS_SAFE], np.float32), (2, 32))
+    q = encode_rows(codec, edge)
+    assert np.isfinite(q.scale).all() and np.isfinite(q.bias).all()
+    # A bound past it keeps the check.
+    x[21, 0] = -70000.0
+    with pytest.raises(OutOfRangeRowsError, match="row 21"):
+        encode_rows(codec, x, checked_finite=True, max_abs=70000.0)
+    with pytest.raises(OutOfRangeRowsError, match="row 21"):
+        encode_rows(codec, x, checked_finite=True)

@@ -18,9 +18,11 @@ import pytest
 import torch
 from torch import nn
 
+from publisher.codecs import OutOfRangeRowsError
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import FileStore
+from publisher.write.publishing import CheckpointPublisher
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from schemas.manifest import Position
 from trainer.checkpointer import IncrementalCheckpointer
@@ -209,3 +211,30 @@ def test_cli_stops_or_skips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     doc = json.loads(capsys.readouterr().out)
     assert doc["summary"]["non_finite_skipped"] == 4 and doc["summary"]["versions"] == 0
     assert Catalog(FileStore(tmp_path / "skip"), "synthetic").latest() is None
+
+
+def test_the_check_measures_each_tables_largest_magnitude() -> None:
+    values = np.array([[0.5, -3.0], [2.0, 1.0]], dtype=np.float32)
+    rows = TableRows("t", 2, "int4", np.arange(2, dtype=np.int64), values, values[:, :0])
+    empty = np.zeros((0, 2), dtype=np.float32)
+    none = TableRows("u", 5, "int4", np.arange(0, dtype=np.int64), empty, empty[:, :0])
+    snapshot = Snapshot("full", None, "full", (rows, none), Position(step=1, samples_seen=1))
+    assert snapshot.check_finite() == {"t": 3.0, "u": 0.0}
+
+
+@pytest.mark.parametrize("value", [-70000.0, 1e9])
+def test_a_finite_row_fp16_cannot_hold_is_refused_by_the_publisher(
+    tmp_path: Path, value: float
+) -> None:
+    # The publisher skips the fp16 field check only when the snapshot's magnitude allows it.
+    values = np.full((4, 8), 0.25, dtype=np.float32)
+    values[2, 3] = value
+    rows = TableRows("t", 4, "int4", np.arange(4, dtype=np.int64), values, values[:, :0])
+    snapshot = Snapshot("full", None, "full", (rows,), Position(step=1, samples_seen=1))
+    publisher = CheckpointPublisher(FileStore(tmp_path), "m")
+    try:
+        with pytest.raises(OutOfRangeRowsError, match="row 2"):
+            publisher.publish(snapshot)
+    finally:
+        publisher.close()
+    assert Catalog(FileStore(tmp_path), "m").latest() is None
