@@ -31,6 +31,9 @@ class Tunables:
     #: trainer/sharded/host_copies.py): 32 MiB is ~5 ms of copy on an idle core, so a 1.1 GB
     #: baseline costs ~35 short stops instead of one 0.1-1.2 s stall. None: one stop.
     full_copy_chunk_bytes: int | None = 32 << 20
+    #: added to the nice value of the background publisher's threads, or of a publisher process
+    #: (publisher/write/priority.py): a contended core goes to the training thread. 0: unchanged.
+    publisher_nice: int = 10
 
 
 DEFAULT_TUNABLES = Tunables()

@@ -234,7 +234,10 @@ class IncrementalCheckpointer:
             raise
         self.publish_in = publish_in
         self.background = BackgroundPublisher(
-            self.publisher, on_published=self._on_published, on_non_finite=on_non_finite
+            self.publisher,
+            on_published=self._on_published,
+            on_non_finite=on_non_finite,
+            nice=tunables.publisher_nice,
         )
         # Marked at the optimizer step where the tables allow it: the sparse gradients hold the
         # rows already, so no hook runs per lookup (publisher/write/tracker.py).

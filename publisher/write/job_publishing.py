@@ -50,6 +50,7 @@ from publisher.write.collective import (
     JSONValue,
     ThreadCollective,
 )
+from publisher.write.priority import lower_this_thread
 from publisher.write.publishing import PublisherWorker, PublishResult, encode_table
 from publisher.write.snapshot import Snapshot
 from publisher.write.version_writer import (
@@ -426,6 +427,7 @@ class JobBackgroundPublisher(PublisherWorker):
             self.job.close()
 
     def _run(self) -> None:
+        lower_this_thread(self.job.tunables.publisher_nice)
         try:
             while self._round():
                 pass

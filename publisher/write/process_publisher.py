@@ -35,6 +35,7 @@ import numpy as np
 from publisher.child_process import parent_connection, receive, start_child
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
+from publisher.write.priority import lower_this_thread
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
 from schemas.errors import BadDataError, CheckNRunError, ConflictError, UnavailableError
@@ -143,6 +144,8 @@ def _serve(conn: Connection) -> None:
     from publisher.write.publishing import CheckpointPublisher
 
     config: ProcessPublisherConfig = conn.recv()
+    # Before any thread starts, so that every thread of this process inherits it.
+    lower_this_thread(config.tunables.publisher_nice)
     torch.set_num_threads(config.threads)
     announcer = None
     try:

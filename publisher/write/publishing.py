@@ -29,6 +29,7 @@ from publisher.served_loss import ServedLossMeter
 from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
+from publisher.write.priority import lower_this_thread
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
@@ -370,10 +371,13 @@ class BackgroundPublisher(PublisherWorker):
         retry_initial_s: float = 0.5,
         retry_max_s: float = 10.0,
         on_non_finite: NonFinitePolicy = "stop",
+        nice: int = DEFAULT_TUNABLES.publisher_nice,
     ) -> None:
         if on_non_finite not in ("stop", "skip"):
             raise ValueError(f"on_non_finite must be 'stop' or 'skip', got {on_non_finite!r}")
         self.publisher = publisher
+        #: added to the worker threads' nice value (publisher/write/priority.py).
+        self.nice = nice
         self.on_non_finite = on_non_finite
         self.on_published = on_published
         self.retry_initial_s = retry_initial_s
@@ -465,6 +469,7 @@ class BackgroundPublisher(PublisherWorker):
 
     def _merge_loop(self) -> None:
         """Fold the snapshots queued behind a busy worker, off the training thread."""
+        lower_this_thread(self.nice)
         while True:
             with self._cond:
                 while len(self._queue) < 2 and not self._closed:
@@ -486,6 +491,7 @@ class BackgroundPublisher(PublisherWorker):
                 self._merging = False
 
     def _run(self) -> None:
+        lower_this_thread(self.nice)  # and the upload pools it starts, which inherit it
         delay = self.retry_initial_s
         while True:
             with self._cond:
