@@ -22,7 +22,10 @@ largest magnitude, which tells that no fp16 scale or bias can overflow), whose c
 kernel is the call's own.
 `embedding_bag_byte_prepack` quantises with float32 scale and bias, which a blob does not carry,
 so int8 encodes with the codec's own code (`encode_on_kernel` false) and its ratio compares two
-different quantisations.
+different quantisations. Nor could a format with float32 fields adopt it: a build without the
+kernel must write the same bytes, and some of the kernel's codes differ by one from its stated
+rule evaluated with torch's elementwise ops (near ties, where the order of its float arithmetic
+decides); `byte_kernel_codes_off_rule` counts them on the measured rows.
 """
 
 from __future__ import annotations
@@ -95,6 +98,10 @@ class CodecResult:
     #: encodes on the kernel: MB/s and / kernel throughput.
     checked_encode_mb_s: float | None = None
     checked_encode_vs_kernel: float | None = None
+    #: int8 only: codes of FBGEMM's byte kernel that differ from its own stated rule,
+    #: rint((x - min) * 255 / (max - min + 1e-8)), evaluated by torch's elementwise ops on the
+    #: same rows: a fallback could not write the kernel's bytes (module docstring).
+    byte_kernel_codes_off_rule: int | None = None
 
 
 def embedding_like_rows(n: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -162,6 +169,16 @@ def _kernel_decoder(
     return decode
 
 
+def byte_kernel_codes_off_rule(prepack: Callable[..., Any], x: torch.Tensor) -> int:
+    """How many of `embedding_bag_byte_prepack`'s codes for rows `x` differ from its rule
+    computed with torch's elementwise ops (its scale and bias match it exactly)."""
+    dim = x.shape[1]
+    low, high = x.aminmax(dim=1)
+    inverse = 255.0 / ((high - low) + 1e-8)
+    own = ((x - low[:, None]) * inverse[:, None]).round().clamp(0, 255).to(torch.uint8)
+    return int((prepack(x)[:, :dim] != own).sum())
+
+
 def measure(
     codec: str, rows: np.ndarray, repeats: int, timed_rows: int | None = None
 ) -> CodecResult:
@@ -225,6 +242,11 @@ def measure(
         decode_vs_kernel=t_dec[1] / t_dec[0] if kernels else None,
         checked_encode_mb_s=mb / t_enc[2] if checked else None,
         checked_encode_vs_kernel=t_enc[1] / t_enc[2] if checked else None,
+        byte_kernel_codes_off_rule=(
+            byte_kernel_codes_off_rule(kernels[0], torch.from_numpy(np.ascontiguousarray(rows)))
+            if kernels is not None and bits == 8
+            else None
+        ),
     )
 
 
@@ -335,7 +357,13 @@ def run(
             )
             print(
                 f"[{i}/{len(codecs)}] {codec}: encode {r.encode_mb_s:,.0f} MB/s, "
-                f"decode {r.decode_mb_s:,.0f} MB/s{vs_kernel}, rel MSE {r.rel_mse:.3e}",
+                f"decode {r.decode_mb_s:,.0f} MB/s{vs_kernel}, rel MSE {r.rel_mse:.3e}"
+                + (
+                    f"; byte kernel codes off its rule: {r.byte_kernel_codes_off_rule:,} of "
+                    f"{r.rows * r.dim:,}"
+                    if r.byte_kernel_codes_off_rule is not None
+                    else ""
+                ),
                 file=sys.stderr,
                 flush=True,
             )
