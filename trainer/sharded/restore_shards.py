@@ -9,7 +9,8 @@ bitwise with the fp32 codec.
 
 A rank restores only the tables it holds a shard of (table-wise: 1/N of the tables each), and of
 each only the range of rows from its first shard's start to its last shard's end (row-wise: 1/N
-of the rows; TorchRec's row-wise plans give a rank one shard of a table: exactly its rows):
+of the rows; TorchRec's row-wise plans give a rank one shard of a table: exactly its rows; a
+table a one-process trainer wrote with an id map restores whole, as its map covers every row):
 of a version written by a job only the shard blobs that overlap it are fetched, of a one-process
 version the table's blob is fetched and the rows outside dropped. The memory budget counts what
 the rank restores, so it is per rank.
@@ -49,11 +50,24 @@ def restore_sharded(
     tables are not the model's raises CheckpointError before any blob is fetched."""
     tables = local_shards(model)
     chain = restore_plan(Catalog(store, model_name), version)
-    _check_tables(chain[-1].manifest, tables)
-    held = {name: _held_rows(table) for name, table in tables.items() if table.shards}
+    target = chain[-1].manifest
+    _check_tables(target, tables)
+    held = {
+        name: _rows_to_restore(target, name, table)
+        for name, table in tables.items()
+        if table.shards
+    }
     state = restore_chain(store, chain, budget=budget, tables=set(held), rows=held)
     load_sharded(state, model, dense_optimizer)
     return state.position
+
+
+def _rows_to_restore(target: Manifest, name: str, table: ShardedTable) -> RowRange:
+    """The rows of `name` this rank restores: those its shards span, or all of them where the
+    version's table carries an id map (a one-process trainer's, docs/FORMAT.md 3.3), which
+    restores only whole (its map covers every row)."""
+    entry = target.table(name)
+    return (0, entry.rows) if entry.id_map is not None else _held_rows(table)
 
 
 def _held_rows(table: ShardedTable) -> RowRange:

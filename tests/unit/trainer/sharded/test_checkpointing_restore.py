@@ -13,6 +13,7 @@ import torch
 
 from bench.sharded_job import CONFIG, SPARSE_LR, batch, run_ranks, sharded_job
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
+from publisher.id_map import IdMap
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
 from publisher.store import FileStore
@@ -28,7 +29,9 @@ pytest.importorskip("torchrec")
 MODEL = "ranker"
 
 
-def _one_process_version(root: Path, config: DLRMConfig = CONFIG) -> dict[str, np.ndarray]:
+def _one_process_version(
+    root: Path, config: DLRMConfig = CONFIG, id_maps: dict[str, IdMap] | None = None
+) -> dict[str, np.ndarray]:
     """Train the one-process DLRM a few steps, publish fp32 versions; its state at the last."""
     torch.manual_seed(3)
     model = DLRM(config)
@@ -43,6 +46,7 @@ def _one_process_version(root: Path, config: DLRMConfig = CONFIG) -> dict[str, n
             policy="consecutive",
             codec="fp32",
             preallocate=False,
+            id_maps=id_maps,
         ) as ckpt:
             for step in range(6):
                 dense, sparse, labels = batch(step, 32, config)
@@ -98,6 +102,29 @@ def test_one_process_version_restores_bitwise(tmp_path: Path, world: int, shardi
     expected = _one_process_version(tmp_path / "store")
     np.savez(tmp_path / "store" / "expected.npz", **expected)
     run_ranks(_restore_and_compare, world, str(tmp_path / "store"), sharding)
+
+
+def test_a_table_with_an_id_map_restores_whole_on_every_rank(tmp_path: Path) -> None:
+    # A one-process trainer fed raw ids writes its tables' id maps; a map covers every row, so
+    # a row-wise rank restores such a table whole and keeps its own rows (it used to refuse:
+    # "carries an id map: it restores whole, not rows [..)").
+    users = next(f.rows for f in CONFIG.sparse if f.name == "user")
+    expected = _one_process_version(
+        tmp_path / "store", id_maps={"embeddings.user": IdMap(users, hashed=True)}
+    )
+    head = Catalog(FileStore(tmp_path / "store"), MODEL).latest()
+    assert head is not None and head.manifest.table("embeddings.user").id_map is not None
+    np.savez(tmp_path / "store" / "expected.npz", **expected)
+    run_ranks(_restore_with_map, 2, str(tmp_path / "store"))
+
+
+def _restore_with_map(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.restore_shards import restore_sharded
+
+    job = sharded_job("row_wise", seed=100 + rank)
+    position = restore_sharded(job.model, job.dense_optimizer, FileStore(root), MODEL)
+    assert (position.step, position.samples_seen) == (6, 192)
+    assert_holds_expected(job, root)
 
 
 def _refuse_and_keep(rank: int, world: int, root: str) -> None:
