@@ -9,8 +9,10 @@ for every codec, giving exact bytes per checkpoint. Consecutive and intermittent
 same rows, so each delta is encoded once per codec. A full checkpoint of a codec is encoded once (at
 the first boundary) and its size reused: its size depends on the values only through zstd.
 
-Alongside, the settings of `PUBLISHED` (the default, intermittent int4, and the fewest bytes,
-consecutive int2) are captured as the trainer captures them and published for real through
+Alongside, the settings of `PUBLISHED` (the default, intermittent int4; intermittent with
+`--codec auto`, the trainer's default, whose bits follow the loss it measures, so its bytes are
+the committed versions' own; and the fewest bytes, consecutive int2) are captured as the trainer
+captures them and published for real through
 `CheckpointPublisher` into a file store, each version's manifest recording its served loss as
 a live run records it (publisher/served_loss.py: the version as a server holds it next to the
 trainer's fp32 state, paired on the latest progressive-validation samples); the default's latest
@@ -24,6 +26,7 @@ every policy and for the full fp32 reference alike (docs/FORMAT.md section 3.1).
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import statistics
 import tempfile
@@ -47,10 +50,11 @@ from bench.workloads import (
     make_workload,
     quantize_in_place,
 )
+from publisher.cli import positive_int
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import open_store
-from publisher.write.policies import POLICIES, Plan, make_policy
+from publisher.write.policies import POLICIES, Plan, ServedLossCodecRule, make_policy
 from publisher.write.publishing import CheckpointPublisher, encode_table
 from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
@@ -61,6 +65,11 @@ from trainer.snapshot_capture import SnapshotCapture
 
 #: versions kept by the retention window (storage capacity over a window).
 RETAIN = 4
+#: checkpoints of the synthetic workload: more than one cycle of the default intermittent
+#: policy (3.7% of its rows change per interval, so it takes a new baseline every ~27
+#: versions), so the mean write bandwidth counts baselines at their long-run rate. Eight
+#: checkpoints, which never reach the second baseline, weigh the first one at 1 in 8 instead.
+SYNTHETIC_INTERVALS = 32
 #: codecs replayed in quick mode (the machinery, not the numbers).
 QUICK_CODECS = ("fp32", "int4", "int4-adaptive", "int2")
 #: optimizer columns per table row: row-wise Adagrad's accumulator.
@@ -68,7 +77,12 @@ AUX_DIM = 1
 #: manifest JSON per version (measured: ~1-3 KB); small next to the blobs but counted.
 MANIFEST_BYTES = 2_048
 #: (policy, codec) published for real, served loss measured per version; the default first.
-PUBLISHED = ((DEFAULT_POLICY, DEFAULT_CODEC), ("consecutive", "int2"))
+#: "auto" is `checknrun train`'s default, `--codec auto`: bits chosen per version from that
+#: measurement (publisher.write.policies.ServedLossCodecRule, from int4), so its bytes and loss
+#: are the published versions' own, not a replay's.
+PUBLISHED = ((DEFAULT_POLICY, DEFAULT_CODEC), (DEFAULT_POLICY, "auto"), ("consecutive", "int2"))
+#: where `--codec auto` starts on these runs (no restores expected: the bit rule's floor).
+AUTO_FLOOR = "int4"
 #: the served-loss budget `--codec auto` holds a live run to (relative AUC, percent).
 SERVED_LOSS_BUDGET_PCT = 0.01
 
@@ -80,8 +94,14 @@ class _PublishedArm:
         self.policy, self.codec = policy, codec
         default = (policy, codec) == (DEFAULT_POLICY, DEFAULT_CODEC)
         self.model = "paper" if default else f"paper-{policy}-{codec}"
-        self.capture = _capture(trainer, codec)
-        self.publisher = CheckpointPublisher(store, self.model, measure_served_loss=True)
+        auto = codec == "auto"
+        self.capture = _capture(trainer, AUTO_FLOOR if auto else codec)
+        self.publisher = CheckpointPublisher(
+            store,
+            self.model,
+            measure_served_loss=True,
+            codec_rule=ServedLossCodecRule(AUTO_FLOOR) if auto else None,
+        )
         self.versions: list[dict[str, Any]] = []
         self.served: list[ServedLoss | None] = []
 
@@ -104,6 +124,7 @@ class _PublishedArm:
                 "encode_s": round(result.encode_s, 4),
                 "measure_s": round(result.measure_s, 4),
                 "commit_s": round(result.commit_s, 4),
+                "codecs": sorted({t.codec for t in result.manifest.tables}),
                 "served_loss": None
                 if result.manifest.served_loss is None
                 else result.manifest.served_loss.model_dump(),
@@ -115,12 +136,23 @@ class _PublishedArm:
         self.capture.close()
 
     def describe(self) -> dict[str, Any]:
-        return {
+        """The versions, their served loss, and the write and storage reductions of the bytes
+        actually committed (the replay's figures for a fixed codec, measured instead)."""
+        doc: dict[str, Any] = {
             "policy": self.policy,
             "codec": self.codec,
             "versions": self.versions,
             "served_loss": served_loss_summary(self.served),
         }
+        if self.versions:
+            sizes = [v["bytes_written"] for v in self.versions]
+            kinds = [v["kind"] for v in self.versions]
+            full = statistics.fmean(v["full_fp32_bytes"] for v in self.versions)
+            each = storage(kinds, sizes, self.policy, RETAIN)["restore_bytes_per_version"]
+            doc["bandwidth_reduction_mean"] = full / statistics.fmean(sizes)
+            doc["capacity_reduction_latest"] = full / each[-1]
+            doc["capacity_reduction_mean"] = full / statistics.fmean(each)
+        return doc
 
 
 def served_loss_summary(losses: list[ServedLoss | None]) -> dict[str, Any]:
@@ -177,17 +209,23 @@ def restore_chain_bytes(kinds: list[str], sizes: list[int], policy: str) -> list
     return list(range(base, last + 1))
 
 
-def storage(kinds: list[str], sizes: list[int], policy: str, retain: int) -> dict[str, int]:
-    """Bytes kept to restore the latest version, and any of the last `retain` versions."""
+def storage(kinds: list[str], sizes: list[int], policy: str, retain: int) -> dict[str, Any]:
+    """Bytes kept to restore the latest version, any of the last `retain` versions, and each
+    version in turn (when it was the latest: the figure moves through a policy's cycle)."""
     latest = restore_chain_bytes(kinds, sizes, policy)
     keep: set[int] = set()
     for end in range(max(0, len(kinds) - retain), len(kinds)):
         keep.update(restore_chain_bytes(kinds[: end + 1], sizes[: end + 1], policy))
+    each = [
+        sum(sizes[i] for i in restore_chain_bytes(kinds[: end + 1], sizes[: end + 1], policy))
+        for end in range(len(kinds))
+    ]
     return {
         "latest_bytes": sum(sizes[i] for i in latest),
         "latest_chain_versions": len(latest),
         "window_bytes": sum(sizes[i] for i in keep),
         "window_versions_kept": len(keep),
+        "restore_bytes_per_version": each,
     }
 
 
@@ -282,6 +320,9 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
                     "bandwidth_reduction_steady_mean": fp32_full / statistics.fmean(steady),
                     **st,
                     "capacity_reduction_latest": fp32_full / st["latest_bytes"],
+                    "capacity_reduction_mean": fp32_full
+                    / statistics.fmean(st["restore_bytes_per_version"]),
+                    "capacity_reduction_worst": fp32_full / max(st["restore_bytes_per_version"]),
                     "capacity_reduction_window": ref_window / st["window_bytes"],
                 }
             )
@@ -387,7 +428,22 @@ def _baseline_of(store: Any, model: str) -> int:
     return Catalog(store, model).find().manifest.baseline
 
 
-def run(quick: bool, workloads: tuple[str, ...] = WORKLOADS) -> dict[str, Any]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--synthetic-intervals",
+        type=positive_int,
+        default=SYNTHETIC_INTERVALS,
+        metavar="N",
+        help=f"checkpoints of the synthetic workload (default {SYNTHETIC_INTERVALS}: more than "
+        "one cycle of the default policy; --quick: 3)",
+    )
+
+
+def run(
+    quick: bool,
+    workloads: tuple[str, ...] = WORKLOADS,
+    synthetic_intervals: int = SYNTHETIC_INTERVALS,
+) -> dict[str, Any]:
     """Both workloads (those installed); returns the part's document."""
     torch.set_num_threads(1)  # the trainer's default: one core trains, the other publishes
     codecs = QUICK_CODECS if quick else tuple(CODECS)
@@ -405,7 +461,8 @@ def run(quick: bool, workloads: tuple[str, ...] = WORKLOADS) -> dict[str, Any]:
         if not available(name):
             log(f"paper: {name} data not installed, skipped")
             continue
-        wl = make_workload(name, quick)
+        intervals = synthetic_intervals if name == "synthetic" and not quick else None
+        wl = make_workload(name, quick, intervals=intervals)
         log(f"paper: {name}: {wl.describe()}")
         doc["workloads"][name] = run_workload(wl, codecs)
     return doc
