@@ -3,7 +3,7 @@
     checknrun bench stall [--data movielens|synthetic] [--table-cap N] [--interval-samples N]
                           [--max-samples N] [--repeats R] [--policy P] [--codec C] [--quick]
 
-Three arms train the same model on the same batches, alternating, in one process:
+The arms train the same model on the same batches, alternating, in one process:
 
 - `off` and `on` are bench/stall_arms.py's arms: `off` writes the full state with `torch.save`
   at every boundary (that time is measured and left out of its training time); `on` runs
@@ -11,6 +11,8 @@ Three arms train the same model on the same batches, alternating, in one process
   a file store.
 - `on-process`: the same checkpointer with `publish_in="process"` (encode and commit in a
   child process, off the training process's GIL).
+- `on-nice-0`: the same checkpointer with its publisher threads at the training thread's CPU
+  priority (`Tunables.publisher_nice` 0; the default runs them at nice +10).
 - `dcp`: `torch.distributed.checkpoint.async_save` of the same state (single process) at every
   boundary; its stall is the call's blocking time plus any wait for the previous save.
 - `bare`, `tracker`, `tracker-lookup` (bench/stall_arms.py): plain training, and training with
@@ -31,6 +33,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,6 +53,7 @@ from bench.stall_arms import (
 )
 from bench.workloads import DEFAULT_CODEC, DEFAULT_POLICY, WORKLOADS, available, make_workload
 from publisher.store import open_store
+from publisher.tunables import DEFAULT_TUNABLES
 from publisher.write.policies import POLICIES
 from schemas.codec_names import CODECS
 from trainer.checkpointer import IncrementalCheckpointer
@@ -127,17 +131,31 @@ def run_on_process(args: ArmSettings, stream: InteractionStream, scratch: Path) 
     GIL with the training loop, the process publisher does not
     (publisher/write/process_publisher.py).
     """
+    return _run_variant(args, stream, scratch / "store-process", publish_in="process")
+
+
+def run_on_nice_0(args: ArmSettings, stream: InteractionStream, scratch: Path) -> dict[str, Any]:
+    """stall_arms's `on` arm with the publisher's threads at the training thread's priority
+    (`Tunables.publisher_nice` 0, as before it was 10): what the lower priority buys."""
+    tunables = replace(DEFAULT_TUNABLES, publisher_nice=0)
+    return _run_variant(args, stream, scratch / "store-nice-0", tunables=tunables)
+
+
+def _run_variant(
+    args: ArmSettings, stream: InteractionStream, store: Path, **options: Any
+) -> dict[str, Any]:
+    """The `on` arm's checkpointer with other `options`, into a fresh `store`."""
     model, optimizers = build_model(args, stream)
-    shutil.rmtree(scratch / "store-process", ignore_errors=True)
+    shutil.rmtree(store, ignore_errors=True)
     ckpt = IncrementalCheckpointer(
         model,
         optimizers,
-        store=f"file://{scratch / 'store-process'}",
+        store=f"file://{store}",
         model_name="bench",
         policy=args.policy,
         codec=args.codec,
         interval_samples=args.interval_samples,
-        publish_in="process",
+        **options,
     )
     stop = min(args.max_samples, stream.num_samples or args.max_samples)
     with ckpt:
@@ -177,6 +195,7 @@ def run_workload(
     ons: list[dict[str, Any]] = []
     dcps: list[dict[str, Any]] = []
     procs: list[dict[str, Any]] = []
+    nice_0: list[dict[str, Any]] = []
     bare: list[dict[str, Any]] = []
     tracker: list[dict[str, Any]] = []
     lookup: list[dict[str, Any]] = []
@@ -188,6 +207,7 @@ def run_workload(
         ("on", run_on, ons),
         ("tracker-lookup", lambda a, s, _: run_bare(a, s, "lookup"), lookup),
         ("on-process", run_on_process, procs),
+        ("on-nice-0", run_on_nice_0, nice_0),
         ("dcp", run_dcp, dcps),
     )
     try:
@@ -232,6 +252,15 @@ def run_workload(
             "overhead_pct": round((proc_s / off_s - 1) * 100, 2),
             "overhead_cpu_pct": round((proc_cpu / off_cpu - 1) * 100, 2),
             "stall_ms_median": round(statistics.median(proc_stalls), 3) if proc_stalls else None,
+        },
+        "publisher_nice_0": {
+            "train_s": round(statistics.median(r["train_s"] for r in nice_0), 3),
+            "overhead_pct": round(
+                (statistics.median(r["train_s"] for r in nice_0) / off_s - 1) * 100, 2
+            ),
+            "overhead_cpu_pct": round(
+                (statistics.median(r["train_cpu_s"] for r in nice_0) / off_cpu - 1) * 100, 2
+            ),
         },
         "stall_over_torch_save": round(stall / save, 5) if stall and save else None,
         "stall_over_dcp_async": round(stall / dcp_ms, 4) if stall and dcp_ms else None,
