@@ -32,8 +32,10 @@ class Tunables:
     #: baseline costs ~35 short stops instead of one 0.1-1.2 s stall. None: one stop.
     full_copy_chunk_bytes: int | None = 32 << 20
     #: added to the nice value of the background publisher's threads, or of a publisher process
-    #: (publisher/write/priority.py): a contended core goes to the training thread. 0: unchanged.
-    publisher_nice: int = 10
+    #: (publisher/write/priority.py): a contended core goes to the training thread. 0 (default):
+    #: unchanged; on a saturated machine a lowered publisher falls behind and publishes fewer,
+    #: merged versions (measured: a live trainer on 2 busy cores).
+    publisher_nice: int = 0
 
 
 DEFAULT_TUNABLES = Tunables()

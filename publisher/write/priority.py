@@ -3,9 +3,14 @@
 A trainer's publisher (encode, zstd, hashing, uploads, the served-loss scoring) shares the
 machine with the training thread. When they want the same core, the kernel's scheduler should
 run the training thread: a version published a few milliseconds later costs nothing, a training
-step stalled costs throughput. So the publisher's threads, and a publisher process, run at a
-higher nice value (`Tunables.publisher_nice`, default 10: CFS then gives the training thread
-~90% of a contended core). When a core is free the publisher runs at full speed all the same.
+step stalled costs throughput. So the publisher's threads, and a publisher process, can run at
+a higher nice value (`Tunables.publisher_nice`; at 10 CFS gives the training thread ~90% of a
+contended core). When a core is free the publisher runs at full speed all the same.
+
+It is off by default (0): on a machine whose cores are all busy (a live trainer with its event
+reader on 2 cores) the lowered publisher falls behind, snapshots queue and merge, and fewer
+versions are published: fresher serving was worth more than the training time, which this
+machine could not show to be larger than its own drift (README, Benchmarks).
 
 On Linux the nice value belongs to a thread (setpriority with the thread's own id), and a
 thread starts with its creator's, so the upload pool a publisher thread creates inherits it.

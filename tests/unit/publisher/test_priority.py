@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from publisher.store import FileStore
+from publisher.tunables import DEFAULT_TUNABLES
 from publisher.write import priority
 from publisher.write.policies import make_policy
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
@@ -72,7 +74,7 @@ def test_the_worker_and_its_upload_pool_run_at_the_set_nice(tmp_path: Path, nice
         for _ in range(2):
             plan = policy.plan(training.interval())
             background.submit(training.snapshot(plan.rows, plan.kind, plan.relative_to, "int4"))
-        background.wait()
+            background.wait()  # one version each, none folded into the next
     finally:
         background.close()
     expected = min(19, mine + nice)
@@ -85,7 +87,12 @@ def test_the_worker_and_its_upload_pool_run_at_the_set_nice(tmp_path: Path, nice
 def test_a_publisher_process_runs_below_its_parent(tmp_path: Path) -> None:
     mine = priority.this_thread_nice()
     assert mine is not None
-    child = ProcessPublisher(ProcessPublisherConfig(store_url=f"file://{tmp_path}", model="m"))
+    config = ProcessPublisherConfig(
+        store_url=f"file://{tmp_path}",
+        model="m",
+        tunables=replace(DEFAULT_TUNABLES, publisher_nice=10),
+    )
+    child = ProcessPublisher(config)
     try:
         pid = child._process.pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + 10)
