@@ -221,7 +221,7 @@ def storage(kinds: list[str], sizes: list[int], policy: str, retain: int) -> dic
         for end in range(len(kinds))
     ]
     return {
-        "latest_bytes": sum(sizes[i] for i in latest),
+        "latest_bytes": each[-1],
         "latest_chain_versions": len(latest),
         "window_bytes": sum(sizes[i] for i in keep),
         "window_versions_kept": len(keep),

@@ -227,8 +227,6 @@ def run_workload(
     stall = summary["stall_ms_median"]
     save = summary["torch_save_ms_median"]
     dcp_ms = statistics.median(dcp_stalls) if dcp_stalls else None
-    proc_s = statistics.median(r["train_s"] for r in procs)
-    proc_cpu = statistics.median(r["train_cpu_s"] for r in procs)
     off_cpu = statistics.median(r["train_cpu_s"] for r in offs)
     proc_stalls = [ms for r in procs for ms in r["stall_ms"]]
     return {
@@ -248,24 +246,25 @@ def run_workload(
             "stall_ms_max": round(max(dcp_stalls), 3) if dcp_stalls else None,
         },
         "process_publisher": {
-            "train_s": round(proc_s, 3),
-            "overhead_pct": round((proc_s / off_s - 1) * 100, 2),
-            "overhead_cpu_pct": round((proc_cpu / off_cpu - 1) * 100, 2),
+            **_variant_overhead(procs, off_s, off_cpu),
             "stall_ms_median": round(statistics.median(proc_stalls), 3) if proc_stalls else None,
         },
-        "publisher_nice_10": {
-            "train_s": round(statistics.median(r["train_s"] for r in nice_10), 3),
-            "overhead_pct": round(
-                (statistics.median(r["train_s"] for r in nice_10) / off_s - 1) * 100, 2
-            ),
-            "overhead_cpu_pct": round(
-                (statistics.median(r["train_cpu_s"] for r in nice_10) / off_cpu - 1) * 100, 2
-            ),
-        },
+        "publisher_nice_10": _variant_overhead(nice_10, off_s, off_cpu),
         "stall_over_torch_save": round(stall / save, 5) if stall and save else None,
         "stall_over_dcp_async": round(stall / dcp_ms, 4) if stall and dcp_ms else None,
         "restore": restore,
         "checkpoints": ons[-1]["records"],
+    }
+
+
+def _variant_overhead(runs: list[dict[str, Any]], off_s: float, off_cpu: float) -> dict[str, float]:
+    """A checkpointer variant's median training time, and its wall and CPU overhead over `off`."""
+    train_s = statistics.median(r["train_s"] for r in runs)
+    train_cpu = statistics.median(r["train_cpu_s"] for r in runs)
+    return {
+        "train_s": round(train_s, 3),
+        "overhead_pct": round((train_s / off_s - 1) * 100, 2),
+        "overhead_cpu_pct": round((train_cpu / off_cpu - 1) * 100, 2),
     }
 
 
