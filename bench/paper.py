@@ -128,6 +128,10 @@ class _PublishedArm:
                 "served_loss": None
                 if result.manifest.served_loss is None
                 else result.manifest.served_loss.model_dump(),
+                # `--codec auto`: the codecs measured over the budget before the commit
+                "reencoded": [
+                    {"codec": codec, "auc_rel_loss": loss} for codec, loss in result.reencoded
+                ],
             }
         )
 
@@ -143,6 +147,7 @@ class _PublishedArm:
             "codec": self.codec,
             "versions": self.versions,
             "served_loss": served_loss_summary(self.served),
+            "versions_encoded_again": sum(1 for v in self.versions if v["reencoded"]),
         }
         if self.versions:
             sizes = [v["bytes_written"] for v in self.versions]

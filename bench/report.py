@@ -61,9 +61,11 @@ def _served_loss_cell(wl: dict[str, Any], policy: str, codec: str) -> str:
     if arm is None or not arm["served_loss"].get("versions_measured"):
         return ""
     loss = arm["served_loss"]
+    again = arm.get("versions_encoded_again")
     return (
         f"{loss['auc_rel_loss_pct_median']:+.4f}% / {loss['auc_rel_loss_pct_worst']:+.4f}%, "
         f"{loss['over_budget']} of {loss['versions_measured']}"
+        + (f" ({again} encoded again)" if again else "")
     )
 
 

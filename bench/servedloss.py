@@ -113,6 +113,7 @@ def _run_arm(
                 "samples_seen": r.samples_seen,
                 "measure_ms": None if r.measure_s is None else round(r.measure_s * 1e3, 2),
                 "served_loss": None if r.served_loss is None else r.served_loss.model_dump(),
+                "reencoded": [{"codec": c, "auc_rel_loss": loss} for c, loss in r.reencoded],
             }
             for r in versions
         ],
@@ -140,6 +141,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "auc_rel_loss_median": statistics.median(losses) if losses else None,
         "auc_rel_loss_max": max(losses) if losses else None,
         "over_budget_versions": sum(loss > SERVED_LOSS_BUDGET for loss in losses),
+        "encoded_again_versions": sum(1 for v in last["versions"] if v.get("reencoded")),
         "measure_ms_median": statistics.median(measures) if measures else None,
         "codecs": [v["codec"] for v in last["versions"]],
         "per_version": last["versions"],
@@ -216,7 +218,10 @@ def _print(doc: Mapping[str, Any]) -> None:
         f"in the publisher; stall median {c['stall_ms_median_unmeasured']} -> "
         f"{c['stall_ms_median_measured']} ms"
     )
-    print(f"{'arm':<11} {'versions':>8} {'median loss':>12} {'max loss':>10} {'over':>5}  codecs")
+    print(
+        f"{'arm':<11} {'versions':>8} {'median loss':>12} {'max loss':>10} {'over':>5} "
+        f"{'again':>5}  codecs"
+    )
     for arm, a in doc["arms"].items():
         median = a["auc_rel_loss_median"]
         worst = a["auc_rel_loss_max"]
@@ -224,5 +229,6 @@ def _print(doc: Mapping[str, Any]) -> None:
             f"{arm:<11} {a['versions']:>8} "
             f"{'-' if median is None else f'{100 * median:+.4f}%':>12} "
             f"{'-' if worst is None else f'{100 * worst:+.4f}%':>10} "
-            f"{a['over_budget_versions']:>5}  {','.join(sorted(set(a['codecs'])))}"
+            f"{a['over_budget_versions']:>5} {a.get('encoded_again_versions', 0):>5}  "
+            f"{','.join(sorted(set(a['codecs'])))}"
         )

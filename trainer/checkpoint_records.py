@@ -61,6 +61,9 @@ class CheckpointRecord:
     served_loss: ServedLoss | None = None
     #: of publish_s: updating the served-loss copy and scoring it.
     measure_s: float | None = None
+    #: `--codec auto`: the codecs this version was measured over the budget at, and their
+    #: losses, before it was encoded again with more bits and committed.
+    reencoded: list[tuple[str, float]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -120,6 +123,7 @@ class CheckpointRecord:
             "codec": self.codec,
             "served_loss": None if self.served_loss is None else self.served_loss.model_dump(),
             "measure_s": None if self.measure_s is None else round(self.measure_s, 4),
+            "reencoded": [{"codec": codec, "auc_rel_loss": loss} for codec, loss in self.reencoded],
             "metrics": {k: round(v, 6) for k, v in self.metrics.items()},
         }
 
@@ -166,6 +170,7 @@ class CheckpointRecords:
                 record.codec = ",".join(sorted({t.codec for t in result.manifest.tables}))
                 record.served_loss = result.manifest.served_loss
                 record.measure_s = result.measure_s
+                record.reencoded = list(result.reencoded)
                 # Every earlier unpublished snapshot was merged into this one.
                 for earlier in self.records[: record.index - 1]:
                     if not earlier.published:

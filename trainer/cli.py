@@ -668,7 +668,10 @@ def _served_text(record: CheckpointRecord) -> str:
     loss = record.served_loss
     if loss is None:
         return f"  {record.codec}" if record.codec else ""
-    return f"  {record.codec} served AUC {-100 * loss.auc_rel_loss:+.4f}% vs fp32"
+    text = f"  {record.codec} served AUC {-100 * loss.auc_rel_loss:+.4f}% vs fp32"
+    for codec, first in record.reencoded:
+        text += f" ({codec} {-100 * first:+.4f}%: encoded again)"
+    return text
 
 
 def _human_bytes(n: int) -> str:

@@ -177,7 +177,8 @@ class ServedLossCodecRule:
     Starts at `floor` (the bit rule's codec for the expected restores: measured loss never
     takes a run below what its restores need) on `AUTO_CODEC_LADDER`. After each version:
 
-    - measured `auc_rel_loss` > `budget`: one step up (more bits) for the next version;
+    - measured `auc_rel_loss` > `budget`: one step up (more bits), for this version too when
+      the publisher asks `step_up_now` before committing it;
     - within `budget / 2` for `patience` versions in a row: one step down, never below `floor`;
     - anything else, or no measurement: stay.
 
@@ -214,6 +215,22 @@ class ServedLossCodecRule:
     def codec(self) -> str:
         """The codec of the next version."""
         return AUTO_CODEC_LADDER[self._step]
+
+    def step_up_now(self, auc_rel_loss: float | None) -> str | None:
+        """A version measured at `codec` before its commit: when its loss is over the budget,
+        step up (as `observe` would) and return the codec to encode it again with; None when
+        it is within the budget, not measured, or already at the top of the ladder.
+
+        The publisher (`CheckpointPublisher`) encodes the version again with that codec and
+        measures it again, so no version commits over the budget while more bits can help;
+        the committed measurement then goes to `observe` as every other version's does.
+        """
+        if auc_rel_loss is None or not auc_rel_loss > self.budget:
+            return None
+        if self._step + 1 >= len(AUTO_CODEC_LADDER):
+            return None
+        self.observe(auc_rel_loss)
+        return self.codec
 
     def observe(self, auc_rel_loss: float | None) -> str:
         """Take one version's measured loss (None: not measured); return the next codec."""

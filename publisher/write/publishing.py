@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal, Protocol
@@ -25,7 +25,7 @@ import numpy as np
 
 from publisher.codecs import QuantizedRows, decode_rows, encode_rows
 from publisher.read.catalog import VersionRef
-from publisher.served_loss import ServedLossMeter
+from publisher.served_loss import Fp32Scores, ServedLossMeter
 from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
@@ -36,7 +36,7 @@ from schemas.announcement import Announcement
 from schemas.delta_blob import AuxEncoding, DeltaBlob, encode_delta_blob, round_to_bfloat16
 from schemas.errors import BadDataError, UnavailableError
 from schemas.id_map_blob import encode_id_entries
-from schemas.manifest import Manifest, ratio_to_full_fp32
+from schemas.manifest import Manifest, ServedLoss, ratio_to_full_fp32
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class PublishResult:
     sequence: int
     #: of `encode_s`: updating the served-loss copy and scoring it.
     measure_s: float = 0.0
+    #: `--codec auto`: each (codec, measured `auc_rel_loss`) this version was encoded with and
+    #: measured over the budget at before the commit, in order; empty when the first was kept.
+    reencoded: tuple[tuple[str, float], ...] = ()
 
     @property
     def manifest(self) -> Manifest:
@@ -225,21 +228,27 @@ class CheckpointPublisher:
             measuring = time.perf_counter()
             fp32_scores = meter.score_fp32(rows, snapshot.dense, snapshot.scored)
             measure_s += time.perf_counter() - measuring
-        tables = []
-        for t in rows:
-            # check_finite above refused NaN and inf and measured each table's magnitude
-            q = encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name])
-            tables.append(encode_table(t, self.tunables, q))
-            if meter is not None:  # table by table: one table's decoded rows at a time
-                measuring = time.perf_counter()
-                meter.apply_table(t.name, t.row_ids, decode_rows(q))
-                measure_s += time.perf_counter() - measuring
-            del q
-        served_loss = None
-        if meter is not None:
-            measuring = time.perf_counter()
-            served_loss = meter.measure(fp32_scores)
-            measure_s += time.perf_counter() - measuring
+        tables, served_loss, seconds = self._encode(rows, largest, meter, fp32_scores)
+        measure_s += seconds
+        reencoded: list[tuple[str, float]] = []
+        while self.codec_rule is not None and served_loss is not None and rows:
+            # Over the budget at this codec: encode the same rows again with more bits before
+            # anything is written. The samples scored look up only rows this version carries
+            # (publisher/served_loss.py), so more bits on its rows always bring the loss down.
+            codec = self.codec_rule.step_up_now(served_loss.auc_rel_loss)
+            if codec is None:
+                break
+            reencoded.append((rows[0].codec, served_loss.auc_rel_loss))
+            log.info(
+                "--codec auto: this version lost %.4f%% relative AUC served at %s; "
+                "encoding it again with %s",
+                100 * served_loss.auc_rel_loss,
+                rows[0].codec,
+                codec,
+            )
+            rows = tuple(replace(t, codec=codec) for t in rows)
+            tables, served_loss, seconds = self._encode(rows, largest, meter, fp32_scores)
+            measure_s += seconds
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
             encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
@@ -291,7 +300,36 @@ class CheckpointPublisher:
             taken_at=snapshot.taken_at,
             sequence=snapshot.sequence,
             measure_s=measure_s,
+            reencoded=tuple(reencoded),
         )
+
+    def _encode(
+        self,
+        rows: tuple[TableRows, ...],
+        largest: Mapping[str, float],
+        meter: ServedLossMeter | None,
+        fp32_scores: Fp32Scores | None,
+    ) -> tuple[list[TableBlob], ServedLoss | None, float]:
+        """Every table's blob, the version's served loss (None: not measured) and the seconds
+        spent measuring it. `fp32_scores` is the meter's first step for this snapshot; the
+        decoded rows go to the meter table by table (one table's decoded rows at a time)."""
+        tables = []
+        measure_s = 0.0
+        for t in rows:
+            # check_finite refused NaN and inf and measured each table's magnitude
+            q = encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name])
+            tables.append(encode_table(t, self.tunables, q))
+            if meter is not None:
+                measuring = time.perf_counter()
+                meter.apply_table(t.name, t.row_ids, decode_rows(q))
+                measure_s += time.perf_counter() - measuring
+            del q
+        served_loss = None
+        if meter is not None:
+            measuring = time.perf_counter()
+            served_loss = meter.measure(fp32_scores)
+            measure_s += time.perf_counter() - measuring
+        return tables, served_loss, measure_s
 
     def _meter_for(self, snapshot: Snapshot) -> ServedLossMeter | None:
         """The served-loss copy of the snapshot's model; None when not measuring."""

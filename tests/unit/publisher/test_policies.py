@@ -162,6 +162,19 @@ def test_a_step_down_undone_at_once_doubles_the_patience() -> None:
     assert rule.patience == 4
 
 
+def test_step_up_now_steps_as_observe_does_only_for_a_loss_over_the_budget() -> None:
+    rule = ServedLossCodecRule("int4", budget=1e-4, patience=2)
+    calm, over = 1e-5, 3e-4
+    assert [rule.step_up_now(x) for x in (None, calm, 1e-4)] == [None, None, None]
+    assert rule.codec == "int4"  # nothing within the budget moved the rule
+    assert drive(rule, [over, calm, calm]) == ["int8", "int8", "int4"]
+    assert rule.step_up_now(over) == "int8"  # a step down undone at once, before the commit
+    assert rule.patience == 4
+    assert drive(rule, [calm]) == ["int8"]  # the committed measurement, calm: one of four
+    assert [rule.step_up_now(over) for _ in range(3)] == ["fp16", "fp32", None]
+    assert rule.codec == "fp32"
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"floor": "int2"}, {"budget": 0.0}, {"budget": float("nan")}, {"patience": 0}]
 )

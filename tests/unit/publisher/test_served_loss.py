@@ -254,6 +254,49 @@ def test_the_codec_rule_picks_each_versions_codec_from_the_last_measurement(
     assert {t.codec for t in second.manifest.tables} == {"int4"}
 
 
+def test_a_version_over_the_budget_is_encoded_again_with_more_bits_before_its_commit(
+    tmp_path: Path,
+) -> None:
+    """--codec auto commits no version over its budget while more bits can help."""
+    model, samples = _model(), _samples(seed=3)
+    # What each codec loses on these samples, each measured alone: int4 and int8 over the
+    # default budget (0.01%), fp16 within it.
+    alone = {
+        codec: _measure(ServedLossMeter(CONFIG.to_json()), _snapshot(model, codec, scored=samples))
+        for codec in ("int4", "int8", "fp16")
+    }
+    losses = {codec: loss.auc_rel_loss for codec, loss in alone.items() if loss is not None}
+    rule = ServedLossCodecRule("int4")
+    assert losses["int4"] > rule.budget and losses["int8"] > rule.budget >= losses["fp16"]
+    store = FileStore(tmp_path)
+    publisher = CheckpointPublisher(store, "m", measure_served_loss=True, codec_rule=rule)
+    result = publisher.publish(_snapshot(model, "int4", scored=samples))
+    assert result.reencoded == (("int4", losses["int4"]), ("int8", losses["int8"]))
+    (only,) = Catalog(store, "m").versions()  # the rejected encodings wrote nothing
+    assert {t.codec for t in only.manifest.tables} == {"fp16"}
+    assert only.manifest.served_loss is not None
+    assert only.manifest.served_loss.auc_rel_loss == losses["fp16"]
+    assert rule.codec == "fp16"  # the next version starts where this one ended
+    # A delta: its few scored samples move by a whole pair at a time, so it may take more
+    # bits still; whatever it took, it commits within the budget.
+    touched = {"embeddings.user": np.arange(0, 60, 3), "embeddings.item": np.arange(0, 40, 3)}
+    delta = publisher.publish(_snapshot(model, "int4", touched, scored=samples))
+    assert all(loss > rule.budget for _, loss in delta.reencoded)
+    assert delta.manifest.served_loss is not None
+    assert delta.manifest.served_loss.auc_rel_loss <= rule.budget
+
+
+def test_at_the_top_of_the_ladder_a_version_commits_as_measured(tmp_path: Path) -> None:
+    rule = ServedLossCodecRule("fp32", budget=1e-9)
+    assert rule.step_up_now(1.0) is None  # no more bits to give
+    store = FileStore(tmp_path)
+    publisher = CheckpointPublisher(store, "m", measure_served_loss=True, codec_rule=rule)
+    result = publisher.publish(_snapshot(_model(), "int4", scored=_samples(seed=3)))
+    assert result.reencoded == ()
+    assert result.manifest.served_loss is not None
+    assert result.manifest.served_loss.auc_rel_loss == 0.0  # fp32 is served exactly
+
+
 def test_the_fp32_side_is_the_trainers_model_on_the_current_intervals_samples(
     tmp_path: Path,
 ) -> None:
