@@ -178,7 +178,7 @@ class ServedLossCodecRule:
     takes a run below what its restores need) on `AUTO_CODEC_LADDER`. After each version:
 
     - measured `auc_rel_loss` > `budget`: one step up (more bits), for this version too when
-      the publisher asks `step_up_now` before committing it;
+      the publisher asks `step_up_now` before committing it (it does: `CheckpointPublisher`);
     - within `budget / 2` for `patience` versions in a row: one step down, never below `floor`;
     - anything else, or no measurement: stay.
 
@@ -186,7 +186,8 @@ class ServedLossCodecRule:
     `patience` calm versions. A step down undone by the very next measurement doubles
     `patience` (up to MAX_STEP_DOWN_AFTER), so a run whose loss sits at the edge settles on the
     safe codec instead of flapping. A step changes the rows written from the next version on;
-    rows not rewritten since keep their codec until a baseline rewrites them.
+    rows not rewritten since keep their codec until a baseline rewrites them. A full version
+    starts from the floor whatever the rule's codec (`first_codec`).
     """
 
     def __init__(
@@ -216,10 +217,21 @@ class ServedLossCodecRule:
         """The codec of the next version."""
         return AUTO_CODEC_LADDER[self._step]
 
-    def step_up_now(self, auc_rel_loss: float | None) -> str | None:
-        """A version measured at `codec` before its commit: when its loss is over the budget,
-        step up (as `observe` would) and return the codec to encode it again with; None when
-        it is within the budget, not measured, or already at the top of the ladder.
+    def first_codec(self, kind: str) -> str:
+        """The codec a version of `kind` is encoded with first: `codec` for a delta, the floor
+        for a full version. A full version is scored on the whole window (it carries every row:
+        the least noisy measurement a run makes), and what it holds is most of what a restore
+        reads until the next one, so it gets the fewest bits that measure within the budget
+        (`step_up_now` climbs from there), not those a noisy delta left the rule at."""
+        return AUTO_CODEC_LADDER[self.floor] if kind == "full" else self.codec
+
+    def step_up_now(self, auc_rel_loss: float | None, tried: str | None = None) -> str | None:
+        """A version measured at `tried` (default: `codec`) before its commit: when its loss is
+        over the budget, the codec one step above `tried` to encode it again with; None when it
+        is within the budget, not measured, or `tried` is the top of the ladder.
+
+        When `tried` is at or above the rule's own codec, the rule steps up too (as `observe`
+        would); a full version tried below it (`first_codec`) leaves the rule where it is.
 
         The publisher (`CheckpointPublisher`) encodes the version again with that codec and
         measures it again, so no version commits over the budget while more bits can help;
@@ -227,10 +239,12 @@ class ServedLossCodecRule:
         """
         if auc_rel_loss is None or not auc_rel_loss > self.budget:
             return None
-        if self._step + 1 >= len(AUTO_CODEC_LADDER):
+        at = AUTO_CODEC_LADDER.index(self.codec if tried is None else tried)
+        if at + 1 >= len(AUTO_CODEC_LADDER):
             return None
-        self.observe(auc_rel_loss)
-        return self.codec
+        if at >= self._step:
+            self.observe(auc_rel_loss)
+        return AUTO_CODEC_LADDER[at + 1]
 
     def observe(self, auc_rel_loss: float | None) -> str:
         """Take one version's measured loss (None: not measured); return the next codec."""

@@ -218,7 +218,8 @@ class CheckpointPublisher:
         largest = snapshot.check_finite()
         rows = snapshot.tables
         if self.codec_rule is not None:
-            rows = tuple(replace(t, codec=self.codec_rule.codec) for t in rows)
+            first = self.codec_rule.first_codec(snapshot.kind)
+            rows = tuple(replace(t, codec=first) for t in rows)
         meter = self._meter_for(snapshot)
         fp32_scores = None
         measure_s = 0.0
@@ -235,7 +236,7 @@ class CheckpointPublisher:
             # Over the budget at this codec: encode the same rows again with more bits before
             # anything is written. The samples scored look up only rows this version carries
             # (publisher/served_loss.py), so more bits on its rows always bring the loss down.
-            codec = self.codec_rule.step_up_now(served_loss.auc_rel_loss)
+            codec = self.codec_rule.step_up_now(served_loss.auc_rel_loss, rows[0].codec)
             if codec is None:
                 break
             reencoded.append((rows[0].codec, served_loss.auc_rel_loss))

@@ -173,6 +173,10 @@ def test_step_up_now_steps_as_observe_does_only_for_a_loss_over_the_budget() -> 
     assert drive(rule, [calm]) == ["int8"]  # the committed measurement, calm: one of four
     assert [rule.step_up_now(over) for _ in range(3)] == ["fp16", "fp32", None]
     assert rule.codec == "fp32"
+    # Tried below the rule's codec (a full version starts at the floor): the rule stays.
+    assert rule.first_codec("full") == "int4" and rule.first_codec("delta") == "fp32"
+    assert rule.step_up_now(over, "int4") == "int8"
+    assert rule.codec == "fp32"
 
 
 @pytest.mark.parametrize(

@@ -241,17 +241,48 @@ def test_the_codec_rule_picks_each_versions_codec_from_the_last_measurement(
     rule = ServedLossCodecRule("int4", budget=1.0, patience=1)
     publisher = CheckpointPublisher(store, "m", measure_served_loss=True, codec_rule=rule)
     model, samples = _model(), _samples()
-    rule.observe(2.0)  # over budget: the next version gets more bits
-    assert rule.codec == "int8"
     publisher.publish(_snapshot(model, "int2", scored=samples))  # the snapshot's codec yields
     (first,) = Catalog(store, "m").versions()
-    assert {t.codec for t in first.manifest.tables} == {"int8"}
-    # |loss| is far within half of a budget of 1.0: one calm version steps back down.
-    assert first.manifest.served_loss is not None
-    assert rule.codec == "int4"
-    publisher.publish(_snapshot(model, "int2", scored=samples))
+    assert {t.codec for t in first.manifest.tables} == {"int4"}
+    rule.observe(2.0)  # over budget: the next version gets more bits
+    assert rule.codec == "int8"
+    some = {"embeddings.user": np.arange(10), "embeddings.item": np.arange(10)}
+    publisher.publish(_snapshot(model, "int2", some, scored=samples))
     second = Catalog(store, "m").versions()[-1]
-    assert {t.codec for t in second.manifest.tables} == {"int4"}
+    assert {t.codec for t in second.manifest.tables} == {"int8"}
+    # |loss| is far within half of a budget of 1.0: one calm version steps back down.
+    assert second.manifest.served_loss is not None
+    assert rule.codec == "int4"
+    publisher.publish(_snapshot(model, "int2", some, scored=samples))
+    third = Catalog(store, "m").versions()[-1]
+    assert {t.codec for t in third.manifest.tables} == {"int4"}
+
+
+def test_a_full_version_starts_from_the_floor_and_climbs_only_while_over_budget(
+    tmp_path: Path,
+) -> None:
+    """A baseline gets the fewest bits that measure within the budget, not the rule's codec."""
+    model, samples = _model(), _samples(seed=3)  # int4 and int8 over 0.01% here, fp16 within
+    rule = ServedLossCodecRule("int4")
+    publisher = CheckpointPublisher(
+        FileStore(tmp_path), "m", measure_served_loss=True, codec_rule=rule
+    )
+    for _ in range(3):
+        rule.observe(1.0)  # noisy deltas left the rule at the top
+    assert rule.codec == "fp32"
+    result = publisher.publish(_snapshot(model, "int4", scored=samples))
+    assert [codec for codec, _ in result.reencoded] == ["int4", "int8"]
+    assert {t.codec for t in result.manifest.tables} == {"fp16"}
+    # Tried below the rule's codec, the failures did not move it; the calm commit counts.
+    assert rule.codec == "fp32"
+    calm = _model()
+    with torch.no_grad():
+        for emb in calm.embeddings.values():
+            assert isinstance(emb, torch.nn.EmbeddingBag)
+            emb.weight.mul_(0.01)  # rows so narrow int4 loses nothing measurable
+    result = publisher.publish(_snapshot(calm, "fp32", scored=samples))
+    assert result.reencoded == ()
+    assert {t.codec for t in result.manifest.tables} == {"int4"}
 
 
 def test_a_version_over_the_budget_is_encoded_again_with_more_bits_before_its_commit(
