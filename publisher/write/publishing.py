@@ -235,7 +235,7 @@ class CheckpointPublisher:
         while self.codec_rule is not None and served_loss is not None and rows:
             # Over the budget at this codec: encode the same rows again with more bits before
             # anything is written. The samples scored look up only rows this version carries
-            # (publisher/served_loss.py), so more bits on its rows always bring the loss down.
+            # (publisher/served_loss.py): at fp32 they score exactly as trained, so this ends.
             codec = self.codec_rule.step_up_now(served_loss.auc_rel_loss, rows[0].codec)
             if codec is None:
                 break
@@ -248,6 +248,7 @@ class CheckpointPublisher:
                 codec,
             )
             rows = tuple(replace(t, codec=codec) for t in rows)
+            del tables  # the rejected blobs go before the new ones are encoded
             tables, served_loss, seconds = self._encode(rows, largest, meter, fp32_scores)
             measure_s += seconds
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
