@@ -450,6 +450,26 @@ def test_every_version_records_its_served_loss(
     )
 
 
+@pytest.mark.parametrize("publish_in", ["thread", "process"])
+def test_auto_commits_no_version_over_its_budget_and_says_which_it_encoded_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], publish_in: str
+) -> None:
+    budget = 1e-9  # int4 and int8 lose more than this on most versions
+    argv = _with(SYNTHETIC, codec="auto", served_loss_budget=str(budget))
+    argv += ["--publish-in", publish_in]
+    store = f"file://{tmp_path}"
+    status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "6144", "--json")
+    assert status == 0
+    published = [r for r in json.loads(out)["checkpoints"] if r["version"] is not None]
+    assert any(r["reencoded"] for r in published)
+    for r in published:
+        assert r["served_loss"]["auc_rel_loss"] <= budget or r["codec"] == "fp32"
+        assert all(x["auc_rel_loss"] > budget for x in r["reencoded"])
+        assert r["codec"] not in {x["codec"] for x in r["reencoded"]}
+    status, _, err = run(capsys, *argv, "--store", f"{store}/b", "--max-samples", "6144")
+    assert status == 0 and ": encoded again)" in err  # each published version's line
+
+
 def test_served_loss_off_and_auto_needs_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
