@@ -137,12 +137,16 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[str]:
             rows.append(
                 (f"served AUC degradation ({name})", "<= 0.01%", f"{served:.4f}%", served <= 0.01)
             )
-        loss = wl.get("published_default", {}).get("served_loss", {})
+        # The trainer's default is --codec auto: its arm when the run published one.
+        auto = next((a for a in wl.get("published", []) if a["codec"] == "auto"), None)
+        arm = auto if auto is not None else wl.get("published_default", {})
+        loss = arm.get("served_loss", {})
         if loss.get("versions_measured"):
             worst = loss["auc_rel_loss_pct_worst"]
             rows.append(
                 (
-                    f"served AUC loss, worst version's manifest ({name})",
+                    f"served AUC loss, worst version's manifest ({name}, "
+                    f"{arm.get('codec', DEFAULT_CODEC)})",
                     "<= 0.01%",
                     f"{worst:.4f}% ({loss['over_budget']} of {loss['versions_measured']} over)",
                     worst <= 0.01,
