@@ -55,7 +55,7 @@ from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import open_store
 from publisher.write.policies import POLICIES, Plan, ServedLossCodecRule, make_policy
-from publisher.write.publishing import CheckpointPublisher, encode_table
+from publisher.write.publishing import CheckpointPublisher, encode_table, reencoded_json
 from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
 from schemas.manifest import Position, ServedLoss, full_fp32_bytes
@@ -129,9 +129,7 @@ class _PublishedArm:
                 if result.manifest.served_loss is None
                 else result.manifest.served_loss.model_dump(),
                 # `--codec auto`: the codecs measured over the budget before the commit
-                "reencoded": [
-                    {"codec": codec, "auc_rel_loss": loss} for codec, loss in result.reencoded
-                ],
+                "reencoded": reencoded_json(result.reencoded),
             }
         )
 

@@ -35,6 +35,7 @@ from bench.stall_arms import ArmSettings, build_model
 from bench.workloads import Workload, file_workload, make_workload
 from publisher.cli import CommandError, positive_int
 from publisher.write.policies import SERVED_LOSS_BUDGET, ServedLossCodecRule
+from publisher.write.publishing import reencoded_json
 from trainer.checkpointer import IncrementalCheckpointer
 from trainer.cli import add_file_args, open_stream
 from trainer.live_options import is_live
@@ -113,7 +114,7 @@ def _run_arm(
                 "samples_seen": r.samples_seen,
                 "measure_ms": None if r.measure_s is None else round(r.measure_s * 1e3, 2),
                 "served_loss": None if r.served_loss is None else r.served_loss.model_dump(),
-                "reencoded": [{"codec": c, "auc_rel_loss": loss} for c, loss in r.reencoded],
+                "reencoded": reencoded_json(r.reencoded),
             }
             for r in versions
         ],

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from publisher.write.publishing import PublishResult
+from publisher.write.publishing import PublishResult, reencoded_json
 from publisher.write.snapshot import Snapshot
 from schemas.manifest import ServedLoss, ratio_to_full_fp32
 
@@ -123,7 +123,7 @@ class CheckpointRecord:
             "codec": self.codec,
             "served_loss": None if self.served_loss is None else self.served_loss.model_dump(),
             "measure_s": None if self.measure_s is None else round(self.measure_s, 4),
-            "reencoded": [{"codec": codec, "auc_rel_loss": loss} for codec, loss in self.reencoded],
+            "reencoded": reencoded_json(self.reencoded),
             "metrics": {k: round(v, 6) for k, v in self.metrics.items()},
         }
 

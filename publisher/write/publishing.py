@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -81,6 +81,11 @@ class PublishResult:
     def ratio(self) -> float:
         """How many times smaller than a full fp32 checkpoint."""
         return ratio_to_full_fp32(self.full_fp32_bytes, self.bytes_written)
+
+
+def reencoded_json(reencoded: Sequence[tuple[str, float]]) -> list[dict[str, Any]]:
+    """`PublishResult.reencoded` as JSON records (`train --json`, the benches)."""
+    return [{"codec": codec, "auc_rel_loss": loss} for codec, loss in reencoded]
 
 
 def aux_encoding_for(codec: str) -> AuxEncoding:
