@@ -22,7 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,20 @@ import numpy as np
 import torch
 
 from bench.machine import describe_machine, log
-from publisher.dlrm import DLRM, TABLE_PREFIX, DLRMConfig, SparseFeature, table_weight_names
+from publisher.dlrm import (
+    DLRM,
+    TABLE_PREFIX,
+    DLRMConfig,
+    SparseBatch,
+    SparseFeature,
+    table_weight_names,
+)
 from publisher.id_map import IdMap
-from publisher.live_features import LiveFeature, LiveSpec
+from publisher.live_features import LiveFeature, LiveSpec, new_id_maps
+from publisher.read import ModelCopy
 from publisher.read.catalog import Catalog
+from publisher.read.live_model import LiveModel
+from publisher.read.sinks import dlrm_sink
 from publisher.state_dicts import module_tensors
 from publisher.store import FileStore
 from publisher.write.publishing import CheckpointPublisher
@@ -41,9 +51,7 @@ from publisher.write.snapshot import Snapshot, TableRows
 from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position
 from server.feature_batch import build_batch
-from server.live_model import LiveModel
-from server.model_buffer import ModelBuffer
-from server.raw_ids import new_id_maps, parse_raw_examples
+from server.raw_ids import parse_raw_examples
 
 SPEC = LiveSpec(
     features=(LiveFeature("user"), LiveFeature("item"), LiveFeature("genres", bag=True)),
@@ -173,7 +181,7 @@ def _held_entries(rows: int, prefix: str, rng: np.random.Generator) -> IdEntries
 
 
 def _requests(
-    rows: int, batch: int, rng: np.random.Generator, live: ModelBuffer
+    rows: int, batch: int, rng: np.random.Generator, live: ModelCopy
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(raw examples, the same examples encoded): 10% of the users unknown."""
     users = rng.integers(1, rows, batch)
@@ -202,11 +210,17 @@ def _requests(
     return raw, encoded
 
 
+def _forward(copy: ModelCopy, dense: torch.Tensor, sparse: Mapping[str, SparseBatch]) -> None:
+    assert copy.module is not None
+    with torch.inference_mode():
+        copy.module(dense, sparse)
+
+
 def _measure_batch(
     raw: list[dict[str, Any]],
     enc: list[dict[str, Any]],
-    raw_buffer: ModelBuffer,
-    enc_buffer: ModelBuffer,
+    raw_buffer: ModelCopy,
+    enc_buffer: ModelCopy,
     small: dict[str, IdMap],
     repeats: int,
 ) -> dict[str, Any]:
@@ -214,11 +228,11 @@ def _measure_batch(
 
     def raw_request() -> None:
         mapped = parse_raw_examples(raw, SPEC, now=TS).to_batch(raw_buffer.id_maps)
-        raw_buffer.forward(mapped.batch.dense, mapped.batch.sparse)
+        _forward(raw_buffer, mapped.batch.dense, mapped.batch.sparse)
 
     def encoded_request() -> None:
-        features = build_batch(enc, enc_buffer.config)
-        enc_buffer.forward(features.dense, features.sparse)
+        features = build_batch(enc, DLRMConfig.from_json(enc_buffer.model_config))
+        _forward(enc_buffer, features.dense, features.sparse)
 
     times = {
         "raw_ms": _timed(raw_request, repeats),
@@ -240,7 +254,7 @@ def measure_predict(
     rng = np.random.default_rng(1)
     out = []
     with live.reader() as raw_buffer, encoded.reader() as enc_buffer:
-        small = new_id_maps(raw_buffer.config, SPEC)
+        small = new_id_maps(DLRMConfig.from_json(raw_buffer.model_config), SPEC)
         for table, id_map in small.items():
             prefix = table.removeprefix(TABLE_PREFIX)[0]
             for r in range(1, min(SMALL_MAP_IDS, id_map.rows - 1) + 1):
@@ -260,7 +274,7 @@ def measure_apply(
     scheme: str,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Apply every delta of both models on servers of `scheme`: (per size, model bytes)."""
-    served = {name: LiveModel(store, name, scheme=scheme) for name in versions}  # type: ignore[arg-type]
+    served = {name: LiveModel(store, name, dlrm_sink(scheme=scheme)) for name in versions}  # type: ignore[arg-type]
     try:
         for model in served.values():
             model.pin(1)  # build v1 (the deltas are committed already)
@@ -339,8 +353,8 @@ def run(
             log(f"rawids: applying on {scheme}")
             apply_rows[scheme], memory[scheme] = measure_apply(store, versions, scheme)
         log("rawids: predict")
-        live = LiveModel(store, "raw")
-        encoded = LiveModel(store, "encoded")
+        live = LiveModel(store, "raw", dlrm_sink())
+        encoded = LiveModel(store, "encoded", dlrm_sink())
         try:
             live.pin(1)
             encoded.pin(1)

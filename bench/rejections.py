@@ -40,11 +40,12 @@ from bench.machine import describe_machine
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
+from publisher.read.live_model import LiveModel
 from publisher.read.restore import read_blob
+from publisher.read.sinks import dlrm_sink
 from publisher.store import FileStore
 from schemas.errors import CheckNRunError
 from schemas.store_keys import head_key
-from server.live_model import LiveModel
 
 MiB = 1024 * 1024
 
@@ -129,7 +130,7 @@ def _rewrite_manifest(
 
 def forged_model_config(root: Path, stack: ExitStack) -> Callable[[], object]:
     store, run = _published(root, stack, "full")
-    live = LiveModel(store, "m", memory_budget=MemoryBudget(256 * MiB))
+    live = LiveModel(store, "m", dlrm_sink(memory_budget=MemoryBudget(256 * MiB)))
     stack.callback(live.close)
     live.bootstrap()
     run.train(2)

@@ -43,10 +43,11 @@ from publisher.bus import open_announcer, open_source
 from publisher.bus.base import AnnouncementSource
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig, SparseFeature
 from publisher.read.catalog import Catalog
+from publisher.read.live_model import LiveModel
+from publisher.read.sinks import dlrm_sink
 from publisher.store import ObjectStore, open_store
 from schemas.announcement import Announcement
 from server.feature_batch import build_batch
-from server.live_model import LiveModel
 from trainer.streams.synthetic import N_DENSE, criteo_like_cardinalities
 
 MODEL = "bench"
@@ -169,7 +170,7 @@ def cmd_apply(args: argparse.Namespace) -> dict[str, Any]:
         del run
         gc.collect()
         before = rss_bytes()
-        live = LiveModel(store, MODEL, scheme=args.scheme)
+        live = LiveModel(store, MODEL, dlrm_sink(scheme=args.scheme))
         catalog = Catalog(store, MODEL)
         started = time.perf_counter()
         live.pin(1)  # build v1 from the store (the deltas are already committed)
@@ -262,7 +263,7 @@ def cmd_pause(args: argparse.Namespace) -> dict[str, Any]:
         run.close()
         del run
         gc.collect()
-        live = LiveModel(store, MODEL, scheme=args.scheme)
+        live = LiveModel(store, MODEL, dlrm_sink(scheme=args.scheme))
         live.pin(1)
         live.unpin()
         catalog = Catalog(store, MODEL)
@@ -280,7 +281,9 @@ def cmd_pause(args: argparse.Namespace) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     with live.reader() as buffer:
                         t1 = time.perf_counter()
-                        buffer.forward(batch.dense, batch.sparse)
+                        assert buffer.module is not None
+                        with torch.inference_mode():
+                            buffer.module(batch.dense, batch.sparse)
                     t2 = time.perf_counter()
                     samples[phase[0]].append((t1 - t0, t2 - t0))
             except BaseException as exc:
@@ -561,7 +564,7 @@ def _quantized_arm(
         run.touch_rows(big, delta_rows)
         versions.append(run.publish().ref.version)
     # In-process applies, this arm's server alone in memory.
-    live = LiveModel(store, MODEL, scheme=args.scheme, quantized_tables=quantized)
+    live = LiveModel(store, MODEL, dlrm_sink(scheme=args.scheme, quantized=quantized))
     live.pin(1)
     live.unpin()
     catalog = Catalog(store, MODEL)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from publisher.live_features import live_spec_of
 from schemas.errors import BadDataError
 
 TABLE_PREFIX = "embeddings."
@@ -257,6 +258,28 @@ def init_embedding_rows(
 def build_model(model_config: Mapping[str, Any]) -> DLRM:
     """The architecture a manifest's `model_config` describes (weights uninitialised for use)."""
     return DLRM(DLRMConfig.from_json(model_config))
+
+
+def build_served_model(model_config: Mapping[str, Any]) -> DLRM:
+    """The model factory of `checknrun serve` (and `ModuleSink`) for the built-in DLRM: the
+    model `model_config` describes, its live spec checked (a model trained from raw events),
+    its tables allocated but not drawn: a full version writes every row before a reader sees
+    it, and a table then held quantized never has its float32 pages written at all."""
+    if model_config.get("architecture") != "dlrm":
+        raise ArchitectureError(
+            f"model_config architecture is {model_config.get('architecture')!r}, not the "
+            "built-in 'dlrm': serve a model of your own with a model factory "
+            "(`checknrun serve --model-factory MODULE:FUNCTION`, docs/SERVER.md)"
+        )
+    config = DLRMConfig.from_json(model_config)
+    live_spec_of(config)
+    return DLRM(config, draw_tables=False)
+
+
+def served_model_bytes(model_config: Mapping[str, Any]) -> int:
+    """What `build_served_model(model_config)` allocates, from the config alone
+    (`DLRMConfig.nbytes`): the memory budget's size of a DLRM, no module built."""
+    return DLRMConfig.from_json(model_config).nbytes
 
 
 def table_weight_names(model: DLRM) -> dict[str, str]:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from publisher.id_map import ID_SPACES
+from publisher.id_map import ID_SPACES, IdMap
 from schemas.errors import BadDataError
+
+if TYPE_CHECKING:
+    from publisher.dlrm import DLRMConfig
 
 TIME_FEATURES = ("hour_sin", "hour_cos", "dow_sin", "dow_cos")
 #: scale of the prior-count features (log1p(count) / 5 is ~1 at 150 events).
@@ -159,3 +162,33 @@ def feature_sizes(spec: LiveSpec, rows: int | Mapping[str, int]) -> Sequence[tup
     return [
         (f.name, rows if isinstance(rows, int) else int(rows[f.name]), f.bag) for f in spec.features
     ]
+
+
+def live_spec_of(config: DLRMConfig) -> LiveSpec | None:
+    """The live spec of a DLRM `config` (None for a model of encoded ids), checked to describe
+    its inputs: one table per feature with the same bag flag, the derived dense inputs in order,
+    and at least 2 rows per table of a dynamic id space. LiveSpecError says what disagrees."""
+    spec = LiveSpec.of_config(config.extra)
+    if spec is None:
+        return None
+    tables = {f.name: f.bag for f in config.sparse}
+    features = {f.name: f.bag for f in spec.features}
+    if tables != features:
+        raise LiveSpecError(
+            f"the live spec's features {features} are not the model's sparse features {tables}"
+        )
+    if tuple(config.dense) != spec.dense_names:
+        raise LiveSpecError(
+            f"the model's dense inputs {list(config.dense)} are not the live spec's derived "
+            f"inputs {list(spec.dense_names)}"
+        )
+    if spec.id_space == "dynamic" and any(f.rows < 2 for f in config.sparse):
+        raise LiveSpecError("a dynamic id space needs at least 2 rows per table")
+    return spec
+
+
+def new_id_maps(config: DLRMConfig, spec: LiveSpec) -> dict[str, IdMap]:
+    """Empty id maps of a DLRM `config`'s tables, by table name."""
+    hashed = spec.id_space == "hash"
+    tables = config.table_names
+    return {tables[f.name]: IdMap(f.rows, hashed=hashed) for f in config.sparse}

@@ -12,12 +12,13 @@ Every reader that allocates from a manifest checks it here first, against one bu
   an id map adds the map:
   `ID_MAP_ROW_BYTES` per row, plus its keys, which come from the chain's id-map blobs, so at
   most the sum of their sizes (`id_map_restore_bytes`).
-- a server (`server.model_buffer`) allocates the model its `model_config` builds,
-  `DLRMConfig.nbytes`, plus for a model trained from raw events an id map per table counted
-  full (`served_id_maps_bytes`: later versions fill it), once per copy its consistency scheme
-  holds at its peak (a new model is built beside the served one: 2 copies,
-  `server.consistency`); a version's tables must then match that model before any blob is
-  fetched.
+- a subscriber (`publisher.read.copy_builders`) allocates the model its sink builds for the
+  version (a module's parameters and buffers, measured on the meta device before anything is
+  allocated; a tensor sink's tables and dense tensors, from the manifest), plus an id map per
+  table that carries one, counted full (`served_id_maps_bytes`: later versions fill it), once
+  per copy its consistency scheme holds at its peak (a new model is built beside the served
+  one: 2 copies, `publisher.read.consistency`); a version's tables must then match that model
+  before any blob is fetched.
 
 Not counted: what a reader holds while it works (the blobs of one version being fetched and
 decoded, each capped by its manifest entry, schemas.delta_blob.BlobLimits.for_table), and the
@@ -32,8 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from publisher.dlrm import DLRMConfig
-from publisher.live_features import LiveSpec
+from publisher.id_map import IDS_HELD_METRIC
 from schemas.errors import BadDataError
 from schemas.manifest import Manifest, full_fp32_bytes
 
@@ -113,12 +113,12 @@ class MemoryBudget:
         needed += id_map_restore_bytes(manifest, id_map_blob_bytes, restored)
         self._check(f"restoring version {manifest.version}", needed)
 
-    def check_model(self, manifest: Manifest, config: DLRMConfig, copies: int) -> None:
-        """Raise MemoryBudgetError unless `copies` models of `config` (`manifest`'s), with
-        their id maps, fit (LiveSpecError if `config` carries an invalid live spec)."""
+    def check_copies(self, manifest: Manifest, copy_bytes: int, copies: int) -> None:
+        """Raise MemoryBudgetError unless `copies` model copies of `copy_bytes` each fit: a
+        subscriber's copies of the model `manifest` describes (publisher/read/copy_builders.py
+        measures one, id maps included)."""
         copies_text = "1 model copy" if copies == 1 else f"{copies} model copies"
-        needed = copies * (config.nbytes + served_id_maps_bytes(config))
-        self._check(f"serving version {manifest.version} ({copies_text})", needed)
+        self._check(f"serving version {manifest.version} ({copies_text})", copies * copy_bytes)
 
     def _check(self, what: str, needed: int) -> None:
         if needed > self.limit_bytes:
@@ -141,14 +141,20 @@ def id_map_restore_bytes(
     return mapped * ID_MAP_ROW_BYTES + id_map_blob_bytes if mapped else 0
 
 
-def served_id_maps_bytes(config: DLRMConfig) -> int:
-    """What the id maps of one served copy of `config` may hold: none for a model of encoded
-    ids; for a model trained from raw events (`extra["live"]`) one map per table, counted with
-    an id on every row, since the versions that follow fill it, at the peak of writing a full
-    version's map (`ID_MAP_ROW_BYTES`, as a restore's rebuild; hashed: its arrays,
-    `HASHED_ID_MAP_ROW_BYTES`). Keys longer than ~12 bytes take more."""
-    spec = LiveSpec.of_config(config.extra)
-    if spec is None:
-        return 0
-    per_row = HASHED_ID_MAP_ROW_BYTES if spec.id_space == "hash" else ID_MAP_ROW_BYTES
-    return per_row * sum(f.rows for f in config.sparse)
+def served_id_maps_bytes(manifest: Manifest) -> int:
+    """What the id maps of one served copy of `manifest`'s model may hold: one map per table
+    whose entry carries an id map, counted with an id on every row, since the versions that
+    follow fill it, at the peak of writing a full version's map (`ID_MAP_ROW_BYTES`, as a
+    restore's rebuild); a hashed map (its version records no `ids_held_<table>`, which only a
+    dynamic map has) its arrays only (`HASHED_ID_MAP_ROW_BYTES`). Keys longer than ~12 bytes
+    take more."""
+    return sum(
+        t.rows
+        * (
+            ID_MAP_ROW_BYTES
+            if IDS_HELD_METRIC + t.name in manifest.metrics
+            else HASHED_ID_MAP_ROW_BYTES
+        )
+        for t in manifest.tables
+        if t.id_map is not None
+    )

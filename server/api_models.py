@@ -105,13 +105,19 @@ class PredictResponse(BaseModel):
     )
 
 
+#: how a request gives a feature (see FeatureInfo.kind).
+FeatureKind = Literal["dense", "sparse", "bag", "derived", "raw_id", "input"]
+
+
 class FeatureInfo(BaseModel):
     """One input feature of the served model."""
 
     name: str
-    kind: Literal["dense", "sparse", "bag", "derived"] = Field(
+    kind: FeatureKind = Field(
         description="`derived`: a dense input the server computes (a model trained from raw "
-        "events), never sent"
+        "events), never sent; a model of your own (`--request-adapter`): `raw_id` a field "
+        "whose raw ids the server maps with the served version's id map, `input` a field the "
+        "adapter reads"
     )
     rows: int | None = Field(default=None, description="table size of a sparse/bag feature")
 
@@ -180,6 +186,10 @@ class ModelInfo(BaseModel):
     """The served version and how it got here."""
 
     model: str
+    architecture: str = Field(
+        description="the served version's model_config architecture (`dlrm`: the built-in "
+        "model; anything else: a model of your own, built by `--model-factory`)"
+    )
     version: int
     parent: int | None
     kind: Literal["full", "delta"]

@@ -1,12 +1,16 @@
 """`create_app(settings)`: the FastAPI application and the lifespan that owns its resources.
 
-The lifespan opens, in order, the store client, the announcement source, the live model, the
-follower and the follow loop, whose `run` goes to a worker thread: it fixes the source's start
-(before HEAD is read, so no announcement falls between the bootstrap and the subscription), then
-bootstraps, then follows. The lifespan closes them in reverse order, also those already open
-when a later one fails to open. The HTTP server answers /healthz at once; /readyz turns 200 when
-the bootstrap has finished. A failure of the loop thread is re-raised (and logged) at shutdown,
-never lost.
+The served model is the read side's: a `publisher.read.Subscriber` applying versions to a
+`ModuleSink` whose factory builds the module of each version's `model_config` (the built-in
+DLRM's, or `--model-factory`'s), and a predictor turns requests into its inputs
+(server/predictors.py: the DLRM's request format, or `--request-adapter`'s).
+
+The lifespan opens, in order, the store client, the announcement source and the subscriber,
+whose `run` goes to a worker thread: it fixes the source's start (before HEAD is read, so no
+announcement falls between the bootstrap and the subscription), then bootstraps, then follows.
+The lifespan closes them in reverse order, also those already open when a later one fails to
+open. The HTTP server answers /healthz at once; /readyz turns 200 when the bootstrap has
+finished. A failure of the loop thread is re-raised (and logged) at shutdown, never lost.
 """
 
 from __future__ import annotations
@@ -23,17 +27,25 @@ from fastapi.responses import JSONResponse
 
 from publisher.bus import open_source
 from publisher.memory_budget import MemoryBudget
-from publisher.read.catalog import NoVersionError
-from publisher.read.follower import VersionFollower
+from publisher.read import (
+    ModelFactory,
+    ModuleSink,
+    NotBootstrappedError,
+    NoVersionError,
+    Subscriber,
+    SubscriberOptions,
+)
+from publisher.read.live_model import LiveModel
+from publisher.read.sinks import dlrm_sink
 from publisher.store import StoreUnavailableError, open_store
 from server.dependencies import ServerState
-from server.errors import NotBootstrappedError, shown_input
+from server.errors import shown_input
 from server.feature_problems import MAX_REPORTED_ERRORS, FeatureValidationError
-from server.follow_loop import FollowLoop
 from server.heap_policy import return_large_blocks
-from server.live_model import LiveModel
-from server.metrics import ServerMetrics
+from server.metrics import MetricsObserver, ServerMetrics
 from server.middleware import BodySizeLimit, RequestMetrics
+from server.plugins import load_callable
+from server.predictors import AdapterPredictor, DLRMPredictor, Predictor, RequestAdapterError
 from server.routes import health, model, predict
 from server.settings import ServerSettings
 
@@ -47,6 +59,19 @@ Serves a Check-N-Run model that follows the versions a trainer commits to an obj
 * Admin endpoints (pin, unpin, digest) need `Authorization: Bearer <token>`; with no token
   configured they answer 404.
 """
+
+
+def subscriber_options(settings: ServerSettings) -> SubscriberOptions:
+    """The subscriber's options of the same names as the settings'."""
+    return SubscriberOptions(
+        poll_timeout_s=settings.poll_timeout_s,
+        poll_head_after_s=settings.poll_head_after_s,
+        min_reconcile_interval_s=settings.min_reconcile_interval_s,
+        retry_initial_s=settings.retry_initial_s,
+        retry_max_s=settings.retry_max_s,
+        bus_start=settings.bus_start,
+        manifest_cache_size=settings.manifest_cache_size,
+    )
 
 
 def _bind_gauges(metrics: ServerMetrics, state: ServerState) -> None:
@@ -67,10 +92,31 @@ def _bind_gauges(metrics: ServerMetrics, state: ServerState) -> None:
     )
 
 
+def served_model(settings: ServerSettings) -> tuple[ModelFactory | None, Predictor]:
+    """The model factory (None: the built-in DLRM's) and the predictor `settings` name
+    (PluginError for a reference that names no callable)."""
+    factory: ModelFactory | None = (
+        None
+        if settings.model_factory is None
+        else load_callable(settings.model_factory, "model factory")
+    )
+    predictor: Predictor = (
+        DLRMPredictor(max_ids_per_bag=settings.max_ids_per_bag)
+        if settings.request_adapter is None
+        else AdapterPredictor(
+            load_callable(settings.request_adapter, "request adapter"),
+            max_ids_per_bag=settings.max_ids_per_bag,
+        )
+    )
+    return factory, predictor
+
+
 def create_app(settings: ServerSettings) -> FastAPI:
-    """The server application for `settings` (nothing is opened before its lifespan starts)."""
+    """The server application for `settings` (nothing is opened before its lifespan starts,
+    but the model factory and request adapter are imported now: PluginError if they do not)."""
     metrics = ServerMetrics()
-    state = ServerState(settings=settings, metrics=metrics)
+    factory, predictor = served_model(settings)
+    state = ServerState(settings=settings, metrics=metrics, predictor=predictor)
     _bind_gauges(metrics, state)
 
     @asynccontextmanager
@@ -86,33 +132,26 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 if settings.bus
                 else None
             )
-            live = LiveModel(
+            budget = MemoryBudget.from_setting(settings.memory_budget_bytes)
+            scheme, quantized = settings.consistency, settings.quantized_tables
+            sink = (
+                dlrm_sink(scheme=scheme, quantized=quantized, memory_budget=budget)
+                if factory is None
+                else ModuleSink(factory, scheme=scheme, quantized=quantized, memory_budget=budget)
+            )
+            subscriber = Subscriber(  # reads `store` and `source`, which `resources` closes
                 store,
                 settings.model,
-                scheme=settings.consistency,
-                metrics=metrics,
-                manifest_cache_size=settings.manifest_cache_size,
-                memory_budget=MemoryBudget.from_setting(settings.memory_budget_bytes),
-                quantized_tables=settings.quantized_tables,
+                sink,
+                bus=source,
+                options=subscriber_options(settings),
+                observer=MetricsObserver(metrics),
             )
-            resources.callback(live.close)
-            follower = VersionFollower(  # reads `source`, which `resources` closes
-                live.catalog,
-                source,
-                poll_head_after_s=settings.poll_head_after_s,
-                retry_after_error_s=settings.retry_initial_s,
-                min_reconcile_interval_s=settings.min_reconcile_interval_s,
+            resources.callback(subscriber.close)
+            state.subscriber = subscriber
+            task = (
+                asyncio.create_task(asyncio.to_thread(subscriber.run)) if settings.follow else None
             )
-            loop = FollowLoop(
-                live,
-                follower,
-                metrics=metrics,
-                poll_timeout_s=settings.poll_timeout_s,
-                retry_initial_s=settings.retry_initial_s,
-                retry_max_s=settings.retry_max_s,
-            )
-            state.live, state.follower, state.loop = live, follower, loop
-            task = asyncio.create_task(asyncio.to_thread(loop.run)) if settings.follow else None
             log.info(
                 "serving model %s (%s, %s)",
                 settings.model,
@@ -124,15 +163,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
             try:
                 yield
             finally:
-                loop.stop()
-                live.interrupt()
+                subscriber.stop()
+                subscriber.live.interrupt()
                 try:
                     if task is not None:
                         await asyncio.wait_for(task, timeout=settings.shutdown_timeout_s)
                 except Exception:
                     log.exception("the follow loop failed")
                 finally:
-                    state.live = state.follower = state.loop = None
+                    state.subscriber = None
 
     app = FastAPI(
         title="checknrun server",
@@ -186,6 +225,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NoVersionError)
     async def _no_version(_: Request, exc: NoVersionError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(RequestAdapterError)
+    async def _adapter_failed(_: Request, exc: RequestAdapterError) -> JSONResponse:
+        log.error("request adapter: %s", exc)
+        return JSONResponse({"detail": f"request adapter: {exc}"}, status_code=500)
 
     @app.exception_handler(StoreUnavailableError)
     async def _store_down(_: Request, exc: StoreUnavailableError) -> JSONResponse:

@@ -9,10 +9,11 @@ the environment variable `--admin-token-env` names (default CHECKNRUN_SERVER_ADM
 uvicorn turns SIGINT/SIGTERM into a lifespan shutdown, which stops the follow loop and closes the
 bus and the store.
 
-`serve` checks its configuration, the bus URL and the store before uvicorn starts (uvicorn would
-turn a failure in the lifespan into a traceback and exit status 3): a setting out of range, a bus
-URL that names no bus, and a store directory or bucket that does not exist are refused there in
-one line (exit 1; a server never creates a store), while a store with no version yet, or a store
+`serve` checks its configuration, the bus URL, the store and the model factory and request
+adapter before uvicorn starts (uvicorn would turn a failure in the lifespan into a traceback and
+exit status 3): a setting out of range, a bus URL that names no bus, a store directory or bucket
+that does not exist, and a `MODULE:FUNCTION` that names no callable are refused there in one
+line (exit 1; a server never creates a store), while a store with no version yet, or a store
 or Kafka broker that cannot be reached for now, is waited on by the follow loop.
 """
 
@@ -58,6 +59,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"HEAD is polled (env {ENV_PREFIX}BUS)",
     )
     p.add_argument("--model", help=f"model name (env {ENV_PREFIX}MODEL)")
+    p.add_argument(
+        "--model-factory",
+        metavar="MODULE:FUNCTION",
+        help="build the served module from each version's model_config: a model of your own "
+        "(docs/SERVER.md; imported from the current directory too); default the built-in DLRM",
+    )
+    p.add_argument(
+        "--request-adapter",
+        metavar="MODULE:FUNCTION",
+        help="build, from a version's model_config, the adapter turning a request's examples "
+        "into the module's inputs and its output into scores (needed with --model-factory)",
+    )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default 8000; 0 = any free port)")
     p.add_argument(
@@ -110,6 +123,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         store=args.store,
         bus=args.bus,
         model=args.model,
+        model_factory=args.model_factory,
+        request_adapter=args.request_adapter,
         host=args.host,
         port=args.port,
         environment=args.environment,
@@ -176,9 +191,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Here rather than in the lifespan: uvicorn would turn them into a traceback and exit 3.
     check_bus_url(settings.bus, settings.bus_start)
     check_store_exists(settings.store, settings.model)
+    app = create_app(settings)  # imports --model-factory and --request-adapter (PluginError)
     # One process: the model lives in this process' memory; scale out with more replicas.
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,

@@ -1,8 +1,8 @@
 """What route handlers receive, as `Annotated` dependency aliases, and the admin guard.
 
 The app's lifespan puts one `ServerState` on `app.state.server`; handlers ask for the piece they
-need (`LiveModelDep`, `SettingsDep`...), so their signatures read like types and tests can swap
-settings by building another app.
+need (`LiveModelDep`, `PredictorDep`, `SettingsDep`...), so their signatures read like types and
+tests can swap settings by building another app.
 """
 
 from __future__ import annotations
@@ -14,22 +14,27 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from publisher.read.follower import VersionFollower
-from server.follow_loop import FollowLoop
-from server.live_model import LiveModel
+from publisher.read import Subscriber
+from publisher.read.live_model import LiveModel
 from server.metrics import ServerMetrics
+from server.predictors import Predictor
 from server.settings import ServerSettings
 
 
 @dataclass
 class ServerState:
-    """Everything the lifespan created; None until the lifespan has run."""
+    """What the app holds: its settings, metrics and predictor, and the subscriber the lifespan
+    created (None until the lifespan has run)."""
 
     settings: ServerSettings
     metrics: ServerMetrics
-    live: LiveModel | None = None
-    follower: VersionFollower | None = None
-    loop: FollowLoop | None = None
+    predictor: Predictor
+    subscriber: Subscriber | None = None
+
+    @property
+    def live(self) -> LiveModel | None:
+        """The served model (the subscriber's), None until the lifespan has run."""
+        return None if self.subscriber is None else self.subscriber.live
 
 
 def get_state(request: Request) -> ServerState:
@@ -48,6 +53,10 @@ def get_metrics(state: StateDep) -> ServerMetrics:
     return state.metrics
 
 
+def get_predictor(state: StateDep) -> Predictor:
+    return state.predictor
+
+
 def get_live_model(state: StateDep) -> LiveModel:
     if state.live is None:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the server is starting")
@@ -57,6 +66,7 @@ def get_live_model(state: StateDep) -> LiveModel:
 SettingsDep = Annotated[ServerSettings, Depends(get_settings)]
 MetricsDep = Annotated[ServerMetrics, Depends(get_metrics)]
 LiveModelDep = Annotated[LiveModel, Depends(get_live_model)]
+PredictorDep = Annotated[Predictor, Depends(get_predictor)]
 
 _bearer = HTTPBearer(
     auto_error=False,

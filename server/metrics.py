@@ -13,6 +13,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
+from publisher.read import SubscriberObserver, UpdateResult, VersionRef
+from publisher.read.follower import FollowerStats
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: latency buckets (seconds) from 100 µs to 30 s, roughly x2.5 apart.
@@ -317,3 +320,42 @@ class ServerMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+
+class MetricsObserver(SubscriberObserver):
+    """The subscriber's events as the server's metrics."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def applied(
+        self, plan: Sequence[VersionRef], result: UpdateResult, seconds: float, kind: str
+    ) -> None:
+        for ref in plan:
+            self.metrics.applied_versions.inc(labels=[ref.manifest.kind])
+        self.metrics.apply_seconds.observe(seconds, labels=[kind])
+        self.metrics.swap_pause_seconds.observe(result.pause_s)
+
+    def fetched(self, nbytes: int) -> None:
+        self.metrics.bytes_fetched.inc(nbytes)
+
+    def rejected(self, reason: str) -> None:
+        self.metrics.rejected.inc(labels=[reason])
+
+    def failed(self, kind: str) -> None:
+        self.metrics.follow_errors.inc(labels=[kind])
+
+    def follower_stats(self, stats: FollowerStats) -> None:
+        counts = {f"ignored_{k}": v for k, v in stats.ignored.items()}
+        counts.update(
+            received=stats.received,
+            reconciles=stats.reconciles,
+            coalesced=stats.coalesced,
+            head_polls=stats.head_polls,
+            store_errors=stats.store_errors,
+        )
+        events = self.metrics.follower_events
+        for reason, value in counts.items():
+            seen = events.value(labels=[reason])
+            if value > seen:
+                events.inc(value - seen, labels=[reason])

@@ -34,43 +34,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from publisher.dlrm import TABLE_PREFIX, DLRMConfig, SparseBatch
+from publisher.dlrm import TABLE_PREFIX, SparseBatch
 from publisher.id_map import UNKNOWN_ROW, IdMap, canonical_key
-from publisher.live_features import LiveSpec, LiveSpecError
+from publisher.live_features import LiveSpec
 from server.feature_batch import FeatureBatch
 from server.feature_problems import Problems
 
 #: the request field holding an example's time.
 TS_FIELD = "ts"
-
-
-def live_spec_of(config: DLRMConfig) -> LiveSpec | None:
-    """The live spec of `config` (None for a model of encoded ids), checked to describe its
-    inputs: one table per feature with the same bag flag, the derived dense inputs in order,
-    and at least 2 rows per table of a dynamic id space. LiveSpecError says what disagrees."""
-    spec = LiveSpec.of_config(config.extra)
-    if spec is None:
-        return None
-    tables = {f.name: f.bag for f in config.sparse}
-    features = {f.name: f.bag for f in spec.features}
-    if tables != features:
-        raise LiveSpecError(
-            f"the live spec's features {features} are not the model's sparse features {tables}"
-        )
-    if tuple(config.dense) != spec.dense_names:
-        raise LiveSpecError(
-            f"the model's dense inputs {list(config.dense)} are not the live spec's derived "
-            f"inputs {list(spec.dense_names)}"
-        )
-    if spec.id_space == "dynamic" and any(f.rows < 2 for f in config.sparse):
-        raise LiveSpecError("a dynamic id space needs at least 2 rows per table")
-    return spec
-
-
-def new_id_maps(config: DLRMConfig, spec: LiveSpec) -> dict[str, IdMap]:
-    """Empty id maps of `config`'s tables, by table name."""
-    hashed = spec.id_space == "hash"
-    return {TABLE_PREFIX + f.name: IdMap(f.rows, hashed=hashed) for f in config.sparse}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from publisher.read.consistency import ConsistencyScheme
 from publisher.tunables import DEFAULT_TUNABLES
 from schemas.manifest import check_model_name
 
@@ -73,9 +74,6 @@ def token_weakness(token: str) -> str | None:
     return None
 
 
-ConsistencyScheme = Literal["double-buffer", "rwlock"]
-
-
 class ServerSettings(BaseSettings):
     """Everything `checknrun serve` can be told; each field is also `CHECKNRUN_SERVER_<NAME>`."""
 
@@ -106,6 +104,18 @@ class ServerSettings(BaseSettings):
         description="bearer token of the admin endpoints (pin, unpin, digest); none = disabled",
     )
 
+    model_factory: str | None = Field(
+        default=None,
+        description="MODULE:FUNCTION building the served module from a version's model_config "
+        "(a model of your own, docs/SERVER.md); None = the built-in DLRM "
+        "(publisher.dlrm:build_served_model)",
+    )
+    request_adapter: str | None = Field(
+        default=None,
+        description="MODULE:FUNCTION building, from a version's model_config, the adapter that "
+        "turns a request's examples into the module's inputs and its output into scores "
+        "(needed with model_factory; None = the built-in DLRM's request format)",
+    )
     consistency: ConsistencyScheme = Field(
         default="double-buffer",
         description="how a version is swapped in under running predictions (server/consistency.py)",
@@ -173,6 +183,15 @@ class ServerSettings(BaseSettings):
                 f"the admin token is too easy to guess: {weakness}; generate one (e.g. "
                 "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`) or set "
                 f"{ENV_PREFIX}ENVIRONMENT=development"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_with_factory(self) -> ServerSettings:
+        if self.model_factory is not None and self.request_adapter is None:
+            raise ValueError(
+                "a model factory needs a request adapter (request_adapter, "
+                "--request-adapter MODULE:FUNCTION): the server cannot guess a model's inputs"
             )
         return self
 

@@ -1,5 +1,6 @@
 """What the test suites share: polling for a condition, reading scripts/services.sh's env file,
-the memory a refused input cost, a delta blob as a reader gets it, and a small ratings file.
+the memory a refused input cost, a delta blob as a reader gets it, a small ratings file, and the
+built-in DLRM served as `checknrun serve` serves it.
 
 (Child `checknrun serve` processes come from bench/child_server.py, which the demo and the
 benchmarks use too.)
@@ -11,14 +12,20 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
+import torch
 from pyarrow import csv
 
 from publisher.codecs import encode_rows
+from publisher.dlrm import DLRMConfig
+from publisher.read import ConsistencyScheme, ModelCopy, ModuleSink, sinks
+from publisher.read.live_model import LiveModel
+from publisher.store import ObjectStore
 from schemas.delta_blob import DeltaBlob, decode_delta_blob, encode_delta_blob
+from server.feature_batch import build_batch
 
 T = TypeVar("T")
 
@@ -111,3 +118,25 @@ def write_ratings(path: Path, n: int = 3000) -> None:
         }
     )
     csv.write_csv(table, path)
+
+
+def dlrm_sink(scheme: ConsistencyScheme = "double-buffer", **options: Any) -> ModuleSink:
+    """A sink of the built-in DLRM, as `checknrun serve` builds it (`ModuleSink` options)."""
+    return sinks.dlrm_sink(scheme=scheme, **options)
+
+
+def dlrm_live(
+    store: ObjectStore, model: str, scheme: ConsistencyScheme = "double-buffer", **options: Any
+) -> LiveModel:
+    """The live model of `model`'s DLRM versions (no follow loop: tests move it by hand)."""
+    return LiveModel(store, model, dlrm_sink(scheme, **options))
+
+
+def dlrm_scores(copy: ModelCopy, examples: list[dict[str, Any]]) -> np.ndarray:
+    """Probabilities the DLRM `copy` holds gives `examples` of encoded ids (call it under the
+    sink's reader)."""
+    batch = build_batch(examples, DLRMConfig.from_json(copy.model_config))
+    assert copy.module is not None
+    with torch.inference_mode():
+        logits = copy.module(batch.dense, batch.sparse)
+    return np.asarray(torch.sigmoid(logits).numpy())

@@ -1,1 +1,62 @@
-"""The read side: the version catalog, restore, following announcements, retention."""
+"""The read side: keep any model at the newest verified version, or rebuild any version.
+
+    from publisher.read import ModuleSink, Subscriber
+
+    sink = ModuleSink(build)          # build(model_config) -> your nn.Module (or a module to copy)
+    with Subscriber("s3://models/prod", "ranker", sink, bus="kafka://broker:9092/models") as sub:
+        sub.start().wait_for_version()
+        with sink.reader() as copy:   # one version for the whole read
+            scores = copy.module(*inputs)
+
+    state = restore(open_store(url), "ranker", version=7)    # any committed version, as arrays
+    id_maps = load_module_state(module, state)               # into any module of its model
+
+A subscriber takes no lease: it reads while a trainer publishes. The catalog, planner, follower,
+consistency schemes and held tables behind it are this package's modules; these names are its
+public face (docs/SUBSCRIBER.md).
+"""
+
+from publisher.read.catalog import Catalog, ModelNotFoundError, NoVersionError, VersionRef
+from publisher.read.consistency import ConsistencyScheme, UpdateResult
+from publisher.read.copy_builders import ModelFactory
+from publisher.read.errors import (
+    ApplyError,
+    NonFiniteError,
+    NotBootstrappedError,
+    PinnedError,
+    ShuttingDownError,
+    SubscriberError,
+)
+from publisher.read.model_copy import ModelCopy, ServedVersion
+from publisher.read.observer import SubscriberObserver
+from publisher.read.restore import RestoredState, RestoreError, restore
+from publisher.read.sinks import ModuleSink, TensorSink, VersionSink
+from publisher.read.subscriber import Subscriber, SubscriberOptions, rejection_reason
+
+__all__ = [
+    "ApplyError",
+    "Catalog",
+    "ConsistencyScheme",
+    "ModelCopy",
+    "ModelFactory",
+    "ModelNotFoundError",
+    "ModuleSink",
+    "NoVersionError",
+    "NonFiniteError",
+    "NotBootstrappedError",
+    "PinnedError",
+    "RestoreError",
+    "RestoredState",
+    "ServedVersion",
+    "ShuttingDownError",
+    "Subscriber",
+    "SubscriberError",
+    "SubscriberObserver",
+    "SubscriberOptions",
+    "TensorSink",
+    "UpdateResult",
+    "VersionRef",
+    "VersionSink",
+    "rejection_reason",
+    "restore",
+]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, status
 
 from publisher.id_map import UNKNOWN_ROW
-from publisher.read.catalog import NoVersionError
+from publisher.read import ModelCopy, NotBootstrappedError, NoVersionError
+from publisher.read.live_model import ApplyTimes, LiveModel
 from publisher.store import StoreError
 from schemas.errors import BadDataError
 from server.api_models import (
@@ -24,9 +25,7 @@ from server.api_models import (
     UnpinResponse,
 )
 from server.dependencies import AdminDep, LiveModelDep, StateDep
-from server.errors import NotBootstrappedError
-from server.live_model import ApplyTimes, LiveModel
-from server.model_buffer import ModelBuffer
+from server.predictors import Predictor
 
 router = APIRouter(prefix="/v1/model", tags=["model"])
 
@@ -43,54 +42,52 @@ _ADMIN: dict[int | str, dict[str, Any]] = {
 }
 
 
-def id_space_info(buffer: ModelBuffer) -> IdSpaceInfo | None:
-    """How `buffer` maps raw ids (None for a model of encoded ids); O(tables)."""
-    spec = buffer.live
-    if spec is None:
+def id_space_info(predictor: Predictor, copy: ModelCopy) -> IdSpaceInfo | None:
+    """How `copy`'s model maps raw ids (None for a model of encoded ids); O(tables)."""
+    space = predictor.id_space(copy)
+    if space is None:
         return None
-    hashed = spec.id_space == "hash"
+    maps = {feature: copy.id_maps.get(table) for feature, table in space.tables.items()}
+    hashed = bool(maps) and all(m is not None and m.hashed for m in maps.values())
     tables = []
-    for feature, table in buffer.config.table_names.items():
-        id_map = buffer.id_maps[table]
+    for feature, table in space.tables.items():
+        id_map = maps[feature]
         tables.append(
             IdTableInfo(
                 feature=feature,
                 table=table,
-                rows=id_map.rows,
-                ids_held=None if hashed else len(id_map),
-                capacity=None if hashed else id_map.capacity,
+                rows=copy.tables[table].rows if table in copy.tables else 0,
+                ids_held=None if id_map is None or id_map.hashed else len(id_map),
+                capacity=None if id_map is None or id_map.hashed else id_map.capacity,
             )
         )
     return IdSpaceInfo(
         mode="hash" if hashed else "dynamic",
         unknown_row=None if hashed else UNKNOWN_ROW,
-        count_features=list(spec.count_features),
-        time_features=spec.time_features,
+        count_features=list(space.count_features),
+        time_features=space.time_features,
         tables=tables,
     )
 
 
-def model_info(live: LiveModel, rejected: int) -> ModelInfo:
+def model_info(live: LiveModel, predictor: Predictor, rejected: int) -> ModelInfo:
     """The /v1/model document of the served version (read under one reader, so the id maps
     described are the served version's)."""
-    with live.reader() as buffer:
-        return _model_info(live, buffer, rejected)
+    with live.reader() as copy:
+        return _model_info(live, predictor, copy, rejected)
 
 
-def _model_info(live: LiveModel, buffer: ModelBuffer, rejected: int) -> ModelInfo:
-    if buffer.served is None:
+def _model_info(live: LiveModel, predictor: Predictor, copy: ModelCopy, rejected: int) -> ModelInfo:
+    if copy.served is None:
         raise NotBootstrappedError("no version is served yet")
-    served = buffer.served
+    served = copy.served
     m = served.manifest
-    config = buffer.config
-    dense_kind: Literal["dense", "derived"] = "dense" if buffer.live is None else "derived"
-    features = [FeatureInfo(name=d, kind=dense_kind) for d in config.dense]
-    features += [
-        FeatureInfo(name=f.name, kind="bag" if f.bag else "sparse", rows=f.rows)
-        for f in config.sparse
+    features = [
+        FeatureInfo(name=f.name, kind=f.kind, rows=f.rows) for f in predictor.features(copy)
     ]
     return ModelInfo(
         model=m.model,
+        architecture=str(copy.model_config.get("architecture", "")),
         version=m.version,
         parent=m.parent,
         kind=m.kind,
@@ -109,11 +106,11 @@ def _model_info(live: LiveModel, buffer: ModelBuffer, rejected: int) -> ModelInf
         rejected_versions=rejected,
         pinned=live.pinned is not None,
         pinned_version=live.pinned,
-        consistency=live.slot.scheme,
+        consistency=live.sink.scheme,
         model_memory_bytes=live.nbytes(),
-        hashing=config.hashing,
+        hashing=predictor.hashing(copy),
         features=features,
-        id_space=id_space_info(buffer),
+        id_space=id_space_info(predictor, copy),
         metrics=dict(m.metrics),
         codecs=sorted({t.codec for t in m.tables}),
         served_loss=None if m.served_loss is None else ServedLossInfo(**m.served_loss.model_dump()),
@@ -140,12 +137,12 @@ def _span(start: float | None, end: float | None) -> float | None:
 
 
 def _rejected(state: StateDep) -> int:
-    return 0 if state.loop is None else state.loop.rejected
+    return 0 if state.subscriber is None else state.subscriber.rejected
 
 
 @router.get("", summary="The served model version and its provenance", responses=_NOT_READY)
 def get_model(live: LiveModelDep, state: StateDep) -> ModelInfo:
-    return model_info(live, _rejected(state))
+    return model_info(live, state.predictor, _rejected(state))
 
 
 @router.post(
@@ -170,7 +167,7 @@ def pin(body: PinRequest, _admin: AdminDep, live: LiveModelDep, state: StateDep)
         ) from exc
     except StoreError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"store: {exc}") from exc
-    return model_info(live, _rejected(state))
+    return model_info(live, state.predictor, _rejected(state))
 
 
 @router.post(
@@ -180,8 +177,8 @@ def pin(body: PinRequest, _admin: AdminDep, live: LiveModelDep, state: StateDep)
 )
 def unpin(_admin: AdminDep, live: LiveModelDep, state: StateDep) -> UnpinResponse:
     was = live.unpin()
-    if state.loop is not None:
-        state.loop.request_catch_up()
+    if state.subscriber is not None:
+        state.subscriber.request_catch_up()
     return UnpinResponse(was_pinned=was, version=live.version)
 
 

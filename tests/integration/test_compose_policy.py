@@ -26,8 +26,8 @@ from bench.synthetic_run import SyntheticRun, small_config
 from publisher.store import StoreError
 from publisher.store.s3_store import S3Settings, S3Store
 from publisher.write.version_writer import VersionWriter
-from server.live_model import LiveModel
 from tests.integration.conftest import Services
+from tests.support import dlrm_live
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose.yaml"
 COMPOSE_BUCKET = "checknrun"
@@ -104,7 +104,7 @@ def test_the_servers_user_can_read_but_not_write(stores: Stores) -> None:
 
     # A server logged in as the read-only user bootstraps the model (HEAD, manifest, blobs).
     server_store = S3Store(stores.bucket, "models", settings=stores.reader)
-    live = LiveModel(server_store, "m")
+    live = dlrm_live(server_store, "m")
     try:
         served = live.bootstrap()
         assert served is not None and served.version == 1

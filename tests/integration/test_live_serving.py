@@ -20,9 +20,9 @@ import torch
 
 from bench.child_server import ChildServer
 from bench.synthetic_live import SyntheticLiveRun
+from publisher.read.model_copy import id_map_digest
 from publisher.read.restore import restore
 from publisher.store.s3_store import S3Store
-from server.model_buffer import id_map_digest
 from tests.integration.test_server_fleet import service_env
 
 MODEL = "live"

@@ -12,13 +12,12 @@ from bench.sharded_run import job_publishers, publish_step, row_wise
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.bus.base import KafkaAddress
 from publisher.bus.kafka_bus import KafkaAnnouncementSource, KafkaAnnouncer
-from publisher.read.follower import VersionFollower
+from publisher.read import Subscriber, SubscriberOptions
 from publisher.read.restore import restore
 from publisher.store import FileStore
 from publisher.store.s3_store import S3Store
-from server.follow_loop import FollowLoop
-from server.live_model import LiveModel
 from tests.integration.test_follow_real import s3_settings
+from tests.support import dlrm_live, dlrm_sink
 
 CONFIG = small_config(rows=(3000, 1001), bag_rows=20, dim=8)
 TABLE_ROWS = {"embeddings." + f.name: f.rows for f in CONFIG.sparse}
@@ -35,18 +34,23 @@ def test_a_sharded_job_on_minio_is_followed_through_kafka(
     )
     run = SyntheticRun(FileStore(tmp_path / "single"), "m", CONFIG, codec=codec)
     publishers = job_publishers(store, "m", 2, announce=announcer.announce)
-    live = LiveModel(store, "m")
-    follower = VersionFollower(
-        live.catalog, KafkaAnnouncementSource(address, start="earliest"), poll_head_after_s=30
+    loop = Subscriber(
+        store,
+        "m",
+        dlrm_sink(),
+        bus=KafkaAnnouncementSource(address, start="earliest"),
+        options=SubscriberOptions(
+            poll_timeout_s=0.2, retry_initial_s=0.1, retry_max_s=1.0, poll_head_after_s=30
+        ),
     )
-    loop = FollowLoop(live, follower, poll_timeout_s=0.2, retry_initial_s=0.1, retry_max_s=1.0)
-    reference = LiveModel(run.store, "m")
+    live = loop.live
+    reference = dlrm_live(run.store, "m")
     try:
         layout = row_wise(TABLE_ROWS, 2)
         for i in range(3):
             publish_step(run, publishers, layout, i)
             assert announcer.flush(30)
-            applied = loop.run(max_messages=1, timeout=30)
+            applied = loop.run(max_versions=1, timeout=30)
             assert applied and applied[-1] == i + 1
         keys = [info.key for info in store.list("m/blobs/")]
         assert any("/r0000/" in k for k in keys) and any("/r0001/" in k for k in keys)
@@ -63,8 +67,8 @@ def test_a_sharded_job_on_minio_is_followed_through_kafka(
         reference.bootstrap()
         assert live.digest() == reference.digest()
     finally:
-        follower.close()
-        live.close()
+        loop.follower.close()
+        loop.close()
         reference.close()
         for publisher in publishers:
             publisher.close()

@@ -12,6 +12,7 @@ from publisher.cli import EXIT_ERROR, EXIT_UNAVAILABLE, CommandError, exit_statu
 from publisher.codecs import CodecError, NonFiniteRowsError, OutOfRangeRowsError
 from publisher.dlrm import ArchitectureError
 from publisher.read.catalog import CatalogError, NoVersionError
+from publisher.read.errors import ApplyError, NotBootstrappedError, PinnedError, ShuttingDownError
 from publisher.read.restore import RestoreError
 from publisher.store import (
     BadKeyError,
@@ -40,7 +41,6 @@ from schemas.errors import (
     UnavailableError,
 )
 from schemas.tensor_blob import TensorBlobError
-from server.errors import ApplyError, NotBootstrappedError, PinnedError, ShuttingDownError
 from server.feature_problems import FeatureValidationError
 from trainer.checkpointer import CheckpointError
 from trainer.streams.base import DataError

@@ -26,13 +26,11 @@ import pytest
 
 from bench.rejections import zstd_bomb
 from bench.synthetic_run import SyntheticRun, small_config
-from publisher.read.catalog import Catalog
-from publisher.read.follower import VersionFollower
-from publisher.read.restore import RestoreError, restore
+from publisher.read import Catalog, RestoreError, Subscriber, SubscriberOptions, restore
+from publisher.read.live_model import LiveModel
 from publisher.store import FileStore, StoreError
 from schemas.errors import FormatError
-from server.follow_loop import FollowLoop
-from server.live_model import LiveModel
+from tests.support import dlrm_sink
 
 #: a hostile version must not make the server allocate more than this (its declared sizes are
 #: up to terabytes).
@@ -45,23 +43,23 @@ class Served:
     store: FileStore
     run: SyntheticRun
     live: LiveModel
-    loop: FollowLoop
+    loop: Subscriber
 
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
     store = FileStore(tmp_path / "store")
     run = SyntheticRun(store, "m", small_config(), codec="fp32")
-    live = LiveModel(store, "m", scheme="double-buffer")
     # No bus: HEAD polls only, so what is served is decided by the store alone.
-    follower = VersionFollower(live.catalog, None, poll_head_after_s=0.05)
-    loop = FollowLoop(live, follower, poll_timeout_s=0.05, retry_initial_s=0.05, retry_max_s=0.1)
+    options = SubscriberOptions(
+        poll_timeout_s=0.05, poll_head_after_s=0.05, retry_initial_s=0.05, retry_max_s=0.1
+    )
+    loop = Subscriber(store, "m", dlrm_sink(), options=options)
     run.train(2)
     run.publish("full")
-    assert loop.run(max_messages=1, timeout=10) == [1]
-    yield Served(tmp_path / "store", store, run, live, loop)
-    follower.close()
-    live.close()
+    assert loop.run(max_versions=1, timeout=10) == [1]
+    yield Served(tmp_path / "store", store, run, loop.live, loop)
+    loop.close()
     run.close()
 
 

@@ -41,7 +41,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def messages_received(s: Served) -> int:
     """Announcement messages the server's follower has taken from the bus so far."""
-    follower = s.app.state.server.follower
+    follower = s.app.state.server.subscriber.follower
     assert follower is not None, "the lifespan has not run"
     return int(follower.stats.received)
 

@@ -1,15 +1,17 @@
-"""Quantized serving: tables held in FBGEMM's fused rowwise format against today's float32 path.
+"""Quantized serving: tables held in FBGEMM's fused rowwise format against the float32 path.
 
-The bound (server/held_tables.py): a held row decodes bitwise to what `decode_rows` gives the
-blob's row, so a lookup of one id is exact; a bag's sum may differ from `nn.EmbeddingBag`'s by
-(bag length - 1) * 2**-24 * sum |rows| elementwise; predictions of a quantized server equal the
-float32 server's within float32 rounding of those sums through the MLP (atol 1e-6 on scores).
+The bound (publisher/read/held_tables.py): a held row decodes bitwise to what `decode_rows`
+gives the blob's row, so a lookup of one id is exact; a bag's sum may differ from
+`nn.EmbeddingBag`'s by (bag length - 1) * 2**-24 * sum |rows| elementwise; predictions of a
+quantized server equal the float32 server's within float32 rounding of those sums through the
+MLP (atol 1e-6 on scores).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,14 +20,11 @@ from torch.nn import functional
 
 from bench.synthetic_run import SyntheticRun, random_examples, small_config
 from publisher.codecs import CodecError, QuantizedRows, decode_rows, encode_rows
-from publisher.dlrm import DLRMConfig, SparseFeature
+from publisher.dlrm import DLRMConfig, SparseFeature, build_served_model
 from publisher.memory_budget import MemoryBudget
-from publisher.read.catalog import Catalog
-from publisher.read.restore import TableState, restore
-from publisher.store import FileStore
-from schemas.delta_blob import DeltaBlob
-from server.feature_batch import build_batch
-from server.held_tables import (
+from publisher.read import Catalog, ConsistencyScheme
+from publisher.read.copy_builders import ModuleBuilder
+from publisher.read.held_tables import (
     SUM_ROUNDING,
     Float32Table,
     FusedTable,
@@ -34,9 +33,11 @@ from server.held_tables import (
     looks_up,
     new_table,
 )
-from server.live_model import LiveModel
-from server.model_buffer import ModelBuffer
-from server.settings import ConsistencyScheme
+from publisher.read.live_model import LiveModel
+from publisher.read.restore import TableState, restore
+from publisher.store import FileStore
+from schemas.delta_blob import DeltaBlob
+from tests.support import dlrm_live, dlrm_scores
 
 SCHEMES: list[ConsistencyScheme] = ["double-buffer", "rwlock"]
 INT_CODECS = ["int8", "int4", "int3", "int2", "int4-adaptive", "int8-adaptive"]
@@ -169,8 +170,7 @@ def test_finer_rows_than_held_and_bad_scales_are_refused() -> None:
 
 def _scores(live: LiveModel, examples: list[dict[str, object]]) -> np.ndarray:
     with live.reader() as buffer:
-        batch = build_batch(examples, buffer.config)
-        return torch.sigmoid(buffer.forward(batch.dense, batch.sparse)).numpy()
+        return dlrm_scores(buffer, examples)  # type: ignore[arg-type]
 
 
 def _assert_same_values(
@@ -191,8 +191,8 @@ def test_a_quantized_server_predicts_what_the_float32_server_does(
     run = SyntheticRun(store, "m", small_config(dim=16), codec="int4")
     run.train(2)
     run.publish("full")
-    quantized = LiveModel(store, "m", scheme=scheme)
-    plain = LiveModel(store, "m", scheme=scheme, quantized_tables=False)
+    quantized = dlrm_live(store, "m", scheme)
+    plain = dlrm_live(store, "m", scheme, quantized=False)
     for live in (quantized, plain):
         live.bootstrap()
     examples = random_examples(run.config, 64, seed=3)
@@ -208,8 +208,8 @@ def test_a_quantized_server_predicts_what_the_float32_server_does(
         assert set(buffer.formats.values()) == {"int4"}
     assert quantized.nbytes() < plain.nbytes() / 2
     if scheme == "double-buffer":  # the hidden copy was brought level by replaying the rows
-        standby = quantized.slot._standby  # type: ignore[attr-defined]
-        live_buffer = quantized.slot.current()
+        standby = quantized.sink.slot._standby  # type: ignore[attr-defined]
+        live_buffer = quantized.sink.slot.current()
         assert standby is not None and live_buffer is not None
         assert standby.digest() == live_buffer.digest()
 
@@ -222,8 +222,8 @@ def test_a_finer_codec_widens_the_table_for_the_rest_of_the_lineage(
     store = FileStore(tmp_path / "store")
     run = SyntheticRun(store, "m", small_config(dim=16), codec="int4")
     run.publish("full")
-    quantized = LiveModel(store, "m", scheme=scheme)
-    plain = LiveModel(store, "m", scheme=scheme, quantized_tables=False)
+    quantized = dlrm_live(store, "m", scheme)
+    plain = dlrm_live(store, "m", scheme, quantized=False)
     for live in (quantized, plain):
         live.bootstrap()
     catalog = Catalog(store, "m")
@@ -248,9 +248,9 @@ def test_a_finer_codec_widens_the_table_for_the_rest_of_the_lineage(
     examples = random_examples(run.config, 32, seed=4)
     np.testing.assert_allclose(_scores(quantized, examples), _scores(plain, examples), 0, 1e-6)
     if scheme == "double-buffer":
-        standby = quantized.slot._standby  # type: ignore[attr-defined]
-        assert standby is not None and standby.formats == quantized.slot.current().formats  # type: ignore[union-attr]
-        assert standby.digest() == quantized.slot.current().digest()  # type: ignore[union-attr]
+        standby = quantized.sink.slot._standby  # type: ignore[attr-defined]
+        assert standby is not None and standby.formats == quantized.sink.slot.current().formats  # type: ignore[union-attr]
+        assert standby.digest() == quantized.sink.slot.current().digest()  # type: ignore[union-attr]
 
 
 def test_a_buffer_starts_each_table_in_its_full_versions_format(tmp_path: Path) -> None:
@@ -258,11 +258,10 @@ def test_a_buffer_starts_each_table_in_its_full_versions_format(tmp_path: Path) 
     run = SyntheticRun(store, "m", small_config(dim=16), codec="int2")
     manifest = run.publish("full").manifest
     budget = MemoryBudget(2**30)
-    buffer = ModelBuffer.for_manifest(manifest, budget, 2)
+    builder = ModuleBuilder(factory=build_served_model)
+    buffer = builder.new_copy(manifest, budget, 2, quantized=True)
     assert set(buffer.formats.values()) == {"int2"}
-    assert set(ModelBuffer.for_manifest(manifest, budget, 2, quantized=False).formats.values()) == {
-        "fp32"
-    }
+    assert set(builder.new_copy(manifest, budget, 2, quantized=False).formats.values()) == {"fp32"}
 
 
 def _peak_rss_growth(action: Callable[[], object]) -> int:
@@ -292,4 +291,13 @@ def test_a_buffer_of_quantized_tables_never_writes_their_float32_tables() -> Non
         top_mlp=(8,),
     )
     formats: dict[str, HeldFormat] = {"embeddings.big": "int4", "embeddings.small": "int4"}
-    assert _peak_rss_growth(lambda: ModelBuffer(config, formats=formats)) < 16 * 2**20
+    # The two fields of a full version's manifest the builder reads.
+    tables = [
+        SimpleNamespace(name=f"embeddings.{f.name}", rows=f.rows, dim=64, id_map=None)
+        for f in config.sparse
+    ]
+    manifest = SimpleNamespace(
+        model_config_=config.to_json(), tables=tables, kind="full", version=1
+    )
+    builder = ModuleBuilder(factory=build_served_model)
+    assert _peak_rss_growth(lambda: builder.build(manifest, formats)) < 16 * 2**20  # type: ignore[arg-type]

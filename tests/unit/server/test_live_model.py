@@ -1,4 +1,5 @@
-"""LiveModel + FollowLoop against a real FileStore and file bus, for both consistency schemes.
+"""A Subscriber of the built-in DLRM against a real FileStore and file bus, for both consistency
+schemes.
 
 Covers bootstrap, following, gap fill, duplicate/old announcements, rejection of a corrupt delta
 (and healing), skipping a broken delta via a newer full, pin/unpin, layout changes, and that no
@@ -25,19 +26,25 @@ import torch
 from bench.synthetic_run import SyntheticRun, model_scores, random_examples, small_config
 from publisher.bus import open_announcer, open_source
 from publisher.dlrm import DLRM, DLRMConfig
-from publisher.read.catalog import Catalog, NoVersionError
+from publisher.read import (
+    Catalog,
+    ConsistencyScheme,
+    NoVersionError,
+    PinnedError,
+    ShuttingDownError,
+    Subscriber,
+    SubscriberOptions,
+    restore,
+)
 from publisher.read.follower import VersionFollower
-from publisher.read.restore import restore
+from publisher.read.live_model import LiveModel
+from publisher.read.version_fetch import FETCH_CONCURRENCY, fetch_version
 from publisher.store import FileStore, StoreUnavailableError
 from schemas.announcement import Announcement
 from schemas.delta_blob import decode_delta_blob, encode_delta_blob
 from schemas.tensor_blob import decode_tensors, encode_tensors
-from server.errors import PinnedError, ShuttingDownError
-from server.feature_batch import build_batch
-from server.follow_loop import FollowLoop
-from server.live_model import LiveModel
-from server.model_buffer import FETCH_CONCURRENCY, fetch_version
-from server.settings import ConsistencyScheme
+from server.metrics import MetricsObserver, ServerMetrics
+from tests.support import dlrm_scores, dlrm_sink
 
 SCHEMES: list[ConsistencyScheme] = ["double-buffer", "rwlock"]
 
@@ -50,9 +57,16 @@ class World:
     store: FileStore
     bus_url: str
     run: SyntheticRun
-    live: LiveModel
-    follower: VersionFollower
-    loop: FollowLoop
+    loop: Subscriber
+    metrics: ServerMetrics
+
+    @property
+    def live(self) -> LiveModel:
+        return self.loop.live
+
+    @property
+    def follower(self) -> VersionFollower:
+        return self.loop.follower
 
     def publish(self, kind: str = "delta", *, announce: bool = True, **kw: Any) -> int:
         return self.run.train_and_publish(kind, announce=announce, **kw)  # type: ignore[arg-type]
@@ -67,12 +81,19 @@ def make_world(tmp_path: Path, scheme: ConsistencyScheme, codec: str = "fp32") -
     bus_url = f"file://{tmp_path / 'bus.log'}"
     announcer = open_announcer(bus_url, "m")
     run = SyntheticRun(store, "m", small_config(), codec=codec, announce=announcer.announce)
-    live = LiveModel(store, "m", scheme=scheme)
-    follower = VersionFollower(
-        live.catalog, open_source(bus_url, start="earliest"), poll_head_after_s=30.0
+    metrics = ServerMetrics()
+    options = SubscriberOptions(
+        poll_timeout_s=0.05, retry_initial_s=0.05, retry_max_s=0.2, poll_head_after_s=30.0
     )
-    loop = FollowLoop(live, follower, poll_timeout_s=0.05, retry_initial_s=0.05, retry_max_s=0.2)
-    return World(tmp_path / "store", store, bus_url, run, live, follower, loop)
+    loop = Subscriber(
+        store,
+        "m",
+        dlrm_sink(scheme),
+        bus=open_source(bus_url, start="earliest"),
+        options=options,
+        observer=MetricsObserver(metrics),
+    )
+    return World(tmp_path / "store", store, bus_url, run, loop, metrics)
 
 
 @pytest.fixture(params=SCHEMES)
@@ -80,7 +101,7 @@ def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
     w = make_world(tmp_path, request.param)
     yield w
     w.follower.close()
-    w.live.close()
+    w.loop.close()
     w.run.close()
 
 
@@ -97,17 +118,15 @@ def assert_matches_restore(live: LiveModel, store: FileStore, version: int) -> N
 
 def served_scores(live: LiveModel, examples: list[dict[str, Any]]) -> tuple[int, np.ndarray]:
     with live.reader() as buffer:
-        batch = build_batch(examples, buffer.config)
-        logits = buffer.forward(batch.dense, batch.sparse)
         assert buffer.served is not None
-        return buffer.served.version, torch.sigmoid(logits).numpy()
+        return buffer.served.version, dlrm_scores(buffer, examples)
 
 
 def test_bootstrap_serves_head_bitwise_like_restore(world: World) -> None:
     world.publish("full")
     world.publish()
     world.publish()
-    applied = world.loop.run(max_messages=1, timeout=5)
+    applied = world.loop.run(max_versions=1, timeout=5)
     assert applied == [1, 2, 3]
     assert world.live.version == 3
     assert_matches_restore(world.live, world.store, 3)
@@ -119,25 +138,25 @@ def test_bootstrap_waits_for_the_first_version(world: World) -> None:
     assert world.loop.run(timeout=0.2) == []
     assert world.live.version is None
     world.publish("full")
-    assert world.loop.run(max_messages=1, timeout=5) == [1]
+    assert world.loop.run(max_versions=1, timeout=5) == [1]
 
 
 def test_follow_applies_announced_versions_in_order(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2, v3 = world.publish(), world.publish()
-    assert world.loop.run(max_messages=2, timeout=5) == [v2, v3]
+    assert world.loop.run(max_versions=2, timeout=5) == [v2, v3]
     assert_matches_restore(world.live, world.store, v3)
     assert world.live.staleness_s() == 0.0
 
 
 def test_an_apply_records_when_each_stage_ended(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     boot = world.live.last_times
     assert boot is not None and boot.versions == (1,) and boot.heard_at is None
     v2 = world.publish()
-    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+    assert world.loop.run(max_versions=1, timeout=5) == [v2]
     t = world.live.last_times
     assert t is not None and t.versions == (v2,)
     assert t.heard_at is not None and t.planned_at is not None
@@ -181,17 +200,17 @@ def test_the_dense_blob_downloads_beside_the_tables(tmp_path: Path) -> None:
 
 def test_gap_is_filled_from_the_store(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish(announce=False)  # the bus never hears of v2
     v3 = world.publish()
-    assert world.loop.run(max_messages=2, timeout=5) == [v2, v3]
+    assert world.loop.run(max_versions=2, timeout=5) == [v2, v3]
     assert_matches_restore(world.live, world.store, v3)
 
 
 def test_duplicate_and_old_announcements_are_ignored(world: World) -> None:
     world.publish("full")
     world.publish()
-    world.loop.run(max_messages=2, timeout=5)
+    world.loop.run(max_versions=2, timeout=5)
     assert world.live.version == 2
     announcer = open_announcer(world.bus_url, "m")
     for ref in world.live.catalog.versions():
@@ -207,7 +226,7 @@ def test_duplicate_and_old_announcements_are_ignored(world: World) -> None:
 
 def test_corrupt_delta_is_rejected_then_retried_once_healed(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     examples = random_examples(world.run.config, 8)
     _, before_scores = served_scores(world.live, examples)
     v2 = world.publish()
@@ -218,13 +237,13 @@ def test_corrupt_delta_is_rejected_then_retried_once_healed(world: World) -> Non
     assert world.loop.run(timeout=0.4) == []
     assert world.live.version == 1  # still serving the last good version
     assert world.loop.rejected >= 1
-    assert world.live.metrics.rejected.value(["integrity"]) >= 1
+    assert world.metrics.rejected.value(["integrity"]) >= 1
     version, scores = served_scores(world.live, examples)
     assert version == 1 and np.array_equal(scores, before_scores)
     assert_matches_restore(world.live, world.store, 1)  # nothing torn, in any buffer
 
     path.write_bytes(good)  # the store heals (e.g. a replica caught up)
-    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+    assert world.loop.run(max_versions=1, timeout=5) == [v2]
     assert_matches_restore(world.live, world.store, v2)
 
 
@@ -232,7 +251,7 @@ def test_a_manifest_without_a_utc_offset_is_never_served(world: World) -> None:
     # Once served, its created_at was subtracted from the aware clock: TypeError after the swap,
     # and /metrics and /v1/model (staleness) broken for as long as it was served.
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish()
     key = Catalog(world.store, "m").find(v2).key
     doc = json.loads((world.root / key).read_bytes())
@@ -247,17 +266,17 @@ def test_a_manifest_without_a_utc_offset_is_never_served(world: World) -> None:
 def test_missing_blob_is_rejected_not_counted_as_an_outage(world: World) -> None:
     # A blob the manifest names but the store lacks is bad data (NotFoundError), not an outage.
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish()
     path = world.blob_path(v2)
     good = path.read_bytes()
     path.unlink()
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
-    assert world.live.metrics.rejected.value(["restore"]) >= 1
-    assert world.live.metrics.follow_errors.total() == 0
+    assert world.metrics.rejected.value(["restore"]) >= 1
+    assert world.metrics.follow_errors.total() == 0
     path.write_bytes(good)  # the store heals
-    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+    assert world.loop.run(max_versions=1, timeout=5) == [v2]
 
 
 def _poison_rows(value: float) -> Callable[[bytes], bytes]:
@@ -310,7 +329,7 @@ def test_version_holding_nan_or_inf_is_rejected(
     world: World, kind: str, where: str, value: float
 ) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     examples = random_examples(world.run.config, 8)
     _, before_scores = served_scores(world.live, examples)
     version = world.publish(kind, announce=False)
@@ -320,25 +339,25 @@ def test_version_holding_nan_or_inf_is_rejected(
 
     assert world.loop.run(timeout=0.4) == []
     assert world.live.version == 1  # still serving the last good version
-    assert world.live.metrics.rejected.value(["non_finite"]) >= 1
+    assert world.metrics.rejected.value(["non_finite"]) >= 1
     served, scores = served_scores(world.live, examples)
     assert served == 1 and np.array_equal(scores, before_scores)
     assert np.isfinite(scores).all()
     assert_matches_restore(world.live, world.store, 1)  # nothing torn, in any buffer
     newer = world.publish("full")  # a newer full skips the bad version
-    assert world.loop.run(max_messages=1, timeout=5) == [newer]
+    assert world.loop.run(max_versions=1, timeout=5) == [newer]
     assert_matches_restore(world.live, world.store, newer)
 
 
 def test_broken_delta_is_skipped_once_a_newer_full_exists(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish()
     world.blob_path(v2).write_bytes(b"garbage")  # wrong size: IntegrityError
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
     v3 = world.publish("full")
-    assert world.loop.run(max_messages=1, timeout=5) == [v3]
+    assert world.loop.run(max_versions=1, timeout=5) == [v3]
     assert_matches_restore(world.live, world.store, v3)
 
 
@@ -346,7 +365,7 @@ def test_pin_rebuilds_an_earlier_version_and_unpin_follows_again(world: World) -
     world.publish("full")
     world.publish()
     world.publish()
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     served = world.live.pin(2)
     assert served.version == 2 and world.live.pinned == 2
     assert_matches_restore(world.live, world.store, 2)
@@ -360,14 +379,14 @@ def test_pin_rebuilds_an_earlier_version_and_unpin_follows_again(world: World) -
 
     assert world.live.unpin() is True
     world.loop.request_catch_up()
-    assert world.loop.run(max_messages=1, timeout=5)[-1] == v4
+    assert world.loop.run(max_versions=1, timeout=5)[-1] == v4
     assert_matches_restore(world.live, world.store, v4)
     assert world.live.unpin() is False
 
 
 def test_pin_unknown_version(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     with pytest.raises(NoVersionError):
         world.live.pin(99)
     assert world.live.pinned is None
@@ -375,20 +394,20 @@ def test_pin_unknown_version(world: World) -> None:
 
 def test_one_shot_chain(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish(relative_to="baseline")
-    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+    assert world.loop.run(max_versions=1, timeout=5) == [v2]
     world.publish(relative_to="baseline")  # v3
     v4 = world.publish(relative_to="baseline")
     # v4 holds every row changed since the baseline, v3's too: a server behind skips v3.
-    assert world.loop.run(max_messages=1, timeout=5) == [v4]
+    assert world.loop.run(max_versions=1, timeout=5) == [v4]
     assert world.live.catalog.find(v4).manifest.applies_to == 1
     assert_matches_restore(world.live, world.store, v4)
 
 
 def test_new_architecture_arrives_with_a_full(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     world.run.close()  # release the lease: a "new trainer" takes over with a bigger model
     bigger = small_config(rows=(2000, 500), dim=4)
     world.run = SyntheticRun(world.store, "m", bigger, seed=1)
@@ -396,24 +415,24 @@ def test_new_architecture_arrives_with_a_full(world: World) -> None:
     world.live.catch_up()
     assert world.live.version == v2
     with world.live.reader() as buffer:
-        assert buffer.config == bigger
+        assert DLRMConfig.from_json(buffer.model_config) == bigger
     assert_matches_restore(world.live, world.store, v2)
 
 
 def test_delta_of_another_layout_is_rejected(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     world.run.close()
     world.run = SyntheticRun(world.store, "m", small_config(rows=(7, 5), dim=3), seed=2)
     world.publish()
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
-    assert world.live.metrics.rejected.value(["layout"]) >= 1
+    assert world.metrics.rejected.value(["layout"]) >= 1
 
 
 def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish()
     real_get, real_range = world.store.get_with_etag, world.store.get_range
 
@@ -431,10 +450,10 @@ def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.M
     monkeypatch.setattr(world.store, "get_range", range_down)
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
-    assert world.live.metrics.follow_errors.value(["store"]) >= 1
+    assert world.metrics.follow_errors.value(["store"]) >= 1
     monkeypatch.setattr(world.store, "get_with_etag", real_get)
     monkeypatch.setattr(world.store, "get_range", real_range)
-    assert world.loop.run(max_messages=1, timeout=5) == [v2]
+    assert world.loop.run(max_versions=1, timeout=5) == [v2]
 
 
 def test_stop_returns_promptly(world: World) -> None:
@@ -451,7 +470,7 @@ def test_predictions_equal_restored_model_and_trainer_within_codec_error(tmp_pat
     try:
         w.publish("full")
         v = w.publish()
-        w.loop.run(max_messages=1, timeout=5)
+        w.loop.run(max_versions=1, timeout=5)
         examples = random_examples(w.run.config, 64)
         version, served = served_scores(w.live, examples)
         assert version == v
@@ -470,7 +489,7 @@ def test_predictions_equal_restored_model_and_trainer_within_codec_error(tmp_pat
         assert np.max(np.abs(served - trainer)) < 5e-3
     finally:
         w.follower.close()
-        w.live.close()
+        w.loop.close()
         w.run.close()
 
 
@@ -493,7 +512,7 @@ def test_no_torn_reads_while_versions_apply(tmp_path: Path, scheme: ConsistencyS
             expected[version] = model_scores(w.run.model, examples)
 
         publish_all_rows("full")
-        w.loop.run(max_messages=1, timeout=5)
+        w.loop.run(max_versions=1, timeout=5)
         stop = threading.Event()
         seen: list[tuple[int, np.ndarray]] = []
         errors: list[BaseException] = []
@@ -510,7 +529,7 @@ def test_no_torn_reads_while_versions_apply(tmp_path: Path, scheme: ConsistencyS
             t.start()
         for _ in range(6):
             publish_all_rows()
-            w.loop.run(max_messages=1, timeout=5)
+            w.loop.run(max_versions=1, timeout=5)
         stop.set()
         for t in readers:
             t.join()
@@ -521,13 +540,13 @@ def test_no_torn_reads_while_versions_apply(tmp_path: Path, scheme: ConsistencyS
             np.testing.assert_allclose(scores, expected[version], rtol=0, atol=1e-6)
     finally:
         w.follower.close()
-        w.live.close()
+        w.loop.close()
         w.run.close()
 
 
 def test_interrupt_abandons_an_apply_without_tearing(world: World) -> None:
     world.publish("full")
-    world.loop.run(max_messages=1, timeout=5)
+    world.loop.run(max_versions=1, timeout=5)
     v2 = world.publish()
     world.live.interrupt()
     with pytest.raises(ShuttingDownError):
@@ -535,4 +554,4 @@ def test_interrupt_abandons_an_apply_without_tearing(world: World) -> None:
     assert world.live.version == 1
     assert_matches_restore(world.live, world.store, 1)
     assert world.loop.run(timeout=0.2) == []  # the loop treats it as "stopping", not an error
-    assert world.live.metrics.follow_errors.total() == 0
+    assert world.metrics.follow_errors.total() == 0

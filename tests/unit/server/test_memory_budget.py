@@ -17,14 +17,13 @@ import pytest
 
 from bench.synthetic_run import SyntheticRun, small_config
 from publisher.memory_budget import MemoryBudget, MemoryBudgetError
-from publisher.read.catalog import Catalog
-from publisher.read.follower import VersionFollower
+from publisher.read import Catalog, ModelCopy, Subscriber, SubscriberOptions
+from publisher.read.version_fetch import fetch_version
 from publisher.store import FileStore, IntegrityError
 from server.app import create_app
-from server.follow_loop import FollowLoop
-from server.live_model import LiveModel
-from server.model_buffer import ModelBuffer, fetch_version
+from server.metrics import MetricsObserver, ServerMetrics
 from server.settings import ServerSettings
+from tests.support import dlrm_live, dlrm_sink
 
 with warnings.catch_warnings():  # starlette's notice about its httpx-based client
     warnings.simplefilter("ignore")
@@ -67,17 +66,18 @@ def _forge(
 
 
 class BuildSpy:
-    """Counts the model buffers built (each allocates a whole model)."""
+    """Counts the model copies built (each allocates a whole model; the budget's probe on the
+    meta device allocates none and makes no copy)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.built = 0
-        original = ModelBuffer.__init__
+        original = ModelCopy.__init__
 
-        def counting(buffer: ModelBuffer, *args: Any, **kwargs: Any) -> None:
+        def counting(buffer: ModelCopy, *args: Any, **kwargs: Any) -> None:
             self.built += 1
             original(buffer, *args, **kwargs)
 
-        monkeypatch.setattr(ModelBuffer, "__init__", counting)
+        monkeypatch.setattr(ModelCopy, "__init__", counting)
 
 
 @pytest.fixture
@@ -94,13 +94,22 @@ def test_a_forged_model_config_is_rejected_before_allocating(
 ) -> None:
     store = run.store
     assert isinstance(store, FileStore)
-    live = LiveModel(store, "m", scheme=scheme, memory_budget=MemoryBudget(BUDGET))
-    follower = VersionFollower(live.catalog, None, poll_head_after_s=0.05)
-    loop = FollowLoop(live, follower, poll_timeout_s=0.05, retry_initial_s=0.05, retry_max_s=0.1)
+    metrics = ServerMetrics()
+    options = SubscriberOptions(
+        poll_timeout_s=0.05, poll_head_after_s=0.05, retry_initial_s=0.05, retry_max_s=0.1
+    )
+    loop = Subscriber(
+        store,
+        "m",
+        dlrm_sink(scheme, memory_budget=MemoryBudget(BUDGET)),
+        options=options,
+        observer=MetricsObserver(metrics),
+    )
+    live = loop.live
     try:
         run.train(2)
         run.publish("full")
-        assert loop.run(max_messages=1, timeout=10) == [1]
+        assert loop.run(max_versions=1, timeout=10) == [1]
         run.train(2)
         v2 = run.publish("full").ref.version
         _forge(store, tmp_path / "store", v2, FORGED_CONFIGS[case])
@@ -108,17 +117,16 @@ def test_a_forged_model_config_is_rejected_before_allocating(
         assert loop.run(timeout=0.5) == []
         assert live.version == 1
         assert spy.built == 0  # no model of the declared size, and no other
-        assert live.metrics.rejected.value(["budget"]) >= 2  # every retry is refused the same
+        assert metrics.rejected.value(["budget"]) >= 2  # every retry is refused the same
         assert "over the memory budget" in (loop.last_error or "")
     finally:
-        follower.close()
-        live.close()
+        loop.close()
 
 
 def test_a_genuine_model_over_the_budget_names_the_setting(run: SyntheticRun) -> None:
     run.train(1)
     run.publish("full")
-    live = LiveModel(run.store, "m", memory_budget=MemoryBudget(1024))
+    live = dlrm_live(run.store, "m", memory_budget=MemoryBudget(1024))
     try:
         over = r"needs [0-9,]+ bytes, over the memory budget of 1,024;"
         with pytest.raises(MemoryBudgetError, match=over):
@@ -162,25 +170,25 @@ def test_a_server_with_only_a_hostile_head_stays_up_not_ready(
         ready = client.get("/readyz")
         assert ready.status_code == 503 and ready.json()["reason"] == "bootstrapping"
         assert client.get("/v1/model").status_code == 503
-        loop = client.app.state.server.loop  # type: ignore[attr-defined]
+        loop = client.app.state.server.subscriber  # type: ignore[attr-defined]
         assert loop is not None and not loop.stopped  # still following, for a genuine HEAD
     assert spy.built == 0
 
 
 class CopySpy:
-    """The most model buffers alive at once, each new one included (the peak copies held)."""
+    """The most model copies alive at once, each new one included (the peak copies held)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.alive: weakref.WeakSet[ModelBuffer] = weakref.WeakSet()
+        self.alive: weakref.WeakSet[ModelCopy] = weakref.WeakSet()
         self.peak = 0
-        original = ModelBuffer.__init__
+        original = ModelCopy.__init__
 
-        def counting(buffer: ModelBuffer, *args: Any, **kwargs: Any) -> None:
+        def counting(buffer: ModelCopy, *args: Any, **kwargs: Any) -> None:
             original(buffer, *args, **kwargs)
             self.alive.add(buffer)
             self.peak = max(self.peak, len(self.alive))
 
-        monkeypatch.setattr(ModelBuffer, "__init__", counting)
+        monkeypatch.setattr(ModelCopy, "__init__", counting)
 
 
 @pytest.mark.parametrize("scheme", ["double-buffer", "rwlock"])
@@ -192,9 +200,7 @@ def test_the_budget_is_checked_against_the_peak_of_two_copies(
     run.train(1)
     run.publish("full")
     model_bytes = small_config().nbytes
-    live = LiveModel(
-        run.store, "m", scheme=scheme, memory_budget=MemoryBudget(model_bytes * 3 // 2)
-    )
+    live = dlrm_live(run.store, "m", scheme, memory_budget=MemoryBudget(model_bytes * 3 // 2))
     try:
         with pytest.raises(MemoryBudgetError, match=r"\(2 model copies\)"):
             live.bootstrap()
@@ -211,7 +217,7 @@ def test_a_rebuild_holds_no_more_copies_than_the_budget_counts(
     # failed rebuild and a delta on top of the version still served.
     run.train(1)
     run.publish("full")
-    live = LiveModel(run.store, "m", scheme=scheme, memory_budget=MemoryBudget(BUDGET))
+    live = dlrm_live(run.store, "m", scheme, memory_budget=MemoryBudget(BUDGET))
     spy = CopySpy(monkeypatch)
     try:
         live.bootstrap()
@@ -232,7 +238,7 @@ def test_a_rebuild_holds_no_more_copies_than_the_budget_counts(
         blob = tmp_path / "other" / ref.manifest.tables[0].blob.key
         blob.write_bytes(bytes(blob.stat().st_size))
         with pytest.raises(IntegrityError):
-            live.slot.update([ref], partial(fetch_version, other.store))
+            live.sink.update([ref], partial(fetch_version, other.store))
         other.close()
         assert live.version == v3
         # ...and a delta on top of it is still applied, within the same peak.
@@ -240,7 +246,7 @@ def test_a_rebuild_holds_no_more_copies_than_the_budget_counts(
         successor.close()
         live.catch_up()
         assert live.version == v4
-        served = live.slot.current()
+        served = live.sink.current()
         assert served is not None
         held = {"double-buffer": 2, "rwlock": 1}[scheme]  # the standby is back
         assert live.nbytes() == held * served.nbytes

@@ -11,9 +11,9 @@ import pytest
 
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig, SparseFeature
 from publisher.id_map import UNKNOWN_ROW, IdMap, hashed_rows
-from publisher.live_features import LiveFeature, LiveSpec, LiveSpecError
+from publisher.live_features import LiveFeature, LiveSpec, LiveSpecError, live_spec_of, new_id_maps
 from server.feature_problems import MAX_REPORTED_ERRORS, FeatureValidationError
-from server.raw_ids import live_spec_of, new_id_maps, parse_raw_examples
+from server.raw_ids import parse_raw_examples
 
 SPEC = LiveSpec(
     features=(LiveFeature("user"), LiveFeature("item"), LiveFeature("genres", bag=True)),

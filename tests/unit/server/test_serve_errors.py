@@ -68,7 +68,7 @@ def test_a_failed_start_closes_what_was_opened(
     def no_model(*args: object, **kwargs: object) -> None:
         raise MemoryError("no room for the model")
 
-    monkeypatch.setattr("server.app.LiveModel", no_model)
+    monkeypatch.setattr("server.app.Subscriber", no_model)
     bus = f"file://{tmp_path}/announcements.log"
     app = create_app(ServerSettings(store=f"file://{tmp_path}", model="m", bus=bus))
     with pytest.raises(MemoryError), TestClient(app):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from bench.synthetic_live import SyntheticLiveRun
-from publisher.dlrm import DLRMConfig
+from publisher.dlrm import DLRMConfig, build_served_model
 from publisher.id_map import IdMap, IdMapError
 from publisher.live_features import LiveFeature, LiveSpec
 from publisher.memory_budget import (
@@ -32,18 +32,16 @@ from publisher.memory_budget import (
     MemoryBudgetError,
     served_id_maps_bytes,
 )
-from publisher.read.catalog import Catalog
+from publisher.read import ApplyError, Catalog, ConsistencyScheme, ModelCopy, rejection_reason
+from publisher.read.consistency import DoubleBufferSlot
+from publisher.read.copy_builders import ModuleBuilder
+from publisher.read.live_model import LiveModel
 from publisher.read.restore import restore
 from publisher.store import FileStore
 from schemas.errors import BadDataError
 from schemas.id_map_blob import IdEntries, decode_id_map_blob, encode_id_entries
-from server.consistency import DoubleBufferSlot
-from server.errors import ApplyError
-from server.follow_loop import rejection_reason
-from server.live_model import LiveModel
-from server.model_buffer import ModelBuffer
-from server.raw_ids import parse_raw_examples
-from server.settings import ConsistencyScheme
+from server.predictors import DLRMPredictor
+from tests.support import dlrm_live
 
 SCHEMES: list[ConsistencyScheme] = ["double-buffer", "rwlock"]
 TS = 1_700_000_000.0
@@ -73,11 +71,12 @@ class LiveWorld:
     def scores(self, examples: list[dict[str, Any]]) -> tuple[int, np.ndarray, dict[str, int]]:
         """What the server predicts, as the predict route does: map and forward under one
         reader. (version, scores, unknown ids)."""
+        predictor = DLRMPredictor()
         with self.live.reader() as buffer:
-            assert buffer.live is not None and buffer.served is not None
-            mapped = parse_raw_examples(examples, buffer.live, now=TS).to_batch(buffer.id_maps)
-            logits = buffer.forward(mapped.batch.dense, mapped.batch.sparse)
-            return buffer.served.version, torch.sigmoid(logits).numpy(), mapped.unknown_ids
+            assert buffer.served is not None
+            scored = predictor.score(predictor.check(examples, buffer, TS), buffer)
+            assert scored.unknown_ids is not None
+            return buffer.served.version, scored.scores.numpy(), scored.unknown_ids
 
     def manifest_path(self, version: int) -> Path:
         return self.root / Catalog(self.store, "m").find(version).key
@@ -89,7 +88,7 @@ def make_world(tmp_path: Path, scheme: ConsistencyScheme, **run: Any) -> LiveWor
         tmp_path / "store",
         store,
         SyntheticLiveRun(store, "m", **run),
-        LiveModel(store, "m", scheme=scheme),
+        dlrm_live(store, "m", scheme),
     )
 
 
@@ -106,7 +105,7 @@ def map_state(id_map: IdMap) -> tuple[tuple[str, ...], list[int], list[float]]:
     return e.keys, e.counts.tolist(), e.last_seen.tolist()
 
 
-def assert_maps_match(buffer: ModelBuffer, maps: dict[str, IdMap]) -> None:
+def assert_maps_match(buffer: ModelCopy, maps: dict[str, IdMap]) -> None:
     assert set(buffer.id_maps) == set(maps)
     for name, id_map in maps.items():
         assert map_state(buffer.id_maps[name]) == map_state(id_map), name
@@ -116,9 +115,10 @@ def assert_serves(w: LiveWorld, version: int) -> None:
     """The served rows and maps are bitwise those `restore()` rebuilds at `version`, in every
     copy the scheme holds (the double buffer's standby too)."""
     state = restore(w.store, "m", version)
-    buffers = [w.live.slot.current()]
-    if isinstance(w.live.slot, DoubleBufferSlot) and w.live.slot._standby is not None:
-        buffers.append(w.live.slot._standby)  # the copy the next version is written into
+    slot = w.live.sink.slot
+    buffers = [slot.current()]
+    if isinstance(slot, DoubleBufferSlot) and slot._standby is not None:
+        buffers.append(slot._standby)  # the copy the next version is written into
     for buffer in buffers:
         assert buffer is not None and buffer.served is not None
         assert buffer.served.version == version
@@ -134,7 +134,7 @@ def test_bootstrap_and_follow_serve_the_trainers_maps(world: LiveWorld) -> None:
     v2 = world.run.publish()
     world.live.bootstrap()
     assert_serves(world, v2)
-    assert_maps_match(world.live.slot.current(), world.run.id_maps)  # type: ignore[arg-type]
+    assert_maps_match(world.live.sink.current(), world.run.id_maps)  # type: ignore[arg-type]
     world.run.train(events(["u2", "u10", "u11"], ts=TS + 200))
     v3 = world.run.publish()
     assert world.live.advance(Catalog(world.store, "m").find(v3)) == [v3]
@@ -170,7 +170,7 @@ def test_an_evicted_and_reused_row_serves_the_new_ids_values(world: LiveWorld) -
     world.live.bootstrap()
     row = world.run.id_map("user").row_of("old")
     assert row is not None
-    old_values = world.live.slot.current().values("embeddings.user")[row].clone()  # type: ignore[union-attr]
+    old_values = world.live.sink.current().values("embeddings.user")[row].clone()  # type: ignore[union-attr]
 
     assert world.run.evict("user", "old") == row
     world.run.train(events(["new"], ts=TS + 20))  # admitted into the freed row
@@ -179,7 +179,7 @@ def test_an_evicted_and_reused_row_serves_the_new_ids_values(world: LiveWorld) -
     world.live.advance(Catalog(world.store, "m").find(v2))
     assert_serves(world, v2)
 
-    buffer = world.live.slot.current()
+    buffer = world.live.sink.current()
     assert buffer is not None
     served_row = buffer.values("embeddings.user")[row]
     assert torch.equal(served_row, world.run.model.embeddings["user"].weight[row].detach())
@@ -384,15 +384,19 @@ def test_the_memory_budget_counts_the_id_maps_of_every_copy(tmp_path: Path) -> N
         run.train(events(["u1"]))
         v1 = run.publish()
         manifest = Catalog(store, "m").find(v1).manifest
-        config = DLRMConfig.from_json(manifest.model_config_)
-        maps = served_id_maps_bytes(config)
+        maps = served_id_maps_bytes(manifest)
         assert maps == ID_MAP_ROW_BYTES * 3 * 64  # counted full: later versions fill them
-        needed = 2 * (config.nbytes + maps)
-        short = LiveModel(store, "m", memory_budget=MemoryBudget(needed - 1))
+        model_bytes = DLRMConfig.from_json(manifest.model_config_).nbytes
+        # A user's factory is measured on the meta device: its parameters, nothing allocated.
+        model = build_served_model(manifest.model_config_)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert ModuleBuilder(factory=build_served_model).copy_bytes(manifest) == params
+        needed = 2 * (model_bytes + maps)
+        short = dlrm_live(store, "m", memory_budget=MemoryBudget(needed - 1))
         with pytest.raises(MemoryBudgetError, match="2 model copies"):
             short.bootstrap()
         short.close()
-        enough = LiveModel(store, "m", memory_budget=MemoryBudget(needed))
+        enough = dlrm_live(store, "m", memory_budget=MemoryBudget(needed))
         assert enough.bootstrap() is not None
         enough.close()
     finally:
@@ -407,7 +411,8 @@ def test_the_digest_covers_the_id_maps(tmp_path: Path) -> None:
         w.live.bootstrap()
         w.run.train(events(["u3"], ts=TS + 9))
         w.live.advance(Catalog(w.store, "m").find(w.run.publish()))
-        live, standby = w.live.slot.current(), w.live.slot._standby  # type: ignore[attr-defined]
+        slot = w.live.sink.slot
+        live, standby = slot.current(), slot._standby  # type: ignore[attr-defined]
         assert live is not None and standby is not None
         digest = live.digest()
         assert digest == standby.digest()  # both copies, maps included

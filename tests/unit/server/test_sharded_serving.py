@@ -6,14 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from bench.sharded_run import job_publishers, publish_step, row_wise
 from bench.synthetic_run import SyntheticRun, random_examples, small_config
+from publisher.read import ConsistencyScheme
+from publisher.read.live_model import LiveModel
 from publisher.store import FileStore
-from server.feature_batch import build_batch
-from server.live_model import LiveModel
-from server.settings import ConsistencyScheme
+from tests.support import dlrm_live, dlrm_scores
 
 CONFIG = small_config(rows=(300, 101), bag_rows=20, dim=8)
 TABLE_ROWS = {"embeddings." + f.name: f.rows for f in CONFIG.sparse}
@@ -21,8 +20,7 @@ TABLE_ROWS = {"embeddings." + f.name: f.rows for f in CONFIG.sparse}
 
 def _scores(live: LiveModel) -> np.ndarray:
     with live.reader() as buffer:
-        batch = build_batch(random_examples(CONFIG, 64), buffer.config)
-        return torch.sigmoid(buffer.forward(batch.dense, batch.sparse)).numpy()
+        return dlrm_scores(buffer, random_examples(CONFIG, 64))
 
 
 @pytest.mark.parametrize("scheme", ["double-buffer", "rwlock"])
@@ -34,7 +32,7 @@ def test_a_row_wise_job_serves_like_one_writer(
     store = FileStore(tmp_path / "job")
     publishers = job_publishers(store, "m", 2)
     layout = row_wise(TABLE_ROWS, 2)
-    servers = [LiveModel(run.store, "m", scheme=scheme), LiveModel(store, "m", scheme=scheme)]
+    servers = [dlrm_live(run.store, "m", scheme), dlrm_live(store, "m", scheme)]
     try:
         for i in range(4):
             publish_step(run, publishers, layout, i)

@@ -1,10 +1,13 @@
-"""The live model: bootstrapped from HEAD, advanced version by version, pinnable by an admin.
+"""The live model: bootstrapped from HEAD, advanced version by version, pinnable.
 
-    live = LiveModel(store, "movielens", scheme="double-buffer")
+    live = LiveModel(store, "ranker", ModuleSink(build))
     live.bootstrap()                      # HEAD's chain: baseline, then each delta
     live.advance(ref)                     # a newer committed version (idempotent by version)
-    with live.reader() as model:          # one version for the whole prediction
-        logits = model.forward(dense, sparse)
+    with live.reader() as copy:           # one version for the whole prediction
+        logits = copy.module(*inputs)
+
+`publisher.read.subscriber.Subscriber` drives it (the follow loop); this module moves the
+version and keeps what a server reports about it.
 
 Rules it keeps:
 
@@ -14,10 +17,10 @@ Rules it keeps:
   the follower use: the part of the target's restore chain newer than the served version (just
   the target when its parent is served), or the whole chain when the served version is not in
   its lineage. So a gap is filled from the store, never guessed.
-- A plan is applied as one swap by the consistency scheme (server/consistency.py); until it has
-  fully passed verification the served version does not move. A new model is built only if its
-  copies fit the memory budget (publisher/memory_budget.py), checked on the manifest.
-- While pinned, nothing but an admin moves the version.
+- A plan is applied as one swap by the sink's consistency scheme (publisher/read/consistency.py);
+  until it has fully passed verification the served version does not move. A new model is built
+  only if its copies fit the memory budget (publisher/memory_budget.py), checked on the manifest.
+- While pinned, nothing but `unpin` moves the version.
 
 All mutations are serialised by one lock; predictions never take it.
 """
@@ -33,22 +36,16 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.consistency import UpdateResult
+from publisher.read.errors import PinnedError, ShuttingDownError
+from publisher.read.model_copy import ModelCopy, ServedVersion
+from publisher.read.observer import SubscriberObserver
 from publisher.read.planner import plan_versions
+from publisher.read.sinks import VersionSink
+from publisher.read.version_fetch import FETCH_CONCURRENCY, FetchedVersion, fetch_version
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES
-from server.consistency import ModelSlot, UpdateResult, make_slot
-from server.errors import PinnedError, ShuttingDownError
-from server.metrics import ServerMetrics
-from server.model_buffer import (
-    FETCH_CONCURRENCY,
-    FetchedVersion,
-    ModelBuffer,
-    ServedVersion,
-    fetch_version,
-)
-from server.settings import ConsistencyScheme
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +77,16 @@ class LiveModel:
         self,
         store: ObjectStore,
         model: str,
+        sink: VersionSink,
         *,
-        scheme: ConsistencyScheme = "double-buffer",
-        metrics: ServerMetrics | None = None,
+        observer: SubscriberObserver | None = None,
         manifest_cache_size: int = DEFAULT_TUNABLES.manifest_cache_size,
-        memory_budget: MemoryBudget | None = None,
-        quantized_tables: bool = True,
     ) -> None:
         self.store = store
         self.catalog = Catalog(store, model, cache_size=manifest_cache_size)
         self.model_name = self.catalog.model
-        self.slot: ModelSlot = make_slot(
-            scheme, memory_budget or MemoryBudget.of_machine(), quantized=quantized_tables
-        )
-        self.metrics = metrics or ServerMetrics()
+        self.sink = sink
+        self.observer = observer or SubscriberObserver()
         self._mutate = threading.Lock()
         self._pinned: int | None = None
         #: committed versions newer than the served one that we know of -> their created_at.
@@ -110,13 +103,13 @@ class LiveModel:
 
     # --- reading ---------------------------------------------------------------------------------
 
-    def reader(self) -> AbstractContextManager[ModelBuffer]:
+    def reader(self) -> AbstractContextManager[ModelCopy]:
         """Borrow the served model for one prediction (NotBootstrappedError before bootstrap)."""
-        return self.slot.reader()
+        return self.sink.reader()
 
     @property
     def served(self) -> ServedVersion | None:
-        buffer = self.slot.current()
+        buffer = self.sink.current()
         return None if buffer is None else buffer.served
 
     @property
@@ -126,7 +119,7 @@ class LiveModel:
 
     @property
     def pinned(self) -> int | None:
-        """The version an admin pinned, or None while following."""
+        """The version pinned, or None while following."""
         return self._pinned
 
     def staleness_s(self, now: float | None = None) -> float:
@@ -263,7 +256,7 @@ class LiveModel:
         fetched = fetch_version(self.store, ref, self._pool)
         self._fetch_s += time.perf_counter() - started
         self.bytes_fetched += fetched.bytes_fetched
-        self.metrics.bytes_fetched.inc(fetched.bytes_fetched)
+        self.observer.fetched(fetched.bytes_fetched)
         return fetched
 
     def _apply(
@@ -277,7 +270,7 @@ class LiveModel:
         started_at = time.time()
         started = time.perf_counter()
         self._fetch_s = 0.0
-        result = self.slot.update(plan, self._fetch)
+        result = self.sink.update(plan, self._fetch)
         seconds = time.perf_counter() - started
         self.last_apply = result
         self.last_times = ApplyTimes(
@@ -290,10 +283,7 @@ class LiveModel:
             finished_at=started_at + seconds,
         )
         self.versions_applied += len(plan)
-        for ref in plan:
-            self.metrics.applied_versions.inc(labels=[ref.manifest.kind])
-        self.metrics.apply_seconds.observe(seconds, labels=[kind])
-        self.metrics.swap_pause_seconds.observe(result.pause_s)
+        self.observer.applied(plan, result, seconds, kind)
         current = result.served.version
         for v in [v for v in self._pending if v <= current]:
             del self._pending[v]
@@ -323,7 +313,7 @@ class LiveModel:
 
     def nbytes(self) -> int:
         """Bytes of model tensors held by every copy."""
-        return self.slot.nbytes()
+        return self.sink.nbytes()
 
     def digest(self) -> tuple[int, dict[str, str]]:
         """(version, sha256 of every tensor) read under one reader, so both agree."""

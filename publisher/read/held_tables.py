@@ -1,8 +1,8 @@
-"""Embedding tables as a server holds them: float32, or FBGEMM's fused row-wise format.
+"""Embedding tables as a subscriber holds them: float32, or FBGEMM's fused row-wise format.
 
-With quantized serving on (settings `quantized_tables`, the default), a table whose versions
-arrive int8/int4/int2 (or int3, adaptive or not) is held as the fused rows torch's quantized
-embedding-bag kernels read, and looked up with them
+With quantized tables on (`ModuleSink(quantized=True)`, `checknrun serve`'s default), a table
+whose versions arrive int8/int4/int2 (or int3, adaptive or not) is held as the fused rows torch's
+quantized embedding-bag kernels read, and looked up with them
 (`torch.ops.quantized.embedding_bag_{byte,4bit,2bit}_rowwise_offsets`)::
 
     int8:  | codes: dim bytes            | scale: fp32 | bias: fp32 |
@@ -17,23 +17,31 @@ dim 64 instead of 256.
 Exactness. A held row decodes to bias + code * scale, the value `publisher.codecs.decode_rows`
 gives the blob's row: the product of an fp16 scale and a code below 256 fits float32's 24-bit
 significand, so the kernels' fused multiply-add and the codec's multiply-then-add round once,
-the same way. A lookup of one id returns exactly the float32 row today's server holds; a bag
-sums the same float32 rows, in the kernel's order, so it may differ from `nn.EmbeddingBag`'s
-sum by float32 rounding only: |kernel - fp32| <= (bag length - 1) * 2**-24 * sum |rows|
-elementwise (`SUM_ROUNDING`; tests/unit/server/test_held_tables.py checks it, and that
-predictions match the float32 server's).
+the same way. A lookup of one id returns exactly the float32 row a restore of the version
+holds; a bag sums the same float32 rows, in the kernel's order, so it may differ from
+`nn.EmbeddingBag`'s sum by float32 rounding only: |kernel - fp32| <= (bag length - 1) * 2**-24
+* sum |rows| elementwise (`SUM_ROUNDING`; a "mean" bag divides that sum by the bag's length;
+tests/unit/server/test_held_tables.py checks it, and that predictions match float32 tables').
+
+Any model's tables. A held table replaces the module it holds (`Lookup` records what that
+module computes): an `nn.EmbeddingBag` (mode sum, mean or max; offsets or 2-D input;
+`include_last_offset`; `per_sample_weights` with sum) is looked up by the kernel as bags, an
+`nn.Embedding` (any input shape) as bags of one id, each returning what the module would. A
+module the kernels cannot stand in for stays float32: an `nn.EmbeddingBag` with `padding_idx`
+(its bags leave that id out, the kernel would not) and an `nn.Embedding` with `max_norm`
+(it renormalises rows in place at every lookup).
 
 Which format a table is held in (`held_format`): the finest of the codecs its versions have
 brought so far, in the order int2 < int4 < int8 < fp32 (int3 is held as int4). A coarser row
 fits a finer format exactly (its codes repacked, its scale and bias kept), so a table only ever
 widens: a version bringing a finer codec than the table is held in (int8 rows after int4, fp16
 or fp32 rows after any int) converts the whole table to the finer format first, exactly (an
-int table widened to fp32 holds precisely the float32 rows today's server would), and the
+int table widened to fp32 holds precisely the float32 rows a restore holds), and the
 table stays in that format for the rest of the lineage (until a rebuild from a full version,
 which starts from the full's codecs). Re-quantizing those rows to the held format would have
 served values that no version published. A format the kernels cannot look up (a torch build
 without them, or a dim the packing does not divide: 4-bit needs an even dim, 2-bit a multiple
-of 4) is replaced by the next finer one that works, ending at fp32: today's path.
+of 4) is replaced by the next finer one that works, ending at fp32.
 """
 
 from __future__ import annotations
@@ -161,9 +169,14 @@ def looks_up(fmt: HeldFormat, dim: int) -> bool:
     return bits in _LOOKUP and dim % (8 // bits) == 0
 
 
-def held_format(codec: str, dim: int, current: HeldFormat | None = None) -> HeldFormat:
+def held_format(
+    codec: str, dim: int, current: HeldFormat | None = None, lookup: Lookup | None = None
+) -> HeldFormat:
     """The format a table of `dim` held in `current` (None: a new table) must be held in to take
-    rows of `codec` exactly: the finer of the two, moved up to one the kernels can look up."""
+    rows of `codec` exactly: the finer of the two, moved up to one the kernels can look up;
+    fp32 for a module the kernels cannot stand in for (`lookup`, default a plain bag)."""
+    if lookup is not None and not lookup.quantizable:
+        return "fp32"
     if is_integer_codec(codec):
         bits = CODEC_BITS[codec]
         wanted: HeldFormat = "int2" if bits == 2 else "int4" if bits <= 4 else "int8"
@@ -173,6 +186,59 @@ def held_format(codec: str, dim: int, current: HeldFormat | None = None) -> Held
     if current is not None:
         start = max(start, FORMAT_ORDER.index(current))
     return next(f for f in FORMAT_ORDER[start:] if looks_up(f, dim))
+
+
+LookupKind = Literal["bag", "embedding"]
+_BAG_MODES: Final = {"sum": 0, "mean": 1, "max": 2}
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the model's module of a table computes, so that a held table answers the same call:
+    an `nn.EmbeddingBag` (`kind="bag"`: its mode, `include_last_offset`, `padding_idx`) or an
+    `nn.Embedding` (`kind="embedding"`: `padding_idx`, `max_norm`)."""
+
+    kind: LookupKind = "bag"
+    mode: str = "sum"
+    include_last_offset: bool = False
+    padding_idx: int | None = None
+    max_norm: float | None = None
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Lookup:
+        """The lookup `module` (an `nn.EmbeddingBag` or `nn.Embedding`) makes."""
+        if isinstance(module, nn.EmbeddingBag):
+            return cls(
+                "bag",
+                mode=str(module.mode),
+                include_last_offset=bool(module.include_last_offset),
+                padding_idx=module.padding_idx,
+            )
+        if isinstance(module, nn.Embedding):
+            return cls("embedding", padding_idx=module.padding_idx, max_norm=module.max_norm)
+        raise TypeError(f"{type(module).__name__} is not an nn.Embedding or nn.EmbeddingBag")
+
+    @property
+    def quantizable(self) -> bool:
+        """Whether the fused kernels compute what the module does (module docstring)."""
+        if self.kind == "bag":
+            return self.mode in _BAG_MODES and self.padding_idx is None
+        return self.max_norm is None
+
+    def float32_module(self, weights: torch.Tensor) -> nn.Module:
+        """A module making this lookup over `weights` (shared, not copied)."""
+        if self.kind == "bag":
+            return nn.EmbeddingBag.from_pretrained(
+                weights,
+                freeze=True,
+                mode=self.mode,
+                include_last_offset=self.include_last_offset,
+                padding_idx=self.padding_idx,
+            )
+        embedding: nn.Embedding = nn.Embedding.from_pretrained(  # type: ignore[no-untyped-call]
+            weights, freeze=True, padding_idx=self.padding_idx, max_norm=self.max_norm
+        )
+        return embedding
 
 
 def _check_scales(blob: DeltaBlob) -> None:
@@ -212,11 +278,15 @@ class HeldTable(ABC):
     version makes to it (the consistency schemes call them only while no reader sees it)."""
 
     format: HeldFormat
+    lookup: Lookup
+    rows: int
+    dim: int
 
     @property
     @abstractmethod
     def module(self) -> nn.Module:
-        """What the model calls as `module(values, offsets)` to sum the rows of each bag."""
+        """The module the model calls for this table: it takes the call the module it replaces
+        took (`lookup`), e.g. `module(values, offsets)` for a bag."""
 
     @property
     @abstractmethod
@@ -227,9 +297,6 @@ class HeldTable(ABC):
     def shape(self) -> tuple[int, int]:
         """(rows, dim) of the table's values."""
         return self.rows, self.dim
-
-    rows: int
-    dim: int
 
     @property
     def nbytes(self) -> int:
@@ -250,7 +317,7 @@ class HeldTable(ABC):
 
     @abstractmethod
     def empty_like(self) -> HeldTable:
-        """A table of the same format and shape, contents undefined."""
+        """A table of the same format, shape and lookup, contents undefined."""
 
     def scatter(self, rows: TableRows) -> None:
         """Write rows `rows_of` or `write_blob` returned for a table of this format."""
@@ -279,8 +346,8 @@ class HeldTable(ABC):
             raise ValueError(f"a {self.format} table cannot be narrowed to {fmt}")
         assert isinstance(self, FusedTable)  # fp32 is the finest
         if fmt == "fp32":
-            return Float32Table.of(self.values())
-        wider = FusedTable(self.rows, self.dim, fmt)
+            return Float32Table.of(self.values(), self.lookup)
+        wider = FusedTable(self.rows, self.dim, fmt, self.lookup)
         for start in range(0, self.rows, CHUNK_ROWS):
             sl = slice(start, start + CHUNK_ROWS)
             codes, scale, bias = _fields(self.fused[sl], self.bits, self.dim)
@@ -289,31 +356,41 @@ class HeldTable(ABC):
 
 
 class Float32Table(HeldTable):
-    """A float32 table: the `nn.EmbeddingBag` of today's server, written by decoding."""
+    """A float32 table: the model's own `nn.EmbeddingBag` or `nn.Embedding`, written by
+    decoding rows into its weight."""
 
     format: HeldFormat = "fp32"
 
-    def __init__(self, bag: nn.EmbeddingBag) -> None:
-        self.bag = bag
-        self.weights: npt.NDArray[np.float32] = bag.weight.data.numpy()
+    def __init__(self, embedding: nn.Embedding | nn.EmbeddingBag) -> None:
+        weight = embedding.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(
+                f"a held table is float32 on the CPU; this one is {weight.dtype} on {weight.device}"
+            )
+        if not weight.is_contiguous():
+            raise ValueError("a held table's weight must be contiguous")
+        self.embedding = embedding
+        self.lookup = Lookup.of(embedding)
+        self.weights: npt.NDArray[np.float32] = weight.data.numpy()
         self.rows, self.dim = self.weights.shape
 
     @classmethod
-    def of(cls, weights: torch.Tensor) -> Float32Table:
-        """A table whose weights are `weights` (shared, not copied)."""
-        bag = nn.EmbeddingBag.from_pretrained(weights, freeze=True, mode="sum", sparse=True)
-        return cls(bag)
+    def of(cls, weights: torch.Tensor, lookup: Lookup | None = None) -> Float32Table:
+        """A table whose weights are `weights` (shared, not copied), making `lookup`."""
+        module = (lookup or Lookup()).float32_module(weights)
+        assert isinstance(module, nn.Embedding | nn.EmbeddingBag)
+        return cls(module)
 
     @property
     def module(self) -> nn.Module:
-        return self.bag
+        return self.embedding
 
     @property
     def array(self) -> np.ndarray:
         return self.weights
 
     def values(self) -> torch.Tensor:
-        return self.bag.weight.data
+        return self.embedding.weight.data
 
     def write_blob(self, blob: DeltaBlob) -> BlobRows | None:
         return write_blob(blob, self.weights)
@@ -322,31 +399,87 @@ class Float32Table(HeldTable):
         return decode_blob(blob)
 
     def empty_like(self) -> Float32Table:
-        return Float32Table.of(torch.empty(self.rows, self.dim))
+        return Float32Table.of(torch.empty(self.rows, self.dim), self.lookup)
 
 
-class FusedTable(HeldTable, nn.Module):
+class FusedLookup(nn.Module):
+    """The module a fused table stands in with: the call of the `nn.EmbeddingBag` or
+    `nn.Embedding` it replaces (`lookup`), answered by torch's rowwise kernel. The fused rows are
+    a plain attribute, not a buffer: the model's state_dict stays the published one's."""
+
+    def __init__(self, fused: torch.Tensor, bits: int, lookup: Lookup) -> None:
+        super().__init__()
+        self.fused = fused
+        self.lookup = lookup
+        self._kernel = _LOOKUP[bits]
+        self._mode = _BAG_MODES.get(lookup.mode, 0)
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.lookup.kind == "embedding":
+            flat = input.reshape(-1)
+            starts = torch.arange(flat.numel(), dtype=flat.dtype, device=flat.device)
+            out = self._bags(flat, starts, None, mode=0, include_last=False)
+            return out.reshape(*input.shape, out.shape[-1])
+        include_last = self.lookup.include_last_offset
+        if input.dim() == 2:  # fixed-length bags, as nn.EmbeddingBag takes them
+            length = int(input.shape[1])
+            offsets = torch.arange(0, input.numel(), max(length, 1), dtype=input.dtype)
+            if length == 0:
+                offsets = torch.zeros(int(input.shape[0]), dtype=input.dtype)
+            input = input.reshape(-1)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+            include_last = False
+        if offsets is None:
+            raise ValueError("offsets are required for a 1-D input of a bag")
+        return self._bags(input, offsets, per_sample_weights, self._mode, include_last)
+
+    def _bags(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        mode: int,
+        include_last: bool,
+    ) -> torch.Tensor:
+        # (weight, indices, offsets, scale_grad_by_freq, mode, pruned_weights,
+        #  per_sample_weights, compressed_indices_mapping, include_last_offset); the kernel
+        # wants offsets of the indices' dtype (a KeyedJaggedTensor's may be int32).
+        return self._kernel(
+            self.fused,
+            values,
+            offsets.to(values.dtype),
+            False,
+            mode,
+            False,
+            weights,
+            None,
+            include_last,
+        )
+
+
+class FusedTable(HeldTable):
     """A table of fused int8/int4/int2 rows, looked up by torch's rowwise embedding-bag kernel."""
 
-    def __init__(self, rows: int, dim: int, fmt: HeldFormat) -> None:
-        nn.Module.__init__(self)
-        if not looks_up(fmt, dim):
+    def __init__(self, rows: int, dim: int, fmt: HeldFormat, lookup: Lookup | None = None) -> None:
+        self.lookup = lookup or Lookup()
+        if not looks_up(fmt, dim) or not self.lookup.quantizable:
             raise ValueError(f"a table of dim {dim} cannot be held in {fmt} on this torch")
         self.format = fmt
         self.rows, self.dim = rows, dim
         self.bits = _FORMAT_BITS[fmt]
         self.fused_tensor = torch.empty((rows, fused_row_bytes(self.bits, dim)), dtype=torch.uint8)
         self.fused: npt.NDArray[np.uint8] = self.fused_tensor.numpy()
-        self._lookup = _LOOKUP[self.bits]
-
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        # (weight, indices, offsets, scale_grad_by_freq, mode=sum, pruned_weights,
-        #  per_sample_weights, compressed_indices_mapping, include_last_offset)
-        return self._lookup(self.fused_tensor, values, offsets, False, 0, False, None, None, False)
+        self._module = FusedLookup(self.fused_tensor, self.bits, self.lookup)
 
     @property
     def module(self) -> nn.Module:
-        return self
+        return self._module
 
     @property
     def array(self) -> np.ndarray:
@@ -391,11 +524,12 @@ class FusedTable(HeldTable, nn.Module):
         return FusedRows(blob.row_ids.copy(), fused)
 
     def empty_like(self) -> FusedTable:
-        return FusedTable(self.rows, self.dim, self.format)
+        return FusedTable(self.rows, self.dim, self.format, self.lookup)
 
 
-def new_table(rows: int, dim: int, fmt: HeldFormat) -> HeldTable:
-    """An empty table of `fmt` (contents undefined until a full version writes it)."""
+def new_table(rows: int, dim: int, fmt: HeldFormat, lookup: Lookup | None = None) -> HeldTable:
+    """An empty table of `fmt` making `lookup` (default: a sum bag), contents undefined until a
+    full version writes it."""
     if fmt == "fp32":
-        return Float32Table.of(torch.empty(rows, dim))
-    return FusedTable(rows, dim, fmt)
+        return Float32Table.of(torch.empty(rows, dim), lookup)
+    return FusedTable(rows, dim, fmt, lookup)

@@ -1,9 +1,9 @@
-"""How a new version replaces the served one under running predictions: two schemes.
+"""How a new version replaces the served one under running readers: two schemes.
 
-Both guarantee that every prediction reads exactly one version (no torn reads: a prediction never
-sees rows of version v+1 next to rows or dense parameters of version v), and both do every slow
-step (fetch, sha256, decode) before anything a reader can see changes. They differ in what a
-reader may wait for and in memory:
+Both guarantee that every reader (a prediction) reads exactly one version (no torn reads: a
+prediction never sees rows of version v+1 next to rows or dense parameters of version v), and
+both do every slow step (fetch, sha256, decode) before anything a reader can see changes. They
+differ in what a reader may wait for and in memory:
 
 ``double-buffer`` (default): two full copies of the model. A plan is written into the hidden
   standby copy; publishing it is a pointer swap under a lock held for a few microseconds; the old
@@ -45,21 +45,20 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import VersionRef
-from server.errors import ApplyError, NotBootstrappedError
-from server.model_buffer import (
-    FetchedVersion,
-    FetchFn,
-    ModelBuffer,
-    ServedVersion,
-    Touched,
-    merge_id_rows,
-)
-from server.settings import ConsistencyScheme
+from publisher.read.copy_builders import CopyBuilder
+from publisher.read.errors import ApplyError, NotBootstrappedError
+from publisher.read.model_copy import ModelCopy, ServedVersion, Touched
+from publisher.read.version_fetch import FetchedVersion, FetchFn, merge_id_rows
 
 log = logging.getLogger(__name__)
+
+#: how a new version replaces the served one (module docstring).
+ConsistencyScheme = Literal["double-buffer", "rwlock"]
+SCHEMES: tuple[ConsistencyScheme, ...] = ("double-buffer", "rwlock")
 
 #: a drain that takes longer than this is logged (a prediction is stuck or very slow).
 DRAIN_WARN_S = 10.0
@@ -83,7 +82,7 @@ def _now() -> datetime:
 
 
 class ModelSlot(ABC):
-    """Holds the served model; readers borrow a buffer, one writer at a time updates it.
+    """Holds the served model; readers borrow a copy, one writer at a time updates it.
 
     A new model is built only once `peak_copies` of it fit the memory budget (checked on its
     manifest, publisher/memory_budget.py): a forged manifest costs a rejection, not the
@@ -96,20 +95,23 @@ class ModelSlot(ABC):
     #: at most 2 x the larger, and both were checked.)
     peak_copies: int
 
-    def __init__(self, budget: MemoryBudget, *, quantized: bool = True) -> None:
+    def __init__(
+        self, builder: CopyBuilder, budget: MemoryBudget, *, quantized: bool = True
+    ) -> None:
+        self.builder = builder
         self.budget = budget
         #: hold int-coded tables in their fused format (server/held_tables.py).
         self.quantized = quantized
-        #: worst time a reader waited to borrow a buffer (seconds), for measurements.
+        #: worst time a reader waited to borrow a copy (seconds), for measurements.
         self.max_reader_wait_s = 0.0
 
     @abstractmethod
-    def reader(self) -> AbstractContextManager[ModelBuffer]:
-        """Borrow the live buffer for one prediction; it holds one version throughout."""
+    def reader(self) -> AbstractContextManager[ModelCopy]:
+        """Borrow the live copy for one reader (a prediction); it holds one version throughout."""
 
     @abstractmethod
-    def current(self) -> ModelBuffer | None:
-        """The live buffer, for metadata only (its weights may change under a later update)."""
+    def current(self) -> ModelCopy | None:
+        """The live copy, for metadata only (its weights may change under a later update)."""
 
     @abstractmethod
     def update(self, plan: Sequence[VersionRef], fetch: FetchFn) -> UpdateResult:
@@ -131,23 +133,21 @@ class ModelSlot(ABC):
 
 def _build_fresh(
     slot: ModelSlot, plan: Sequence[VersionRef], fetch: FetchFn
-) -> tuple[ModelBuffer, int]:
-    """A new buffer holding the plan's last version; the plan must start with a full."""
+) -> tuple[ModelCopy, int]:
+    """A new copy holding the plan's last version; the plan must start with a full."""
     first = plan[0].manifest
     if first.kind != "full":
         raise ApplyError(
             f"cannot build a model from version {first.version}: it is a delta "
             f"(applies to {first.applies_to}); a rebuild starts from a full version"
         )
-    buffer = ModelBuffer.for_manifest(
-        first, slot.budget, slot.peak_copies, quantized=slot.quantized
-    )
+    buffer = slot.builder.new_copy(first, slot.budget, slot.peak_copies, quantized=slot.quantized)
     fetched_bytes = _write_plan(buffer, plan, fetch, Touched())
     return buffer, fetched_bytes
 
 
 def _write_plan(
-    buffer: ModelBuffer, plan: Sequence[VersionRef], fetch: FetchFn, touched: Touched
+    buffer: ModelCopy, plan: Sequence[VersionRef], fetch: FetchFn, touched: Touched
 ) -> int:
     total = len(plan)
     fetched_bytes = 0
@@ -179,14 +179,16 @@ class DoubleBufferSlot(ModelSlot):
     scheme: ConsistencyScheme = "double-buffer"
     peak_copies = 2
 
-    def __init__(self, budget: MemoryBudget, *, quantized: bool = True) -> None:
-        super().__init__(budget, quantized=quantized)
+    def __init__(
+        self, builder: CopyBuilder, budget: MemoryBudget, *, quantized: bool = True
+    ) -> None:
+        super().__init__(builder, budget, quantized=quantized)
         self._cond = threading.Condition(threading.Lock())
-        self._live: ModelBuffer | None = None
-        self._standby: ModelBuffer | None = None
+        self._live: ModelCopy | None = None
+        self._standby: ModelCopy | None = None
 
     @contextmanager
-    def reader(self) -> Iterator[ModelBuffer]:
+    def reader(self) -> Iterator[ModelCopy]:
         started = time.perf_counter()
         with self._cond:
             buffer = self._live
@@ -202,19 +204,19 @@ class DoubleBufferSlot(ModelSlot):
                 if buffer.readers == 0:
                     self._cond.notify_all()
 
-    def current(self) -> ModelBuffer | None:
+    def current(self) -> ModelCopy | None:
         return self._live
 
     def nbytes(self) -> int:
         return sum(b.nbytes for b in (self._live, self._standby) if b is not None)
 
-    def _swap_in(self, buffer: ModelBuffer) -> tuple[ModelBuffer | None, float]:
+    def _swap_in(self, buffer: ModelCopy) -> tuple[ModelCopy | None, float]:
         started = time.perf_counter()
         with self._cond:
             old, self._live = self._live, buffer
         return old, time.perf_counter() - started
 
-    def _drain(self, buffer: ModelBuffer) -> None:
+    def _drain(self, buffer: ModelCopy) -> None:
         """Wait until no prediction reads `buffer` (no new one can: it is not live)."""
         started = time.monotonic()
         warned = False
@@ -235,7 +237,7 @@ class DoubleBufferSlot(ModelSlot):
         if self._standby is None and self._live is not None and self._live.fits(first):
             # A failed rebuild dropped the standby (see _rebuild); a plan on top of the live
             # model needs it back, not a rebuild from a full.
-            self._standby = self._live.clone()
+            self._standby = self.builder.clone(self._live)
         if self._live is None or self._standby is None or not self._standby.fits(first):
             # No reference to either copy may be held here: the rebuild frees the standby.
             return self._rebuild(plan, fetch)
@@ -271,7 +273,7 @@ class DoubleBufferSlot(ModelSlot):
         if old is not None:
             self._drain(old)
             del old  # freed before the standby is cloned: 2 copies again, not 3
-        self._standby = fresh.clone()
+        self._standby = self.builder.clone(fresh)
         assert fresh.served is not None
         return UpdateResult(
             fresh.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=True
@@ -322,13 +324,15 @@ class ReaderWriterSlot(ModelSlot):
     #: one copy between fulls, but a full is built beside the served copy before the swap.
     peak_copies = 2
 
-    def __init__(self, budget: MemoryBudget, *, quantized: bool = True) -> None:
-        super().__init__(budget, quantized=quantized)
+    def __init__(
+        self, builder: CopyBuilder, budget: MemoryBudget, *, quantized: bool = True
+    ) -> None:
+        super().__init__(builder, budget, quantized=quantized)
         self._lock = ReaderWriterLock()
-        self._buffer: ModelBuffer | None = None
+        self._buffer: ModelCopy | None = None
 
     @contextmanager
-    def reader(self) -> Iterator[ModelBuffer]:
+    def reader(self) -> Iterator[ModelCopy]:
         started = time.perf_counter()
         self._lock.acquire_read()
         self._record_wait(started)
@@ -340,7 +344,7 @@ class ReaderWriterSlot(ModelSlot):
         finally:
             self._lock.release_read()
 
-    def current(self) -> ModelBuffer | None:
+    def current(self) -> ModelCopy | None:
         return self._buffer
 
     def nbytes(self) -> int:
@@ -401,12 +405,12 @@ class ReaderWriterSlot(ModelSlot):
 
 
 def make_slot(
-    scheme: ConsistencyScheme, budget: MemoryBudget, *, quantized: bool = True
+    scheme: ConsistencyScheme, builder: CopyBuilder, budget: MemoryBudget, *, quantized: bool = True
 ) -> ModelSlot:
-    """The slot implementing `scheme`, building models that fit `budget`, with int-coded
-    tables held quantized if `quantized`."""
+    """The slot implementing `scheme`, building copies with `builder` once they fit `budget`,
+    with int-coded tables held quantized if `quantized`."""
     if scheme == "double-buffer":
-        return DoubleBufferSlot(budget, quantized=quantized)
+        return DoubleBufferSlot(builder, budget, quantized=quantized)
     if scheme == "rwlock":
-        return ReaderWriterSlot(budget, quantized=quantized)
+        return ReaderWriterSlot(builder, budget, quantized=quantized)
     raise ValueError(f"unknown consistency scheme {scheme!r}")
