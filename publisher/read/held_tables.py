@@ -20,16 +20,18 @@ significand, so the kernels' fused multiply-add and the codec's multiply-then-ad
 the same way. A lookup of one id returns exactly the float32 row a restore of the version
 holds; a bag sums the same float32 rows, in the kernel's order, so it may differ from
 `nn.EmbeddingBag`'s sum by float32 rounding only: |kernel - fp32| <= (bag length - 1) * 2**-24
-* sum |rows| elementwise (`SUM_ROUNDING`; a "mean" bag divides that sum by the bag's length;
+* sum |rows| elementwise (`SUM_ROUNDING`; a "mean" bag divides that sum by the bag's length,
+within one more rounding;
 tests/unit/server/test_held_tables.py checks it, and that predictions match float32 tables').
 
 Any model's tables. A held table replaces the module it holds (`Lookup` records what that
-module computes): an `nn.EmbeddingBag` (mode sum, mean or max; offsets or 2-D input;
+module computes): an `nn.EmbeddingBag` (mode sum or mean; offsets or 2-D input;
 `include_last_offset`; `per_sample_weights` with sum) is looked up by the kernel as bags, an
 `nn.Embedding` (any input shape) as bags of one id, each returning what the module would. A
-module the kernels cannot stand in for stays float32: an `nn.EmbeddingBag` with `padding_idx`
-(its bags leave that id out, the kernel would not) and an `nn.Embedding` with `max_norm`
-(it renormalises rows in place at every lookup).
+module the kernels cannot stand in for stays float32: an `nn.EmbeddingBag` of mode max (the
+kernels only sum: they take a mode and ignore it), or with `padding_idx` (its bags leave that id
+out, the kernel would not), and an `nn.Embedding` with `max_norm` (it renormalises rows in place
+at every lookup).
 
 Which format a table is held in (`held_format`): the finest of the codecs its versions have
 brought so far, in the order int2 < int4 < int8 < fp32 (int3 is held as int4). A coarser row
@@ -189,7 +191,9 @@ def held_format(
 
 
 LookupKind = Literal["bag", "embedding"]
-_BAG_MODES: Final = {"sum": 0, "mean": 1, "max": 2}
+#: the bag modes a fused table answers: the kernels sum (they take a mode argument and ignore
+#: it), and a mean is that sum over the bag's length; a max they cannot make.
+_FUSED_BAG_MODES: Final = ("sum", "mean")
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,7 @@ class Lookup:
     def quantizable(self) -> bool:
         """Whether the fused kernels compute what the module does (module docstring)."""
         if self.kind == "bag":
-            return self.mode in _BAG_MODES and self.padding_idx is None
+            return self.mode in _FUSED_BAG_MODES and self.padding_idx is None
         return self.max_norm is None
 
     def float32_module(self, weights: torch.Tensor) -> nn.Module:
@@ -412,7 +416,6 @@ class FusedLookup(nn.Module):
         self.fused = fused
         self.lookup = lookup
         self._kernel = _LOOKUP[bits]
-        self._mode = _BAG_MODES.get(lookup.mode, 0)
 
     def forward(
         self,
@@ -423,7 +426,7 @@ class FusedLookup(nn.Module):
         if self.lookup.kind == "embedding":
             flat = input.reshape(-1)
             starts = torch.arange(flat.numel(), dtype=flat.dtype, device=flat.device)
-            out = self._bags(flat, starts, None, mode=0, include_last=False)
+            out = self._bags(flat, starts, None, include_last=False)
             return out.reshape(*input.shape, out.shape[-1])
         include_last = self.lookup.include_last_offset
         if input.dim() == 2:  # fixed-length bags, as nn.EmbeddingBag takes them
@@ -437,17 +440,27 @@ class FusedLookup(nn.Module):
             include_last = False
         if offsets is None:
             raise ValueError("offsets are required for a 1-D input of a bag")
-        return self._bags(input, offsets, per_sample_weights, self._mode, include_last)
+        sums = self._bags(input, offsets, per_sample_weights, include_last)
+        if self.lookup.mode != "mean":
+            return sums
+        # The bags' lengths from their offsets; an empty bag is 0, as nn.EmbeddingBag gives.
+        ends = (
+            offsets[1:]
+            if include_last
+            else torch.cat([offsets[1:], offsets.new_tensor([input.numel()])])
+        )
+        starts = offsets[:-1] if include_last else offsets
+        lengths = (ends - starts).clamp(min=1).to(sums.dtype)
+        return sums / lengths.unsqueeze(1)
 
     def _bags(
         self,
         values: torch.Tensor,
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
-        mode: int,
         include_last: bool,
     ) -> torch.Tensor:
-        # (weight, indices, offsets, scale_grad_by_freq, mode, pruned_weights,
+        # (weight, indices, offsets, scale_grad_by_freq, mode (ignored: a sum), pruned_weights,
         #  per_sample_weights, compressed_indices_mapping, include_last_offset); the kernel
         # wants offsets of the indices' dtype (a KeyedJaggedTensor's may be int32).
         return self._kernel(
@@ -455,7 +468,7 @@ class FusedLookup(nn.Module):
             values,
             offsets.to(values.dtype),
             False,
-            mode,
+            0,
             False,
             weights,
             None,
