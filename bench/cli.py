@@ -50,6 +50,9 @@ PARTS = {
     "servedloss": "what measuring each version's served loss costs training, and what it says",
     "shards": "a job of N ranks publishing row-range shards next to one writer; their restore",
     "shardckpt": "a sharded job's stall per rank and publish time per version, 1 vs 2 ranks",
+    "usermodel": "a user model served by --model-factory next to the DLRM of the same tables: "
+    "apply, predict p50/p99",
+    "framework": "Ray Serve kept live by a Subscriber: predict p50/p99 idle and while applying",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")
