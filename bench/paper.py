@@ -53,6 +53,7 @@ from bench.workloads import (
 from publisher.cli import positive_int
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
+from publisher.served_loss import ScoredBatch
 from publisher.store import open_store
 from publisher.write.policies import POLICIES, Plan, ServedLossCodecRule, make_policy
 from publisher.write.publishing import CheckpointPublisher, encode_table, reencoded_json
@@ -261,7 +262,7 @@ def run_workload(workload: Workload, codecs: tuple[str, ...]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer.train(batch)
         train_s += time.perf_counter() - t0
-        recent.add(batch.dense, batch.sparse, batch.labels)
+        recent.add(ScoredBatch.of(batch.dense, batch.sparse, batch.labels))
         since += batch.size
         position = batch.end
         steps += 1

@@ -94,7 +94,8 @@ class TwoTower(nn.Module):
         v = self.item_tower(
             torch.cat([self.item(item), self.category(category, category_offsets)], 1)
         )
-        return (u * v).sum(1)
+        logits: torch.Tensor = (u * v).sum(1)
+        return logits
 
 
 def build(model_config: Mapping[str, Any]) -> TwoTower:

@@ -365,7 +365,23 @@ def cmd_restore(args: argparse.Namespace) -> int:
             "optimizer_meta": state.optimizer_meta,
             "manifest": json.loads(state.manifest.to_json()),
         }
-    torch.save(payload, args.out)  # a local file we write ourselves: torch.save is fine here
+    id_maps = {name: m.state() for name, m in state.id_maps.items()}
+    id_maps_out = None
+    if id_maps and not args.model_only:
+        payload["id_maps"] = id_maps
+    elif id_maps:
+        # A strict load_state_dict takes no other key: the maps go beside the file.
+        out = Path(args.out)
+        id_maps_out = str(out.with_name(f"{out.stem}.id_maps.pt"))
+    # Local files we write ourselves: torch.save is fine here.
+    torch.save(payload, args.out)
+    if id_maps_out is not None:
+        torch.save(id_maps, id_maps_out)
+        print(
+            f"the id maps of tables {sorted(id_maps)} are in {id_maps_out} "
+            "(IdMap.from_state of each)",
+            file=sys.stderr,
+        )
     doc = {
         "model": args.model,
         "version": state.version,
@@ -374,6 +390,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         "seconds": round(state.seconds, 4),
         "tables": len(state.tables),
         "model_only": args.model_only,
+        "id_maps": sorted(id_maps),
+        "id_maps_out": id_maps_out,
     }
     if args.json:
         print(json.dumps(doc))
@@ -432,8 +450,9 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--model-only",
         action="store_true",
-        help="write the model's state_dict alone (loads with load_state_dict(strict=True)); "
-        "default: with the optimizer state and the manifest (see README)",
+        help="write the model's state_dict alone (loads with load_state_dict(strict=True)), "
+        "and a version's id maps, if it has any, to OUT_STEM.id_maps.pt beside it; default: "
+        "with the optimizer state, the id maps and the manifest (see README)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_restore)

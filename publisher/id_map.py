@@ -25,9 +25,11 @@ import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from schemas.errors import BadDataError
 from schemas.id_map_blob import MAX_KEY_BYTES, IdEntries, IdKeyError, id_key
@@ -325,6 +327,46 @@ class IdMap:
                 first[key] = row
         return incoming
 
+    def state(self) -> dict[str, Any]:
+        """The map as plain data, what a torch file holds and `torch.load(path,
+        weights_only=True)` reads back (`checknrun restore`): `keys`, a str per row ("" for a
+        free row, every row of a hashed map), `counts` (int64) and `last_seen` (float64)
+        tensors of one entry per row, copies, and `hashed`. `from_state` is the inverse."""
+        return {
+            "keys": self._key_of.tolist(),
+            "counts": torch.from_numpy(self.counts.copy()),
+            "last_seen": torch.from_numpy(self.last_seen.copy()),
+            "hashed": self.hashed,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> IdMap:
+        """The map `state()` gave. Its content is checked as hostile (a file's): exactly those
+        four entries of those types, one per row, then every rule `apply` checks (canonical
+        keys, no key on two rows, nothing on UNKNOWN_ROW nor in a hashed map); IdMapError
+        naming the first thing wrong."""
+        if not isinstance(state, Mapping) or set(state) != _STATE_FIELDS:
+            got = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+            raise IdMapError(
+                f"an id map's state has the entries {sorted(_STATE_FIELDS)}, got {got}"
+            )
+        keys, hashed = state["keys"], state["hashed"]
+        if not isinstance(hashed, bool):
+            raise IdMapError(f"an id map's 'hashed' is a bool, got {type(hashed).__name__}")
+        if not isinstance(keys, list | tuple) or not all(type(k) is str for k in keys):
+            raise IdMapError("an id map's 'keys' is a list of str, one per row")
+        counts = _state_array(state["counts"], "counts", len(keys), "iu")
+        last_seen = _state_array(state["last_seen"], "last_seen", len(keys), "f")
+        id_map = cls(len(keys), hashed=hashed)
+        entries = IdEntries(
+            np.array([bool(k) for k in keys], dtype=np.bool_),
+            counts.astype(np.int64),
+            last_seen.astype(np.float64),
+            tuple(keys),
+        )
+        id_map.apply(np.arange(len(keys), dtype=np.int64), entries)
+        return id_map
+
     def copy(self) -> IdMap:
         clone = IdMap(self.rows, hashed=self.hashed)
         clone.load_from(self)
@@ -354,6 +396,30 @@ class IdMap:
         a row int: 131 measured with tracemalloc for 12-byte keys)."""
         arrays = (self.counts, self.last_seen, self._key_of, self._held)
         return int(sum(a.nbytes for a in arrays) + 130 * len(self))
+
+
+#: the entries of `IdMap.state()`.
+_STATE_FIELDS = {"keys", "counts", "last_seen", "hashed"}
+
+
+def _state_array(value: object, name: str, rows: int, kinds: str) -> np.ndarray:
+    """One of a state's arrays (a tensor or a numpy array) as numpy, checked: one dimension of
+    `rows` entries, of a dtype kind in `kinds`."""
+    if isinstance(value, torch.Tensor):
+        try:
+            array = value.detach().cpu().numpy()
+        except TypeError as exc:  # a dtype numpy has not (bfloat16)
+            raise IdMapError(f"an id map's {name!r} is of dtype {value.dtype}") from exc
+    elif isinstance(value, np.ndarray):
+        array = value
+    else:
+        raise IdMapError(f"an id map's {name!r} is a tensor, got {type(value).__name__}")
+    if array.shape != (rows,) or array.dtype.kind not in kinds:
+        raise IdMapError(
+            f"an id map's {name!r} holds one {'integer' if 'i' in kinds else 'float'} per row "
+            f"({rows}), got {array.dtype} of shape {array.shape}"
+        )
+    return array
 
 
 def _repeats(index: npt.NDArray[np.int64], rows: int) -> bool:

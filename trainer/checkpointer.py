@@ -14,6 +14,20 @@ A model trained from raw ids passes its id maps, `id_maps={"embeddings.user": us
 (publisher/id_map.py): every version then carries each map's entries of the rows it writes,
 and `resume` loads the version's maps into those same objects.
 
+What quantization costs each version as served is measured for any model
+(publisher/served_loss.py, docs/SERVED_LOSS.md): give `score(module, inputs) -> logits (B,)`
+and keep the batches it scores; `codec="auto"` then picks each version's bits from it:
+
+    ckpt = IncrementalCheckpointer(model, opts, store=URL, model_name="ranker", codec="auto",
+                                   score=ranker.score, model_factory=ranker.build)
+    for batch in stream:
+        logits = model(*batch.inputs)                # progressive validation, then training
+        ...
+        ckpt.keep_scored(batch.inputs, batch.labels)
+        ckpt.step(len(batch)); ckpt.maybe_checkpoint(reader)
+    ckpt.checkpoint_now(reader)                      # publish what was trained since the last
+    ckpt.close()
+
 A TorchRec model checkpoints like any other: unsharded, an EmbeddingBagCollection
 (EmbeddingCollection) holds one `nn.EmbeddingBag` (`nn.Embedding`) per table, found under its
 module path (`bags.embedding_bags.user`) and tracked by the lookup hooks, which read the ids
@@ -51,7 +65,10 @@ This module wires the parts together:
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
+import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -60,13 +77,21 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from publisher.dlrm import SparseBatch
+from publisher.dlrm import DLRM, SparseBatch, build_model
 from publisher.id_map import IDS_HELD_METRIC, IdMap
 from publisher.memory_budget import MemoryBudget
 from publisher.read.restore import RestoredState, restore
+from publisher.served_loss import KeptBatch, ModelFactory, Score, ScoredBatch, ServedModel
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
-from publisher.write.policies import Policy, ServedLossCodecRule, make_policy
+from publisher.write.policies import (
+    DEFAULT_EXPECTED_RESTORES,
+    SERVED_LOSS_BUDGET,
+    Policy,
+    ServedLossCodecRule,
+    codec_for_expected_restores,
+    make_policy,
+)
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
 from publisher.write.publishing import (
     BackgroundPublisher,
@@ -89,11 +114,13 @@ from schemas.manifest import Position
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
-from trainer.recent_samples import RecentSamples
+from trainer.recent_samples import DEFAULT_SCORED_SAMPLES, RecentSamples
 from trainer.resume import load_restored
 from trainer.snapshot_capture import SnapshotCapture
 
 __all__ = ["CheckpointError", "CheckpointRecord", "IncrementalCheckpointer"]
+
+log = logging.getLogger(__name__)
 
 Metrics = Mapping[str, float] | Callable[[], Mapping[str, float]]
 PublishIn = Literal["thread", "process"]
@@ -104,7 +131,9 @@ class IncrementalCheckpointer:
     """Tracks modified embedding rows and publishes incremental, quantized checkpoints.
 
     Call `step(samples)` after every optimizer step and `maybe_checkpoint()` right after it (a
-    snapshot must be taken between an optimizer step and the next forward). `close()` flushes.
+    snapshot must be taken between an optimizer step and the next forward). `close()` flushes
+    the checkpoints taken; `checkpoint_now(reader)` before it publishes what was trained since
+    the last one.
     """
 
     def __init__(
@@ -128,7 +157,11 @@ class IncrementalCheckpointer:
         policy_params: Mapping[str, float] | None = None,
         on_non_finite: NonFinitePolicy = "stop",
         id_maps: Mapping[str, IdMap] | None = None,
-        served_loss_samples: int = 0,
+        served_loss_samples: int | None = None,
+        score: Score | None = None,
+        model_factory: ModelFactory | None = None,
+        served_loss_budget: float | None = None,
+        expected_restores: float | None = None,
         codec_rule: ServedLossCodecRule | None = None,
     ) -> None:
         """
@@ -138,7 +171,12 @@ class IncrementalCheckpointer:
             store: an open store, or a URL (`file:///PATH`, `s3://BUCKET/PREFIX`).
             model_name: the name versions are published under.
             policy: `full`, `one-shot`, `consecutive` or `intermittent` (or a Policy).
-            codec: one codec for every table, or a table -> codec mapping.
+            codec: one codec for every table, or a table -> codec mapping, or "auto": each
+                version's codec from the served loss measured on it (publisher/write/
+                policies.py `ServedLossCodecRule`), from the floor the measured bit rule gives
+                `expected_restores` (default 2: int4) with `served_loss_budget` (default
+                0.01% relative AUC); it measures (`served_loss_samples` defaults to
+                16,384 then), so no version commits over the budget while more bits can help.
             interval_samples / interval_seconds: checkpoint when either is reached.
             model_config: what the serving side needs to rebuild the model (DLRM: its config).
             announce: called with each committed version's announcement (thread mode only).
@@ -163,9 +201,23 @@ class IncrementalCheckpointer:
                 these objects, in place.
             served_loss_samples: keep the latest N samples given to `keep_scored` and record in
                 every manifest what quantization costs the version as a server holds it,
-                scored on them (publisher/served_loss.py; a DLRM only); 0 measures nothing.
-            codec_rule: `--codec auto`: the codec of each version from that measurement
-                (publisher/write/policies.py `ServedLossCodecRule`), instead of `codec`.
+                scored on them (publisher/served_loss.py); 0 (the default unless
+                `codec="auto"`) measures nothing.
+            score: `score(module, inputs) -> logits (B,)`, the logits of a batch kept by
+                `keep_scored` on the publisher's served copy of the model; required to measure
+                any model but the built-in DLRM (scored by its own forward). Given, the
+                samples a version carries are chosen per batch (every row the batch looks up
+                carried), not per sample as for the DLRM.
+            model_factory: `model_factory(model_config) -> module`: builds that served copy.
+                Default: a deep copy of `model` taken now, before the tracking hooks are
+                attached (thread mode; the publisher moves it to the CPU: give a factory for a
+                model too big to copy on its device), or the DLRM `model_config` describes.
+                `publish_in="process"` builds the copy in the publisher process: then
+                `model_factory` (for any model but the DLRM) and `score` must be module-level
+                functions, pickled by reference.
+            served_loss_budget / expected_restores: `codec="auto"`'s budget and floor.
+            codec_rule: a rule of your own instead of the one `codec="auto"` builds (the
+                capture then starts from `codec`).
         """
         self.clock = CheckpointClock(interval_samples, interval_seconds)
         self.model = model
@@ -177,6 +229,23 @@ class IncrementalCheckpointer:
         if not self.tables:
             raise CheckpointError(f"{type(model).__name__} has no nn.Embedding / nn.EmbeddingBag")
         self.table_rows = {name: int(t.num_embeddings) for name, t in self.tables.items()}
+        if codec == "auto":
+            if codec_rule is not None:
+                raise CheckpointError("codec='auto' builds its own codec_rule: give one of them")
+            restores = DEFAULT_EXPECTED_RESTORES if expected_restores is None else expected_restores
+            floor = codec_for_expected_restores(restores)
+            codec_rule = ServedLossCodecRule(
+                floor,
+                budget=SERVED_LOSS_BUDGET if served_loss_budget is None else served_loss_budget,
+            )
+            codec = floor
+            if served_loss_samples is None:
+                served_loss_samples = DEFAULT_SCORED_SAMPLES
+        elif served_loss_budget is not None or expected_restores is not None:
+            raise CheckpointError(
+                "served_loss_budget and expected_restores choose codec='auto''s codecs; "
+                f"codec is {codec!r}"
+            )
         self.codecs = _codecs(codec, self.tables)
         if isinstance(policy, Policy):
             self.policy = policy
@@ -191,12 +260,21 @@ class IncrementalCheckpointer:
             model, self.tables, self.optimizers, self.codecs, self.model_config, self.id_maps
         )
         self.ledger = CheckpointRecords()
-        if codec_rule is not None and served_loss_samples == 0:
+        if codec_rule is not None and not served_loss_samples:
             raise CheckpointError(
-                "codec_rule chooses from the served loss: give served_loss_samples"
+                "codec='auto' (a codec_rule) chooses from the served loss it measures: give "
+                "served_loss_samples > 0, or a codec"
             )
-        self.recent_samples = RecentSamples(served_loss_samples)
+        if served_loss_samples is not None and served_loss_samples < 0:
+            raise CheckpointError(f"served_loss_samples must be >= 0, got {served_loss_samples}")
+        self.recent_samples = RecentSamples(served_loss_samples or 0)
         self.codec_rule = codec_rule
+        #: how `keep_scored` keeps a batch: as the DLRM's numpy views, or any model's copies.
+        self._keeps_dlrm_batches = score is None
+        # Before the tracking hooks: a copy made after them would mark the trainer's rows.
+        self._served_model = self._served_model_of(score, model_factory, publish_in)
+        #: (steps, samples) counted when the latest checkpoint was taken (or resumed).
+        self._checkpointed_at = (0, 0)
         self.memory_budget = MemoryBudget.from_setting(tunables.memory_budget_bytes)
         self._closed = False
         self._chunk_bytes = tunables.full_copy_chunk_bytes
@@ -268,6 +346,7 @@ class IncrementalCheckpointer:
                 threads=torch.get_num_threads(),
                 measure_served_loss=self.recent_samples.capacity > 0,
                 codec_rule=self.codec_rule,
+                served_model=self._served_model,
             )
             return ProcessPublisher(config)
         if bus is not None:
@@ -282,7 +361,47 @@ class IncrementalCheckpointer:
             tunables=tunables,
             measure_served_loss=self.recent_samples.capacity > 0,
             codec_rule=self.codec_rule,
+            served_model=self._served_model,
         )
+
+    def _served_model_of(
+        self, score: Score | None, factory: ModelFactory | None, publish_in: PublishIn
+    ) -> ServedModel | None:
+        """What the publisher measures the served loss with (None: not measuring, or the
+        DLRM rebuilt from its config there); CheckpointError for what cannot be measured."""
+        if self.recent_samples.capacity == 0:
+            return None
+        dlrm = isinstance(self.model, DLRM)
+        if score is None and not dlrm:
+            raise CheckpointError(
+                f"measuring the served loss of a {type(self.model).__name__} needs "
+                "score=fn(module, inputs) -> logits (B,) to score the batches given to "
+                "keep_scored (only the built-in DLRM is scored by its own forward); or "
+                "served_loss_samples=0 and a codec other than 'auto'"
+            )
+        if publish_in == "process":
+            if factory is None and score is not None:
+                if not dlrm:
+                    raise CheckpointError(
+                        "publish_in='process' builds the served copy in the publisher "
+                        "process: give model_factory=fn(model_config) -> module, a "
+                        "module-level function"
+                    )
+                factory = build_model
+            for fn, what in ((score, "score"), (factory, "model_factory")):
+                if fn is not None:
+                    _check_by_reference(fn, what)
+            return None if score is None and factory is None else ServedModel(score, factory)
+        if score is None and factory is None:
+            return None  # the DLRM, rebuilt from its config in the publisher
+        if factory is None:
+            served = copy.deepcopy(self.model)
+            for p in served.parameters():
+                p.grad = None  # never trained: gradients copied with it would only take memory
+        else:
+            served = factory(self.model_config)
+            _check_served_copy(served, self.model, self.tables)
+        return ServedModel(score, copy=served)
 
     # --- the training loop's calls ---------------------------------------------------------
 
@@ -305,12 +424,33 @@ class IncrementalCheckpointer:
         """Count one optimizer step over `samples` samples (call after every optimizer step)."""
         self.clock.step(samples)
 
-    def keep_scored(
-        self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch], labels: torch.Tensor
-    ) -> None:
-        """Keep a batch just scored by progressive validation (the model's inputs and the
-        labels) in the window the served loss is measured on (`served_loss_samples`)."""
-        self.recent_samples.add(dense, sparse, labels)
+    def keep_scored(self, inputs: Any, labels: torch.Tensor) -> None:
+        """Keep a batch just scored by progressive validation in the window the served loss is
+        measured on (`served_loss_samples`; nothing to do without it): `inputs` as `score`
+        takes them (the forward's arguments: a tuple of tensors, a KeyedJaggedTensor...),
+        copied to the CPU; for the built-in DLRM without `score`, `(dense, sparse)` as its
+        forward takes them (kept as numpy views). Call it before the `maybe_checkpoint` of
+        the step that trained on the batch."""
+        if self.recent_samples.capacity == 0:
+            return
+        if not isinstance(labels, torch.Tensor):
+            raise CheckpointError(f"labels must be a tensor (B,), got {type(labels).__name__}")
+        if not self._keeps_dlrm_batches:
+            self.recent_samples.add(KeptBatch.of(inputs, labels))
+            return
+        if not (isinstance(inputs, tuple | list) and len(inputs) == 2):
+            raise CheckpointError(
+                "a DLRM's kept batch is (dense, sparse) as DLRM.forward takes them, got "
+                f"{type(inputs).__name__}"
+            )
+        dense, sparse = inputs
+        if not (
+            isinstance(dense, torch.Tensor)
+            and isinstance(sparse, Mapping)
+            and all(isinstance(b, SparseBatch) for b in sparse.values())
+        ):
+            raise CheckpointError("a DLRM's kept batch is (dense tensor, {feature: SparseBatch})")
+        self.recent_samples.add(ScoredBatch.of(dense, sparse, labels))
 
     def due(self) -> bool:
         """Whether the interval since the last checkpoint has passed."""
@@ -354,6 +494,8 @@ class IncrementalCheckpointer:
 
         `reader` is stored as the manifest's `position.reader` (where the data resumes). A full
         baseline being copied in chunks is completed now (in one stop) and is this snapshot.
+        Call it before `close()` to publish what was trained since the last checkpoint:
+        `close()` publishes only the checkpoints already taken.
         """
         if self._closed:
             raise CheckpointError("checkpointer is closed")
@@ -385,6 +527,7 @@ class IncrementalCheckpointer:
         )
         record = CheckpointRecord.of(taken.snapshot, taken.dirty, self.table_rows)
         self.last_dirty = taken.dirty
+        self._checkpointed_at = (self.clock.step_count, self.clock.samples_seen)
         self.ledger.add(record)
         handoff = time.perf_counter()
         self.background.submit(replace(taken.snapshot, scored=self.recent_samples.take()))
@@ -433,7 +576,13 @@ class IncrementalCheckpointer:
         self.ledger.settle(self.background.results)
 
     def close(self, flush: bool = True) -> None:
-        """Flush (optionally), stop the publisher, release the lease and detach the hooks."""
+        """Flush (optionally), stop the publisher, release the lease and detach the hooks.
+
+        Flushing publishes every checkpoint taken so far, not the state trained since the
+        latest one: that has no reader position to resume from, which only the caller knows.
+        So with steps trained since, it logs a WARNING saying how many steps and samples are
+        not published; call `checkpoint_now(reader)` before `close()` to publish them.
+        """
         if self._closed:
             return
         pending = self._pending_at
@@ -441,6 +590,8 @@ class IncrementalCheckpointer:
             # A full copied in chunks since the last checkpoint call, no step since: publish it
             # as that call would have. (After further steps its reader no longer matches.)
             self.checkpoint_now(pending[1], pending[2])
+        if flush:
+            self._warn_unpublished()
         self._closed = True
         try:
             self.background.close(flush=flush)
@@ -452,6 +603,19 @@ class IncrementalCheckpointer:
                 self._announcer.close()
             if self._owns_store:
                 self.store.close()
+
+    def _warn_unpublished(self) -> None:
+        steps = self.clock.step_count - self._checkpointed_at[0]
+        if steps == 0:
+            return
+        samples = self.clock.samples_seen - self._checkpointed_at[1]
+        log.warning(
+            "closing %s with %d step(s) (%d samples) trained since the last checkpoint: they "
+            "are not published; call checkpoint_now(reader) before close() to publish them",
+            self.model_name,
+            steps,
+            samples,
+        )
 
     def __enter__(self) -> IncrementalCheckpointer:
         return self
@@ -484,11 +648,11 @@ class IncrementalCheckpointer:
             self.model,
             self.optimizers,
             tables=self.tables,
-            weight_keys=self.capture.weight_keys,
             model_config=self.model_config,
             id_maps=self.id_maps,
         )
         self.clock.resume_at(state.position.step, state.position.samples_seen)
+        self._checkpointed_at = (state.position.step, state.position.samples_seen)
         self.capture.abandon()  # a full being copied in chunks was of the state replaced here
         self._pending_at = None
         self.tracked.tracker.snapshot_and_reset()  # loading is not training: nothing is dirty
@@ -510,6 +674,50 @@ def _codecs(
                 f"table {name!r}: unknown codec {c!r}; expected one of {', '.join(CODECS)}"
             )
     return chosen
+
+
+def _check_by_reference(fn: Callable[..., Any], what: str) -> None:
+    """CheckpointError unless `fn` pickles by reference to an importable module-level function
+    (what a publisher process can import: not a lambda, a closure, nor `__main__`'s)."""
+    qualname = getattr(fn, "__qualname__", "")
+    why = None
+    if getattr(fn, "__name__", "") == "<lambda>":
+        why = "is a lambda"
+    elif "<locals>" in qualname:
+        why = "is defined inside another function"
+    elif getattr(fn, "__module__", None) == "__main__":
+        why = "is defined in __main__, which the publisher process does not import"
+    else:
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:  # any pickling failure means the same to the caller
+            why = f"does not pickle ({type(exc).__name__}: {exc})"
+    if why is not None:
+        raise CheckpointError(
+            f"publish_in='process': {what} {fn!r} {why}; give a module-level function of an "
+            "importable module (the publisher process imports it by name)"
+        )
+
+
+def _check_served_copy(
+    served: object, model: nn.Module, tables: Mapping[str, EmbeddingModule]
+) -> None:
+    """The module `model_factory` built must be a new module of the trained architecture."""
+    if not isinstance(served, nn.Module):
+        raise CheckpointError(f"model_factory returned a {type(served).__name__}, not a module")
+    theirs = {name: tuple(t.weight.shape) for name, t in find_embedding_tables(served).items()}
+    ours = {name: tuple(t.weight.shape) for name, t in tables.items()}
+    if theirs != ours:
+        raise CheckpointError(
+            f"model_factory built tables {theirs}, the trained model has {ours}: it must "
+            "build the trained architecture"
+        )
+    trained = {id(p) for p in model.parameters()}
+    if any(id(p) in trained for p in served.parameters()):
+        raise CheckpointError(
+            "model_factory returned a module sharing parameters with the trained model: the "
+            "publisher writes its copy's rows, so it must build a new one"
+        )
 
 
 def _config_of(model: nn.Module) -> dict[str, Any]:

@@ -55,9 +55,9 @@ from publisher.cli import (
 from publisher.dlrm import DLRM
 from publisher.read.catalog import Catalog, NoVersionError
 from publisher.write.policies import (
+    DEFAULT_EXPECTED_RESTORES,
     POLICIES,
     SERVED_LOSS_BUDGET,
-    ServedLossCodecRule,
     codec_for_expected_restores,
 )
 from publisher.write.snapshot import NonFiniteSnapshotError
@@ -123,7 +123,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expected-restores",
         type=float,
-        default=2,
+        default=DEFAULT_EXPECTED_RESTORES,
         help="restores from checkpoints expected over the run's lifetime (default %(default)s)",
     )
     p.add_argument(
@@ -414,16 +414,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_job(args)
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
-    codec_rule = None
-    codec = args.codec
-    if args.codec == "auto":
+    auto = args.codec == "auto"
+    if auto:
         if args.served_loss_samples == 0:
             raise CommandError(
                 "--codec auto chooses from the served loss it measures: give "
                 "--served-loss-samples N > 0, or a codec"
             )
-        codec = codec_for_expected_restores(args.expected_restores)
-        codec_rule = ServedLossCodecRule(codec, budget=args.served_loss_budget)
+        codec_for_expected_restores(args.expected_restores)  # refused before the stream opens
     model_name = args.model or default_model_name(args.data)
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:
@@ -452,8 +450,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             store=args.store,
             model_name=model_name,
             policy=args.policy,
-            codec=codec,
-            codec_rule=codec_rule,
+            codec=args.codec,
+            # --codec auto: the checkpointer builds the rule (publisher/write/policies.py).
+            expected_restores=args.expected_restores if auto else None,
+            served_loss_budget=args.served_loss_budget if auto else None,
             served_loss_samples=args.served_loss_samples,
             interval_samples=interval_samples,
             interval_seconds=args.interval_seconds,

@@ -229,7 +229,7 @@ def train_online(
             steps += 1
             samples += batch.size
             if checkpointer is not None:
-                checkpointer.keep_scored(batch.dense, batch.sparse, batch.labels)
+                checkpointer.keep_scored((batch.dense, batch.sparse), batch.labels)
                 checkpointer.step(batch.size)
                 reader = stream.reader_state(position)
                 untrained = False

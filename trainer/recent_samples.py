@@ -3,21 +3,18 @@
 Each version's manifest records what quantization costs it as a server holds it, scored on the
 samples the run saw last whose rows the version carries (publisher/served_loss.py: all of them in
 a full version, at least those of the version's own interval in a delta). The training thread
-only appends the batch it just scored (numpy views of its tensors, no copy) and drops the oldest
-whole batches beyond `capacity` samples; a checkpoint hands the window over as an immutable
-tuple. The streams build fresh tensors (or views of columns nobody writes) for every batch, so a
-kept batch never changes under the publisher.
+only appends the batch it just scored and drops the oldest whole batches beyond `capacity`
+samples; a checkpoint hands the window over as an immutable tuple. A batch is a `ScoredBatch`
+for the built-in DLRM (numpy views of its tensors, no copy: the streams build fresh tensors, or
+views of columns nobody writes, for every batch) or a `KeptBatch` for any other model (copies
+of its inputs), so a kept batch never changes under the publisher.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 
-import torch
-
-from publisher.dlrm import SparseBatch
-from publisher.served_loss import ScoredBatch
+from publisher.served_loss import KeptSample
 
 #: the default window: enough for AUC differences of a few 1e-5 to stand out (paired on the same
 #: samples), small enough to score twice per version in tens of milliseconds.
@@ -31,26 +28,19 @@ class RecentSamples:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0 samples, got {capacity}")
         self.capacity = capacity
-        self._batches: deque[ScoredBatch] = deque()
+        self._batches: deque[KeptSample] = deque()
         self._held = 0
 
-    def add(
-        self, dense: torch.Tensor, sparse: Mapping[str, SparseBatch], labels: torch.Tensor
-    ) -> None:
+    def add(self, batch: KeptSample) -> None:
         """Keep one batch (dropping the oldest ones the window no longer needs)."""
         if self.capacity == 0:
             return
-        batch = ScoredBatch(
-            dense=dense.detach().numpy(),
-            sparse={n: (b.values.numpy(), b.offsets.numpy()) for n, b in sparse.items()},
-            labels=labels.detach().numpy(),
-        )
         self._batches.append(batch)
         self._held += batch.size
         while self._held - self._batches[0].size >= self.capacity:
             self._held -= self._batches.popleft().size
 
-    def take(self) -> tuple[ScoredBatch, ...]:
+    def take(self) -> tuple[KeptSample, ...]:
         """The window now, oldest first (the window itself goes on)."""
         return tuple(self._batches)
 

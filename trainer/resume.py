@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from publisher.id_map import IdMap
+from publisher.read.module_state import ModuleStateError, module_state_dict
 from publisher.read.restore import RestoredState
 from publisher.state_dicts import RowState, optimizer_state_dicts, state_dict_misfits
-from publisher.write.tracker import EmbeddingModule
+from publisher.write.tracker import EmbeddingModule, find_embedding_tables
 from trainer.errors import CheckpointError
 
 
@@ -28,17 +29,20 @@ def load_restored(
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     *,
-    tables: Mapping[str, EmbeddingModule],
-    weight_keys: Mapping[str, str],
+    tables: Mapping[str, EmbeddingModule] | None = None,
+    weight_keys: Mapping[str, str] | None = None,
     model_config: Mapping[str, Any],
     id_maps: Mapping[str, IdMap] | None = None,
 ) -> None:
     """Load `state` into `model`, `optimizers` and `id_maps`; CheckpointError when it does not
-    fit (checked for the id maps before anything is loaded).
+    fit (checked, for the model as `publisher.read.module_state` checks any module, before
+    anything is loaded).
 
-    `tables` are the model's embedding modules by name, `weight_keys` their weights' state_dict
-    keys, `model_config` the model's own config (an empty one skips that check), `id_maps` the
-    trainer's id maps by table: the version must carry exactly those, of the same rows and mode.
+    `tables` are the model's embedding modules by name (default: `find_embedding_tables`),
+    `weight_keys` their weights' state_dict keys (default: `publisher.state_dicts.weight_key`
+    of each name), `model_config` the model's own config (an empty one skips that check),
+    `id_maps` the trainer's id maps by table: the version must carry exactly those, of the same
+    rows and mode; and exactly the model's tables and dense state (`load_state_dict(strict=True)`).
     """
     _check_id_maps(state, id_maps or {})
     stored_config = state.manifest.model_config_
@@ -47,24 +51,16 @@ def load_restored(
             f"version {state.version} was trained with model_config {stored_config}, "
             f"this model has {dict(model_config)}"
         )
-    missing = sorted(set(tables) - set(state.tables))
-    if missing:
-        raise CheckpointError(f"version {state.version} lacks tables {missing}")
+    tables = find_embedding_tables(model) if tables is None else tables
+    try:
+        weights = module_state_dict(model, state, tables=tables, weight_keys=weight_keys)
+    except ModuleStateError as exc:
+        raise CheckpointError(str(exc)) from exc
     _check_row_state_owners(state, optimizers, tables)
     optimizer_states = _optimizer_states(state, optimizers)
     with torch.no_grad():
-        weights: dict[str, torch.Tensor] = {}
-        for name, table in tables.items():
-            restored = state.tables[name]
-            if restored.weights.shape != tuple(table.weight.shape):
-                raise CheckpointError(
-                    f"table {name!r} is {tuple(table.weight.shape)} here but "
-                    f"{restored.weights.shape} in version {state.version}"
-                )
-            weights[weight_keys[name]] = torch.from_numpy(restored.weights)
-        dense = {k: torch.from_numpy(v) for k, v in state.dense.items()}
         try:
-            model.load_state_dict({**dense, **weights}, strict=True)
+            model.load_state_dict(weights, strict=True)
         except RuntimeError as exc:
             raise CheckpointError(
                 f"version {state.version} does not fit this model: {exc}"

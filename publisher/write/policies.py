@@ -146,6 +146,9 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 MEASURED_BIT_RULE: tuple[tuple[float, str], ...] = ((2, "int4"), (10, "int8"))
 #: beyond the last measured threshold: close enough to lossless for any number of restores.
 FALLBACK_CODEC = "fp16"
+#: restores from checkpoints a run expects over its lifetime unless told (`--codec auto`'s
+#: floor is the bit rule's codec for it: int4).
+DEFAULT_EXPECTED_RESTORES = 2.0
 
 
 def codec_for_expected_restores(

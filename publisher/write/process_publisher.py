@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from publisher.child_process import parent_connection, receive, start_child
+from publisher.served_loss import ServedModel
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
 from publisher.write.priority import lower_this_thread
@@ -83,6 +84,8 @@ class ProcessPublisherConfig:
     #: `CheckpointPublisher`'s options of the same names.
     measure_served_loss: bool = False
     codec_rule: ServedLossCodecRule | None = None
+    #: pickled by reference: its `factory` and `score` importable functions, no `copy`.
+    served_model: ServedModel | None = None
 
 
 class ProcessPublisher:
@@ -161,6 +164,7 @@ def _serve(conn: Connection) -> None:
             tunables=config.tunables,
             measure_served_loss=config.measure_served_loss,
             codec_rule=config.codec_rule,
+            served_model=config.served_model,
         )
     except BaseException as exc:  # handed to the parent
         conn.send(("error", _picklable(exc)))

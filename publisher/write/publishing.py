@@ -25,7 +25,7 @@ import numpy as np
 
 from publisher.codecs import QuantizedRows, decode_rows, encode_rows
 from publisher.read.catalog import VersionRef
-from publisher.served_loss import Fp32Scores, ServedLossMeter
+from publisher.served_loss import Fp32Scores, ServedLossMeter, ServedModel
 from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
@@ -189,9 +189,11 @@ class CheckpointPublisher:
     """Encodes, commits and announces snapshots of one model, one at a time.
 
     With `measure_served_loss`, each version's manifest records what quantization costs it as
-    a server holds it (publisher/served_loss.py), scored on the samples its snapshot carries.
-    With `codec_rule` (`--codec auto`), that measurement picks the codec of every table of the
-    next version, whatever codec the snapshot names.
+    a server holds it (publisher/served_loss.py), scored on the samples its snapshot carries:
+    on the built-in DLRM rebuilt from the snapshot's `model_config`, or as `served_model` says
+    (any model: its served copy and `score`). With `codec_rule` (`--codec auto`), that
+    measurement picks the codec of every table of the next version, whatever codec the
+    snapshot names.
     """
 
     def __init__(
@@ -204,6 +206,7 @@ class CheckpointPublisher:
         tunables: Tunables = DEFAULT_TUNABLES,
         measure_served_loss: bool = False,
         codec_rule: ServedLossCodecRule | None = None,
+        served_model: ServedModel | None = None,
     ) -> None:
         self.store = store
         self.model = model
@@ -212,6 +215,7 @@ class CheckpointPublisher:
         self.announce = announce
         self.measure_served_loss = measure_served_loss
         self.codec_rule = codec_rule
+        self.served_model = served_model
         self._meter: ServedLossMeter | None = None
 
     def publish(self, snapshot: Snapshot) -> PublishResult:
@@ -343,9 +347,18 @@ class CheckpointPublisher:
         if not self.measure_served_loss:
             return None
         if self._meter is None or self._meter.model_config != snapshot.model_config:
+            if self.served_model is not None:
+                self._meter = self.served_model.meter(snapshot.model_config)
+                return self._meter
             self._meter = ServedLossMeter.for_config(snapshot.model_config)
             if self._meter is None:
-                self.measure_served_loss = False  # not a model this module can rebuild
+                # Not a model this module can rebuild: said once, not at every version.
+                log.warning(
+                    "served loss not measured: model_config %s is no DLRM's, and the "
+                    "publisher has no served_model (IncrementalCheckpointer: give score=...)",
+                    snapshot.model_config,
+                )
+                self.measure_served_loss = False
         return self._meter
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from publisher.id_map import IdCapture
-from publisher.served_loss import ScoredBatch
+from publisher.served_loss import KeptSample
 from schemas.errors import BadDataError
 from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position
@@ -135,7 +135,7 @@ class Snapshot:
     merged: int = 1
     #: the trainer's most recent progressive-validation samples, to score this version on
     #: (publisher/served_loss.py); a merged snapshot carries the newer one's.
-    scored: tuple[ScoredBatch, ...] = ()
+    scored: tuple[KeptSample, ...] = ()
 
     @property
     def nbytes(self) -> int:

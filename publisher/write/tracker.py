@@ -65,6 +65,7 @@ _PreHook: TypeAlias = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Non
 __all__ = [
     "DirtyRowTracker",
     "EmbeddingModule",
+    "LookupRecorder",
     "RowIdError",
     "SoundnessProblem",
     "TrackedEmbeddings",
@@ -362,11 +363,76 @@ def _lookup_hook(tracker: DirtyRowTracker, table: str, module: EmbeddingModule) 
         can_change = torch.is_grad_enabled() and module.weight.requires_grad
         if not can_change and module.max_norm is None:
             return
-        ids = args[0] if args else kwargs.get("input")
-        if isinstance(ids, torch.Tensor):  # anything else: let forward raise its own error
+        ids = _looked_up_ids(args, kwargs)
+        if ids is not None:
             tracker.mark(table, ids)
 
     return hook
+
+
+def _looked_up_ids(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The ids an embedding module's forward is given (positionally or as `input=`, TorchRec's
+    way); None when they are no tensor: the forward then raises its own error."""
+    ids = args[0] if args else kwargs.get("input")
+    return ids if isinstance(ids, torch.Tensor) else None
+
+
+class LookupRecorder:
+    """The rows a model's forwards read, per table, while the recorder is entered:
+
+        with LookupRecorder(find_embedding_tables(model)) as lookups:
+            model(*inputs)
+        rows = lookups.rows()          # table -> sorted unique row ids
+
+    Forward pre-hooks on every embedding module, in any grad mode (unlike `attach`, which marks
+    the rows a lookup may change, this records the rows it reads: the served-loss meter's
+    question, asked under `no_grad`). The ids are kept as given and made unique once, in
+    `rows()`: O(ids) per forward, not O(rows) as a bitmap would be. An id out of range is the
+    forward's error, raised by it as usual.
+    """
+
+    def __init__(self, tables: Mapping[str, EmbeddingModule]) -> None:
+        self.tables: Mapping[str, EmbeddingModule] = MappingProxyType(dict(tables))
+        self._ids: dict[str, list[torch.Tensor]] = {name: [] for name in self.tables}
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> LookupRecorder:
+        for name in self._ids:
+            self._ids[name].clear()
+        self._handles = [
+            module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
+            for name, module in self.tables.items()
+        ]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, table: str) -> _PreHook:
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            ids = _looked_up_ids(args, kwargs)
+            if ids is not None:
+                self._ids[table].append(ids.detach().reshape(-1))
+
+        return hook
+
+    def rows(self) -> dict[str, RowIds]:
+        """Table -> the sorted unique rows read since `__enter__` (every table present)."""
+        out: dict[str, RowIds] = {}
+        for name, chunks in self._ids.items():
+            if not chunks:
+                out[name] = np.zeros(0, dtype=np.int64)
+                continue
+            ids = torch.cat([c.to("cpu", torch.int64) for c in chunks])
+            out[name] = torch.unique(ids).numpy()
+        return out
 
 
 def _tables_marked_at_step(

@@ -9,9 +9,12 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from publisher.id_map import (
     UNKNOWN_ROW,
@@ -345,3 +348,61 @@ def test_captures_resolve_on_another_thread_while_the_map_changes() -> None:
     assert len(resolved) == 300
     assert all(same_entries(got, expected) for got, expected in resolved)
     assert m._capture_logs == {}
+
+
+def test_state_round_trips_through_a_weights_only_torch_file(tmp_path: Path) -> None:
+    dynamic = filled()
+    hashed = IdMap(5, hashed=True)
+    hashed.counts[:] = [3, 0, 1, 7, 2]
+    hashed.last_seen[2] = 1.5e9
+    path = tmp_path / "maps.pt"
+    torch.save({"d": dynamic.state(), "h": hashed.state()}, path)
+    loaded = torch.load(path, weights_only=True)
+    for name, original in (("d", dynamic), ("h", hashed)):
+        again = IdMap.from_state(loaded[name])
+        assert (again.rows, again.hashed) == (original.rows, original.hashed)
+        assert state(again) == state(original)
+    assert loaded["d"]["keys"] == ["", "a", "b", "", "", "c", "", ""]
+    assert loaded["d"]["counts"].dtype == torch.int64
+    assert loaded["d"]["last_seen"].dtype == torch.float64
+    # Copies: the state does not change with the map.
+    dynamic.counts[1] = 99
+    assert int(loaded["d"]["counts"][1]) == 10 and int(dynamic.state()["counts"][1]) == 99
+    # numpy arrays are taken too.
+    numpy_state = {**dynamic.state(), "counts": dynamic.counts.copy()}
+    assert state(IdMap.from_state(numpy_state)) == state(dynamic)
+
+
+def _hostile_states() -> list[Any]:
+    good = filled().state()
+    n = len(good["keys"])
+    keys = good["keys"]
+    ints, floats = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.float64)
+    cases: list[tuple[str, object, str]] = [
+        ("a field missing", {k: v for k, v in good.items() if k != "hashed"}, "entries"),
+        ("a field more", {**good, "rows": n}, "entries"),
+        ("not a mapping", ["keys"], "entries"),
+        ("hashed not a bool", {**good, "hashed": 0}, "'hashed' is a bool"),
+        ("keys not a list", {**good, "keys": "abc"}, "list of str"),
+        ("a key not a str", {**good, "keys": [*keys[:-1], 7]}, "list of str"),
+        ("counts too short", {**good, "counts": ints[:-1]}, r"per row \(8\)"),
+        ("counts of floats", {**good, "counts": floats}, "integer per row"),
+        ("counts 2-d", {**good, "counts": ints.reshape(n, 1)}, "shape"),
+        ("counts a list", {**good, "counts": [0] * n}, "is a tensor"),
+        ("last_seen of ints", {**good, "last_seen": ints}, "float per row"),
+        ("last_seen bfloat16", {**good, "last_seen": floats.bfloat16()}, "dtype"),
+        ("negative counts", {**good, "counts": ints - 1}, ">= 0"),
+        ("last_seen nan", {**good, "last_seen": floats + float("nan")}, "finite"),
+        ("a key twice", {**good, "keys": ["", "a", "a", *keys[3:]]}, "rows 1 and 2"),
+        ("an id on row 0", {**good, "keys": ["z", *keys[1:]]}, "row 0 cannot"),
+        ("a key too long", {**good, "keys": ["", "x" * 10_000, *keys[2:]]}, "bytes"),
+        ("ids in a hashed map", {**good, "hashed": True}, "cannot be assigned"),
+        ("one row", {**good, "keys": [""], "counts": ints[:1], "last_seen": floats[:1]}, "2 rows"),
+    ]
+    return [pytest.param(bad, match, id=case) for case, bad, match in cases]
+
+
+@pytest.mark.parametrize(("bad", "match"), _hostile_states())
+def test_a_hostile_state_is_an_id_map_error(bad: Any, match: str) -> None:
+    with pytest.raises(IdMapError, match=match):
+        IdMap.from_state(bad)

@@ -96,7 +96,9 @@ class ServerFactory:
 
     def start(self, run: SyntheticRun, **overrides: Any) -> Served:
         app = create_app(self.settings(**overrides))
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        # h11, whatever else is installed (ray[serve] brings httptools, which uvicorn would
+        # pick): the tests of made-up methods need a parser that lets them reach the app.
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", http="h11")
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

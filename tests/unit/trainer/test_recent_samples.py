@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from publisher.dlrm import SparseBatch
+from publisher.served_loss import ScoredBatch
 from trainer.recent_samples import RecentSamples
 
 
 def _add(window: RecentSamples, size: int, value: float) -> torch.Tensor:
     dense = torch.full((size, 2), value)
     ids = SparseBatch(torch.arange(size), torch.arange(size))
-    window.add(dense, {"user": ids}, torch.zeros(size))
+    window.add(ScoredBatch.of(dense, {"user": ids}, torch.zeros(size)))
     return dense
 
 
@@ -21,18 +22,23 @@ def test_the_window_keeps_the_latest_batches_covering_its_capacity() -> None:
     for i in range(10):
         _add(window, 300, float(i))
     kept = window.take()
+    assert all(isinstance(b, ScoredBatch) for b in kept)
     # 4 batches: the oldest of them is needed to cover 1000 samples, a fifth is not.
-    assert [float(b.dense[0, 0]) for b in kept] == [6.0, 7.0, 8.0, 9.0]
-    assert len(window) == 1200 and kept[-1].sparse["user"][0].shape == (300,)
+    assert [float(b.dense[0, 0]) for b in kept if isinstance(b, ScoredBatch)] == [6, 7, 8, 9]
+    last = kept[-1]
+    assert len(window) == 1200 and isinstance(last, ScoredBatch)
+    assert last.sparse["user"][0].shape == (300,)
 
 
 def test_a_kept_batch_is_a_view_and_take_is_immutable() -> None:
     window = RecentSamples(10)
     dense = _add(window, 5, 1.0)
-    kept = window.take()
-    assert kept[0].dense.ctypes.data == dense.data_ptr()  # no copy on the training thread
+    taken = window.take()
+    (kept,) = taken
+    assert isinstance(kept, ScoredBatch)
+    assert kept.dense.ctypes.data == dense.data_ptr()  # no copy on the training thread
     _add(window, 5, 2.0)
-    assert len(kept) == 1 and len(window.take()) == 2
+    assert len(taken) == 1 and len(window.take()) == 2
 
 
 def test_a_zero_window_keeps_nothing() -> None:
