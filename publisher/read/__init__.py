@@ -28,6 +28,7 @@ from publisher.read.errors import (
     SubscriberError,
 )
 from publisher.read.model_copy import ModelCopy, ServedVersion
+from publisher.read.module_state import ModuleStateError, load_module_state
 from publisher.read.observer import SubscriberObserver
 from publisher.read.restore import RestoredState, RestoreError, restore
 from publisher.read.sinks import ModuleSink, TensorSink, VersionSink
@@ -41,6 +42,7 @@ __all__ = [
     "ModelFactory",
     "ModelNotFoundError",
     "ModuleSink",
+    "ModuleStateError",
     "NoVersionError",
     "NonFiniteError",
     "NotBootstrappedError",
@@ -57,6 +59,7 @@ __all__ = [
     "UpdateResult",
     "VersionRef",
     "VersionSink",
+    "load_module_state",
     "rejection_reason",
     "restore",
 ]

@@ -18,11 +18,13 @@ pytestmark = pytest.mark.slow
 INT4_ATOL = 1e-5
 
 
-@pytest.mark.parametrize("model", sorted(RUNS))
-def test_serve_follows_a_user_model_through_the_command(tmp_path: Path, model: str) -> None:
+@pytest.mark.parametrize(("model", "codec"), [("two_tower", "auto"), ("deepfm", "int4")])
+def test_serve_follows_a_user_model_through_the_command(
+    tmp_path: Path, model: str, codec: str
+) -> None:
     store = f"file://{tmp_path / 'store'}"
     bus = f"file://{tmp_path / 'announcements.log'}"
-    run = RUNS[model](store, model, codec="int4", bus=bus)
+    run = RUNS[model](store, model, codec=codec, bus=bus)
     try:
         run.train(7)
         run.checkpoint()

@@ -19,7 +19,7 @@ from publisher.id_map import IdMap
 from publisher.read.module_state import ModuleStateError, load_module_state
 from publisher.read.restore import RestoredState, restore
 from publisher.store import FileStore
-from tests.unit.example_training import BATCH, EXAMPLES, ExampleTrainer
+from tests.example_training import BATCH, EXAMPLES, ExampleTrainer
 
 INTERVAL = 6 * BATCH
 

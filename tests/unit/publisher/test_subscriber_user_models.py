@@ -3,8 +3,10 @@ follows versions that `IncrementalCheckpointer` publishes while it holds the wri
 at every version its model scores what the version's restore scores (fp32 bit for bit; int4
 within a bag sum's float32 rounding, the only difference held tables allow).
 
-The models are examples/two_tower.py (nn.Embedding / nn.EmbeddingBag, raw string ids through id
-maps) and examples/deepfm.py (a TorchRec EmbeddingBagCollection fed a KeyedJaggedTensor).
+Versions are published int4, fp32 and `codec="auto"` (each version's codec from its measured
+served loss). The models are examples/two_tower.py (nn.Embedding / nn.EmbeddingBag, raw
+string ids through id maps) and examples/deepfm.py (a TorchRec EmbeddingBagCollection fed a
+KeyedJaggedTensor).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def served_scores(
         return copy.version, np.asarray(adapter.scores(out).numpy())
 
 
-@pytest.mark.parametrize("codec", ["fp32", "int4"])
+@pytest.mark.parametrize("codec", ["fp32", "int4", "auto"])
 def test_a_subscriber_serves_every_version_as_its_restore_scores(
     tmp_path: Path, model: str, codec: str
 ) -> None:
@@ -104,8 +106,14 @@ def test_a_subscriber_serves_every_version_as_its_restore_scores(
         # int4 needs an even dim: DeepFM's dim-1 first-order table is held int8.
         if codec == "fp32":
             assert held == {"fp32"}
-        else:
+        elif codec == "int4":
             assert "int4" in held and held <= {"int4", "int8"}
+        else:  # each version's codec chosen from its measured served loss
+            assert held <= {"int4", "int8", "fp32"}
+            manifests = [
+                restore(FileStore(tmp_path / "store"), model, v).manifest for v in versions
+            ]
+            assert all(m.served_loss is not None for m in manifests)
     finally:
         sub.close()
         run.close()

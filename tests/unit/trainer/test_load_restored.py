@@ -15,7 +15,7 @@ from examples import two_tower
 from publisher.id_map import IdMap
 from publisher.read.restore import restore
 from publisher.store import FileStore
-from tests.unit.example_training import BATCH, ExampleTrainer
+from tests.example_training import BATCH, ExampleTrainer
 from trainer.errors import CheckpointError
 from trainer.resume import load_restored
 

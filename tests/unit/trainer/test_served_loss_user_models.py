@@ -18,7 +18,7 @@ from examples import two_tower
 from publisher.read.catalog import Catalog
 from publisher.served_loss import ServedLossError
 from publisher.store import FileStore
-from tests.unit.example_training import BATCH, EXAMPLES, ExampleTrainer
+from tests.example_training import BATCH, EXAMPLES, ExampleTrainer
 from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
 
 #: 4 intervals of 8 batches: each version's own interval is 512 samples.

@@ -22,13 +22,14 @@ BATCH = 64
 class ExampleTrainer:
     """One example model, its optimizers, id maps (two_tower) and click stream."""
 
-    def __init__(self, example: str, *, seed: int = 0) -> None:
+    def __init__(self, example: str, *, seed: int = 0, config: Any = None) -> None:
+        """`config`: the example's config (default: a small one)."""
         torch.manual_seed(seed)
         self.example = example
         self.id_maps: dict[str, IdMap] = {}
         self.model: nn.Module
         if example == "two_tower":
-            config = two_tower.TwoTowerConfig(users=400, items=200, categories=12)
+            config = config or two_tower.TwoTowerConfig(users=400, items=200, categories=12)
             self.model = two_tower.TwoTower(config)
             self.optimizers = two_tower.optimizers(self.model)
             self.id_maps = {"user": IdMap(config.users), "item": IdMap(config.items)}
@@ -44,7 +45,7 @@ class ExampleTrainer:
             self.score: Callable[[nn.Module, Any], torch.Tensor] = two_tower.score
             self.build: Callable[[Mapping[str, Any]], nn.Module] = two_tower.build
         elif example == "deepfm":
-            fm_config = deepfm.DeepFMConfig(users=300, items=200, tags=20)
+            fm_config = config or deepfm.DeepFMConfig(users=300, items=200, tags=20)
             self.model = deepfm.DeepFM(fm_config)
             self.optimizers = deepfm.optimizers(self.model)
             fm_stream = deepfm.Stream(fm_config, seed=seed, batch=BATCH)
@@ -59,13 +60,16 @@ class ExampleTrainer:
             raise ValueError(f"unknown example {example!r}")
         self.next_batch = next_batch
 
-    def checkpointer(self, store: str, **options: Any) -> IncrementalCheckpointer:
-        """A checkpointer of this model (its id maps given), `options` passed on."""
+    def checkpointer(
+        self, store: str, model_name: str | None = None, **options: Any
+    ) -> IncrementalCheckpointer:
+        """A checkpointer of this model (its id maps given) under `model_name` (default: the
+        example's name), `options` passed on."""
         return IncrementalCheckpointer(
             self.model,
             self.optimizers,
             store=store,
-            model_name=self.example,
+            model_name=model_name or self.example,
             id_maps=self.id_maps or None,
             **options,
         )
