@@ -55,11 +55,9 @@ from bench.child_server import free_port
 from bench.machine import describe_machine, log
 from bench.predict_load import percentiles
 from bench.serving import time_limit
+from bench.two_tower_writer import MAPPED_TABLES, TwoTowerWriter
 from examples import two_tower
 from publisher.cli import positive_int
-from publisher.id_map import IdMap
-from schemas.id_map_blob import IdEntries
-from trainer.checkpointer import IncrementalCheckpointer
 
 try:
     import ray
@@ -95,71 +93,6 @@ CATCH_UP_S = 60.0
 # --- the trainer: a child process publishing deltas while told to --------------------------
 
 
-def held_entries(rows: int, prefix: str) -> IdEntries:
-    """Every row but the unknown row 0 held by the raw id `<prefix><row>`."""
-    assigned = np.ones(rows, dtype=np.bool_)
-    assigned[0] = False
-    keys = ("", *(f"{prefix}{r}" for r in range(1, rows)))
-    return IdEntries(assigned, np.zeros(rows, dtype=np.int64), np.zeros(rows), keys)
-
-
-class TwoTowerPublisher:
-    """The two-tower model as its trainer publishes it, every id-mapped row held; a delta is
-    `delta_rows` rows of `user` and of `item` edited in place and marked dirty."""
-
-    TABLES = ("user", "item")
-
-    def __init__(
-        self, store: str, bus: str, config: two_tower.TwoTowerConfig, delta_rows: int, seed: int
-    ) -> None:
-        torch.manual_seed(seed)
-        self.model = two_tower.TwoTower(config)
-        self.rng = np.random.default_rng(seed)
-        self.delta_rows = delta_rows
-        maps = {table: IdMap(getattr(config, table + "s")) for table in self.TABLES}
-        for table, id_map in maps.items():
-            rows = np.arange(id_map.rows, dtype=np.int64)
-            id_map.apply(rows, held_entries(id_map.rows, table[0]))
-        m = self.model
-        # Plain SGD holds no per-row state: the blobs carry rows (and id-map entries) only.
-        tables = [m.user.weight, m.history.weight, m.item.weight, m.category.weight]
-        towers = [*m.user_tower.parameters(), *m.item_tower.parameters()]
-        self.checkpointer = IncrementalCheckpointer(
-            m,
-            [torch.optim.SGD(tables, lr=0.05), torch.optim.SGD(towers, lr=0.01)],
-            store=store,
-            model_name=MODEL,
-            policy="consecutive",
-            codec="int4",
-            model_config=config.to_json(),
-            id_maps=maps,
-            bus=bus,
-            preallocate=False,
-        )
-        self.steps = 0
-
-    def publish(self, full: bool = False) -> int:
-        """Commit a delta (or every row); the version."""
-        if not full:
-            for table in self.TABLES:
-                weight = getattr(self.model, table).weight
-                ids = self.rng.choice(weight.shape[0], self.delta_rows, replace=False)
-                index = torch.from_numpy(np.sort(ids))
-                with torch.no_grad():
-                    weight[index] += 0.01 * torch.randn(self.delta_rows, weight.shape[1])
-                self.checkpointer.tracked.tracker.mark(table, index)
-        self.steps += 1
-        self.checkpointer.step(1)
-        self.checkpointer.checkpoint_now(reader={"offset": self.steps}, force_full=full)
-        self.checkpointer.flush()
-        version = self.checkpointer.last_version
-        assert version is not None
-        return version
-
-    def close(self) -> None:
-        self.checkpointer.close()
-
-
 def publisher_main(conn: Connection, options: dict[str, Any]) -> None:
     """The trainer process: a full version of each model, then deltas of one between each
     ("start", "live" or "decoy") and "pause".
@@ -170,12 +103,13 @@ def publisher_main(conn: Connection, options: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     config = two_tower.TwoTowerConfig(**options["config"])
     writers = {
-        which: TwoTowerPublisher(
+        which: TwoTowerWriter(
             options[which]["store"],
-            options[which]["bus"],
+            MODEL,
             config,
-            options["delta_rows"],
-            options["seed"],
+            codec="int4",
+            seed=options["seed"],
+            bus=options[which]["bus"],
         )
         for which in ("live", "decoy")
     }
@@ -191,6 +125,8 @@ def publisher_main(conn: Connection, options: dict[str, Any]) -> None:
             published: list[list[float]] = []
             while True:
                 started = time.perf_counter()
+                for table in MAPPED_TABLES:  # a delta: `delta_rows` rows of each
+                    writer.touch_rows(table, options["delta_rows"])
                 version = writer.publish()
                 seconds = time.perf_counter() - started
                 published.append([version, round(seconds, 4)])
@@ -526,7 +462,7 @@ def run(
             "model": config.to_json(),
             "codec": "int4",
             "policy": "consecutive",
-            "tables_per_delta": list(TwoTowerPublisher.TABLES),
+            "tables_per_delta": list(MAPPED_TABLES),
             "replicas": 1,
             "replica_cpus": 1,
             "consistency": "double-buffer",

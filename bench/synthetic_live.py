@@ -183,11 +183,7 @@ class SyntheticLiveRun:
 
     def publish(self, *, full: bool = False) -> int:
         """Checkpoint now and wait until it is committed; the version."""
-        self.checkpointer.checkpoint_now(force_full=full)
-        self.checkpointer.flush()
-        version = self.checkpointer.last_version
-        assert version is not None
-        return version
+        return self.checkpointer.commit_now(force_full=full)
 
     def close(self) -> None:
         self.checkpointer.close()

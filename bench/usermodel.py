@@ -60,17 +60,15 @@ from bench.machine import describe_machine, log
 from bench.predict_load import percentiles
 from bench.serving import SERVER_START_S, mib, rss_bytes, time_limit
 from bench.synthetic_run import SyntheticRun
+from bench.two_tower_writer import TwoTowerWriter
 from examples import two_tower
 from publisher.cli import positive_int
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig, SparseFeature
-from publisher.id_map import IdMap
 from publisher.read.catalog import Catalog
 from publisher.read.live_model import LiveModel
 from publisher.read.sinks import ModuleSink, VersionSink, dlrm_sink
 from publisher.store import ObjectStore, open_store
-from schemas.id_map_blob import IdEntries
 from server.feature_batch import build_batch
-from trainer.checkpointer import IncrementalCheckpointer
 
 #: option -> (default, --quick). Given options win.
 SIZES: dict[str, tuple[Any, Any]] = {
@@ -164,14 +162,6 @@ def dense_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in tables)
 
 
-def held_entries(rows: int, prefix: str) -> IdEntries:
-    """Every row but the unknown row 0 held by the raw id `<prefix><row>`."""
-    assigned = np.ones(rows, dtype=np.bool_)
-    assigned[0] = False
-    keys = ("", *(f"{prefix}{r}" for r in range(1, rows)))
-    return IdEntries(assigned, np.zeros(rows, dtype=np.int64), np.zeros(rows), keys)
-
-
 class VersionWriter(Protocol):
     """What publishes one arm's versions."""
 
@@ -182,60 +172,6 @@ class VersionWriter(Protocol):
         """Commit the rows changed since the last version (or every row); the version."""
 
     def close(self) -> None: ...
-
-
-class TwoTowerWriter:
-    """The user model as its trainer publishes it: `IncrementalCheckpointer` with its id maps
-    (every row held), deltas of rows edited in place and marked dirty (`touch_rows`)."""
-
-    def __init__(
-        self, store_url: str, name: str, config: two_tower.TwoTowerConfig, codec: str, seed: int
-    ) -> None:
-        torch.manual_seed(seed)
-        self.model = two_tower.TwoTower(config)
-        self.rng = np.random.default_rng(seed)
-        maps = {"user": IdMap(config.users), "item": IdMap(config.items)}
-        for table, id_map in maps.items():
-            id_map.apply(
-                np.arange(id_map.rows, dtype=np.int64), held_entries(id_map.rows, table[0])
-            )
-        m = self.model
-        # Plain SGD holds no per-row state: the blobs carry rows only, as the DLRM arm's do.
-        tables = [m.user.weight, m.history.weight, m.item.weight, m.category.weight]
-        towers = [*m.user_tower.parameters(), *m.item_tower.parameters()]
-        self.checkpointer = IncrementalCheckpointer(
-            m,
-            [torch.optim.SGD(tables, lr=0.05), torch.optim.SGD(towers, lr=0.01)],
-            store=store_url,
-            model_name=name,
-            policy="consecutive",
-            codec=codec,
-            model_config=config.to_json(),
-            id_maps=maps,
-            preallocate=False,
-        )
-        self.steps = 0
-
-    def touch_rows(self, table: str, n_rows: int) -> None:
-        """Change exactly `n_rows` distinct rows of `table` and mark them dirty."""
-        weight = getattr(self.model, table).weight
-        ids = torch.from_numpy(np.sort(self.rng.choice(weight.shape[0], n_rows, replace=False)))
-        with torch.no_grad():
-            weight[ids] += 0.01 * torch.randn(n_rows, weight.shape[1])
-        self.checkpointer.tracked.tracker.mark(table, ids)
-
-    def publish(self, full: bool = False) -> int:
-        """Commit the rows dirtied since the last version (or every row); the version."""
-        self.steps += 1
-        self.checkpointer.step(1)
-        self.checkpointer.checkpoint_now(reader={"offset": self.steps}, force_full=full)
-        self.checkpointer.flush()
-        version = self.checkpointer.last_version
-        assert version is not None
-        return version
-
-    def close(self) -> None:
-        self.checkpointer.close()
 
 
 class DLRMWriter:
@@ -587,7 +523,7 @@ def publish_versions(
 ) -> tuple[Plan, dict[str, Any]]:
     """Both models' full versions, then every delta of `apply_plan`: the plan, and what the
     writers tell (full publish seconds, dense parameters)."""
-    user = TwoTowerWriter(stores[USER], USER, shape.two_tower(), codec, options["seed"])
+    user = TwoTowerWriter(stores[USER], USER, shape.two_tower(), codec=codec, seed=options["seed"])
     dlrm = DLRMWriter(stores[DLRM], DLRM, shape.dlrm(), codec, options["seed"])
     writers: dict[str, VersionWriter] = {USER: user, DLRM: dlrm}
     facts: dict[str, Any] = {

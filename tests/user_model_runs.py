@@ -117,11 +117,7 @@ class UserRun:
 
     def checkpoint(self) -> int:
         """A version of the state now, committed; returns its number."""
-        self.checkpointer.checkpoint_now(reader={"offset": self.checkpointer.samples_seen})
-        self.checkpointer.flush()
-        version = self.checkpointer.last_version
-        assert version is not None
-        return version
+        return self.checkpointer.commit_now(reader={"offset": self.checkpointer.samples_seen})
 
     def close(self) -> None:
         self.checkpointer.close()

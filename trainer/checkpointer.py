@@ -575,6 +575,24 @@ class IncrementalCheckpointer:
         self.background.wait(timeout)
         self.ledger.settle(self.background.results)
 
+    def commit_now(
+        self,
+        reader: Reader | None = None,
+        metrics: Metrics | None = None,
+        *,
+        force_full: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """`checkpoint_now`, then wait until it is committed (`flush`); returns the newest
+        committed version, which holds it. CheckpointError when nothing got committed (a
+        snapshot holding NaN or inf skipped with `on_non_finite="skip"`)."""
+        self.checkpoint_now(reader, metrics, force_full=force_full)
+        self.flush(timeout)
+        version = self.last_version
+        if version is None:
+            raise CheckpointError("the checkpoint was not committed (a non-finite snapshot?)")
+        return version
+
     def close(self, flush: bool = True) -> None:
         """Flush (optionally), stop the publisher, release the lease and detach the hooks.
 
