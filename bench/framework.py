@@ -53,7 +53,7 @@ import torch
 
 from bench.child_server import free_port
 from bench.machine import describe_machine, log
-from bench.predict_load import percentiles
+from bench.predict_load import RequestSamples, percentiles, post_sequentially
 from bench.serving import time_limit
 from bench.two_tower_writer import MAPPED_TABLES, TwoTowerWriter
 from examples import two_tower
@@ -83,7 +83,6 @@ ARMS = (IDLE, TRAINER, APPLYING)
 MODEL = "two_tower"
 #: distinct request bodies per batch size, sent in turn.
 BODIES = 8
-JSON_HEADERS = {"Content-Type": "application/json"}
 #: Ray's start, the replica's (imports torch, bootstraps the full version) on a loaded machine.
 START_S = 180.0
 #: the replica catching up with the trainer's last version once it pauses.
@@ -279,12 +278,9 @@ def draw_bodies(config: two_tower.TwoTowerConfig, batch: int, seed: int) -> list
 
 
 @dataclass
-class ArmSamples:
+class ArmSamples(RequestSamples):
     """One arm's requests at one batch size, and (applying) what the replica applied."""
 
-    latencies: list[float] = field(default_factory=list)
-    failed: int = 0
-    first_error: str | None = None
     versions_seen: set[int] = field(default_factory=set)
     wall_s: float = 0.0
     versions_applied: int = 0
@@ -313,21 +309,10 @@ class ArmSamples:
 
 
 def post(client: httpx.Client, bodies: Sequence[bytes], n: int, into: ArmSamples) -> None:
-    """`n` sequential POSTs on `client`'s keep-alive connection, bodies in turn."""
-    for i in range(n):
-        started = time.perf_counter()
-        try:
-            response = client.post("/", content=bodies[i % len(bodies)], headers=JSON_HEADERS)
-            ok, error = response.status_code == 200, f"{response.status_code} {response.text}"
-        except httpx.HTTPError as exc:
-            ok, error = False, f"{type(exc).__name__}: {exc}"
-        elapsed = time.perf_counter() - started
-        if ok:
-            into.latencies.append(elapsed)
-            into.versions_seen.add(int(response.json()["version"]))
-        else:
-            into.failed += 1
-            into.first_error = into.first_error or error[:500]
+    """`n` sequential POSTs to the replica, the versions that answered noted."""
+    post_sequentially(
+        client, "/", bodies, n, into, lambda r: into.versions_seen.add(int(r.json()["version"]))
+    )
 
 
 def rotating(arms: Sequence[str], rounds: int) -> Iterator[str]:

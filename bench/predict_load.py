@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,45 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 #: clients per server: enough that requests keep their schedule while a few are slow.
 CLIENTS_PER_SERVER = 8
+
+
+@dataclass
+class RequestSamples:
+    """Sequential requests' answers: seconds of each answered 200, and the others counted."""
+
+    latencies: list[float] = field(default_factory=list)
+    failed: int = 0
+    first_error: str | None = None
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def post_sequentially(
+    client: httpx.Client,
+    path: str,
+    bodies: Sequence[bytes],
+    n: int,
+    into: RequestSamples,
+    on_answer: Callable[[httpx.Response], None] | None = None,
+) -> None:
+    """`n` sequential POSTs of JSON `bodies` (in turn) to `path` on `client`'s keep-alive
+    connection, timed into `into`; `on_answer` sees each 200."""
+    for i in range(n):
+        started = time.perf_counter()
+        try:
+            response = client.post(path, content=bodies[i % len(bodies)], headers=JSON_HEADERS)
+            ok, error = response.status_code == 200, f"{response.status_code} {response.text}"
+        except httpx.HTTPError as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        elapsed = time.perf_counter() - started
+        if ok:
+            into.latencies.append(elapsed)
+            if on_answer is not None:
+                on_answer(response)
+        else:
+            into.failed += 1
+            into.first_error = into.first_error or error[:500]
 
 
 class PredictLoad:

@@ -50,14 +50,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 import numpy as np
 import torch
 from torch import nn
 
 from bench.child_server import ChildServer
 from bench.machine import describe_machine, log
-from bench.predict_load import percentiles
+from bench.predict_load import RequestSamples, percentiles, post_sequentially
 from bench.serving import SERVER_START_S, mib, rss_bytes, time_limit
 from bench.synthetic_run import SyntheticRun
 from bench.two_tower_writer import TwoTowerWriter
@@ -91,7 +90,6 @@ SERVE_FLAGS: dict[str, dict[str, str]] = {
 }
 #: distinct request bodies per batch size, sent in turn.
 BODIES = 8
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -414,33 +412,16 @@ def start_servers(
 
 
 @dataclass
-class HttpSamples:
+class HttpSamples(RequestSamples):
     """One arm's answers at one batch size: seconds of each, and the failures."""
 
-    latencies: list[float]
-    failed: int = 0
-    first_error: str | None = None
     #: the p50 of each round (ms): how much the machine moved during the run.
     round_p50_ms: list[float] = field(default_factory=list)
 
 
 def _post(server: ChildServer, bodies: Sequence[bytes], n: int, into: HttpSamples) -> None:
     """`n` sequential POST /v1/predict on the server's keep-alive client, bodies in turn."""
-    for i in range(n):
-        started = time.perf_counter()
-        try:
-            response = server.client.post(
-                "/v1/predict", content=bodies[i % len(bodies)], headers=JSON_HEADERS
-            )
-            ok, error = response.status_code == 200, f"{response.status_code} {response.text}"
-        except httpx.HTTPError as exc:
-            ok, error = False, f"{type(exc).__name__}: {exc}"
-        elapsed = time.perf_counter() - started
-        if ok:
-            into.latencies.append(elapsed)
-        else:
-            into.failed += 1
-            into.first_error = into.first_error or error[:500]
+    post_sequentially(server.client, "/v1/predict", bodies, n, into)
 
 
 def measure_http(
@@ -459,8 +440,8 @@ def measure_http(
             DLRM: [json.dumps({"examples": d.dlrm}).encode() for d in drawn],
         }
         for arm, server in servers.items():
-            _post(server, bodies[arm], warmup, HttpSamples([]))
-        samples = {arm: HttpSamples([]) for arm in servers}
+            _post(server, bodies[arm], warmup, HttpSamples())
+        samples = {arm: HttpSamples() for arm in servers}
         for _, arm in alternating((USER, DLRM), rounds):
             before = len(samples[arm].latencies)
             _post(servers[arm], bodies[arm], max(n_requests // rounds, 1), samples[arm])
