@@ -59,15 +59,13 @@ from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 
 from publisher.dlrm import TABLE_PREFIX, ArchitectureError, SparseBatch, build_model
+from publisher.model_factory import ModelFactory, ModelFactoryError, build_module
 from publisher.write.tracker import EmbeddingModule, LookupRecorder, find_embedding_tables
 from schemas.errors import BadDataError
 from schemas.manifest import ServedLoss
 
 #: a user's scoring function: the logits (B,) of a kept batch's `inputs` on `module`.
 Score: TypeAlias = Callable[[nn.Module, Any], torch.Tensor]
-#: builds the module a manifest's `model_config` describes (weights need not be drawn: a full
-#: version writes every table row, and every version the dense state, before one is scored).
-ModelFactory: TypeAlias = Callable[[Mapping[str, Any]], nn.Module]
 
 
 class ServedLossError(BadDataError):
@@ -345,16 +343,9 @@ class ServedModel:
         module = self.copy
         if module is None and self.factory is not None:
             try:
-                module = self.factory(model_config)
-            except Exception as exc:  # the user's code: its failure says what is wrong
-                raise ServedLossError(
-                    f"model_factory failed on model_config {dict(model_config)}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(module, nn.Module):
-                raise ServedLossError(
-                    f"model_factory returned a {type(module).__name__}, not an nn.Module"
-                )
+                module = build_module(self.factory, model_config)
+            except ModelFactoryError as exc:
+                raise ServedLossError(str(exc)) from exc
         rule: SampleRule = DLRMBatches() if self.score is None else ModelBatches(self.score)
         return ServedLossMeter(model_config, module, rule)
 

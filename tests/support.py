@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,13 +18,18 @@ import numpy as np
 import pyarrow as pa
 import torch
 from pyarrow import csv
+from torch import nn
 
 from publisher.codecs import encode_rows
 from publisher.dlrm import DLRMConfig
 from publisher.read import ConsistencyScheme, ModelCopy, ModuleSink, sinks
 from publisher.read.live_model import LiveModel
+from publisher.state_dicts import module_tensors, weight_key
 from publisher.store import ObjectStore
+from publisher.write.snapshot import Snapshot, TableRows
+from publisher.write.tracker import find_embedding_tables
 from schemas.delta_blob import DeltaBlob, decode_delta_blob, encode_delta_blob
+from schemas.manifest import Position
 from server.feature_batch import build_batch
 
 T = TypeVar("T")
@@ -140,3 +145,40 @@ def dlrm_scores(copy: ModelCopy, examples: list[dict[str, Any]]) -> np.ndarray:
     with torch.inference_mode():
         logits = copy.module(batch.dense, batch.sparse)
     return np.asarray(torch.sigmoid(logits).numpy())
+
+
+def snapshot_of(
+    model: nn.Module,
+    codec: str,
+    model_config: Mapping[str, Any],
+    rows: Mapping[str, np.ndarray] | None = None,
+    scored: tuple[Any, ...] = (),
+) -> Snapshot:
+    """A full snapshot of any `model` (every row of every table) or a delta of `rows` (table
+    -> ids), as the checkpointer takes it (no optimizer state), with `scored` samples."""
+    state = model.state_dict()
+    tables = []
+    for name in find_embedding_tables(model):
+        w = state[weight_key(name)].numpy()
+        ids = np.arange(len(w)) if rows is None else rows[name]
+        tables.append(
+            TableRows(
+                name=name,
+                table_rows=len(w),
+                codec=codec,
+                row_ids=ids.astype(np.int64),
+                values=w[ids].copy(),
+                aux=np.zeros((len(ids), 0), dtype=np.float32),
+            )
+        )
+    weights = {weight_key(name) for name in find_embedding_tables(model)}
+    return Snapshot(
+        kind="full" if rows is None else "delta",
+        relative_to=None if rows is None else "parent",
+        policy="consecutive",
+        tables=tuple(tables),
+        position=Position(step=1, samples_seen=1),
+        dense=module_tensors(model, weights),
+        model_config=dict(model_config),
+        scored=scored,
+    )

@@ -16,9 +16,9 @@ consistency schemes and held tables behind it are this package's modules; these 
 public face (docs/SUBSCRIBER.md).
 """
 
+from publisher.model_factory import ModelFactory
 from publisher.read.catalog import Catalog, ModelNotFoundError, NoVersionError, VersionRef
 from publisher.read.consistency import ConsistencyScheme, UpdateResult
-from publisher.read.copy_builders import ModelFactory
 from publisher.read.errors import (
     ApplyError,
     NonFiniteError,

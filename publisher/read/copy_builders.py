@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from publisher.memory_budget import MemoryBudget, served_id_maps_bytes
+from publisher.model_factory import ModelFactory, ModelFactoryError, build_module
 from publisher.read.errors import ApplyError
 from publisher.read.held_tables import (
     Float32Table,
@@ -46,8 +47,6 @@ from schemas.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
-#: builds the module a manifest's `model_config` describes.
-ModelFactory = Callable[[Mapping[str, Any]], nn.Module]
 #: the bytes of the module a `model_config` describes, from the config alone.
 ModelBytes = Callable[[Mapping[str, Any]], int]
 _FLOAT32_BYTES = 4
@@ -195,17 +194,9 @@ class ModuleBuilder(CopyBuilder):
     def _call_factory(self, manifest: Manifest) -> nn.Module:
         assert self.factory is not None
         try:
-            module = self.factory(manifest.model_config_)
-        except Exception as exc:  # the factory's own refusal of a config it cannot build
-            raise ApplyError(
-                f"version {manifest.version}: the model factory cannot build its model_config "
-                f"({type(exc).__name__}: {exc})"
-            ) from exc
-        if not isinstance(module, nn.Module):
-            raise ApplyError(
-                f"the model factory returned a {type(module).__name__}, not an nn.Module"
-            )
-        return module
+            return build_module(self.factory, manifest.model_config_)
+        except ModelFactoryError as exc:
+            raise ApplyError(f"version {manifest.version}: {exc}") from exc
 
 
 class TensorBuilder(CopyBuilder):

@@ -43,6 +43,7 @@ from torch import nn
 
 from publisher.dlrm import build_served_model, served_model_bytes
 from publisher.memory_budget import MemoryBudget
+from publisher.model_factory import ModelFactory
 from publisher.read.catalog import VersionRef
 from publisher.read.consistency import (
     SCHEMES,
@@ -54,7 +55,6 @@ from publisher.read.consistency import (
 from publisher.read.copy_builders import (
     CopyBuilder,
     ModelBytes,
-    ModelFactory,
     ModuleBuilder,
     TensorBuilder,
 )

@@ -4,8 +4,6 @@ does not fit; and `checknrun restore` writing a version's id maps beside the wei
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +20,6 @@ from publisher.store import FileStore
 from tests.example_training import BATCH, EXAMPLES, ExampleTrainer
 
 INTERVAL = 6 * BATCH
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse invariant checks")
-        warnings.filterwarnings("ignore", message=".*is_fx_tracing")
-        yield
 
 
 def _published(tmp_path: Path, example: str, codec: str = "fp32") -> ExampleTrainer:

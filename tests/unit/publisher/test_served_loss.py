@@ -19,12 +19,12 @@ from publisher.served_loss import (
     roc_auc,
     rows_carried,
 )
-from publisher.state_dicts import module_tensors
 from publisher.store import FileStore
 from publisher.write.policies import ServedLossCodecRule
 from publisher.write.publishing import CheckpointPublisher
-from publisher.write.snapshot import Snapshot, TableRows
-from schemas.manifest import Position, ServedLoss
+from publisher.write.snapshot import Snapshot
+from schemas.manifest import ServedLoss
+from tests.support import snapshot_of
 
 CONFIG = DLRMConfig(
     sparse=(SparseFeature("user", 60), SparseFeature("item", 40)),
@@ -70,30 +70,7 @@ def _snapshot(
     scored: tuple[ScoredBatch, ...] = (),
 ) -> Snapshot:
     """A full snapshot of `model` (every row) or a delta of `rows`."""
-    weights = {t: model.state_dict()[k].numpy() for t, k in table_weight_names(model).items()}
-    tables = []
-    for name, w in weights.items():
-        ids = np.arange(len(w)) if rows is None else rows[name]
-        tables.append(
-            TableRows(
-                name=name,
-                table_rows=len(w),
-                codec=codec,
-                row_ids=ids.astype(np.int64),
-                values=w[ids].copy(),
-                aux=np.zeros((len(ids), 0), dtype=np.float32),
-            )
-        )
-    return Snapshot(
-        kind="full" if rows is None else "delta",
-        relative_to=None if rows is None else "parent",
-        policy="consecutive",
-        tables=tuple(tables),
-        position=Position(step=1, samples_seen=1),
-        dense=module_tensors(model, set(table_weight_names(model).values())),
-        model_config=CONFIG.to_json(),
-        scored=scored,
-    )
+    return snapshot_of(model, codec, CONFIG.to_json(), rows, scored)
 
 
 def _score(model: DLRM, samples: tuple[ScoredBatch, ...]) -> np.ndarray:

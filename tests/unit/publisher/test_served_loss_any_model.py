@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +25,14 @@ from publisher.served_loss import (
     ServedModel,
     roc_auc,
 )
-from publisher.state_dicts import module_tensors, weight_key
 from publisher.store import FileStore
 from publisher.write.publishing import CheckpointPublisher
-from publisher.write.snapshot import Snapshot, TableRows
+from publisher.write.snapshot import Snapshot
 from publisher.write.tracker import LookupRecorder, find_embedding_tables
-from schemas.manifest import Position, ServedLoss
+from schemas.manifest import ServedLoss
+from tests.support import snapshot_of
 
 CONFIG = two_tower.TwoTowerConfig(users=60, items=40, categories=10, dim=8, hidden=8)
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_fx_tracing")
-        yield
 
 
 def _model() -> two_tower.TwoTower:
@@ -81,32 +72,7 @@ def _snapshot(
     scored: tuple[KeptBatch, ...] = (),
 ) -> Snapshot:
     """A full snapshot of `model` (every row) or a delta of `rows`."""
-    state = model.state_dict()
-    tables = []
-    for name in find_embedding_tables(model):
-        w = state[weight_key(name)].numpy()
-        ids = np.arange(len(w)) if rows is None else rows[name]
-        tables.append(
-            TableRows(
-                name=name,
-                table_rows=len(w),
-                codec=codec,
-                row_ids=ids.astype(np.int64),
-                values=w[ids].copy(),
-                aux=np.zeros((len(ids), 0), dtype=np.float32),
-            )
-        )
-    weights = {weight_key(name) for name in find_embedding_tables(model)}
-    return Snapshot(
-        kind="full" if rows is None else "delta",
-        relative_to=None if rows is None else "parent",
-        policy="consecutive",
-        tables=tuple(tables),
-        position=Position(step=1, samples_seen=1),
-        dense=module_tensors(model, weights),
-        model_config=CONFIG.to_json(),
-        scored=scored,
-    )
+    return snapshot_of(model, codec, CONFIG.to_json(), rows, scored)
 
 
 def _publisher(tmp_path: Path, score: Any = two_tower.score) -> CheckpointPublisher:
@@ -235,7 +201,7 @@ def test_what_a_meter_cannot_score_is_an_error_naming_it(tmp_path: Path) -> None
     meter = ServedModel(two_tower.score, copy=deepfm.DeepFM(deepfm.DeepFMConfig())).meter({})
     with pytest.raises(ServedLossError, match="must build the trained architecture"):
         _measure(meter, _snapshot(model, "int4", scored=batches))
-    with pytest.raises(ServedLossError, match=r"model_factory failed on model_config"):
+    with pytest.raises(ServedLossError, match=r"the model factory cannot build model_config"):
         ServedModel(two_tower.score, factory=two_tower.build).meter({"architecture": "dlrm"})
     # Kept batches of the other rule's kind.
     meter = ServedModel(two_tower.score, factory=two_tower.build).meter(CONFIG.to_json())

@@ -4,8 +4,6 @@ checks `publisher.read.module_state` makes, before anything is loaded."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +16,6 @@ from publisher.store import FileStore
 from tests.example_training import BATCH, ExampleTrainer
 from trainer.errors import CheckpointError
 from trainer.resume import load_restored
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse invariant checks")
-        yield
 
 
 def test_a_user_model_resumes_with_the_default_tables_and_keys(tmp_path: Path) -> None:

@@ -5,8 +5,6 @@ publishing in a thread and in a process; what is refused and why; what `close()`
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +21,6 @@ from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
 
 #: 4 intervals of 8 batches: each version's own interval is 512 samples.
 STEPS, INTERVAL = 32, 8 * BATCH
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse invariant checks")
-        warnings.filterwarnings("ignore", message=".*is_fx_tracing")
-        yield
 
 
 def _measured_run(
