@@ -80,8 +80,9 @@ from torch import nn
 from publisher.dlrm import DLRM, SparseBatch, build_model
 from publisher.id_map import IDS_HELD_METRIC, IdMap
 from publisher.memory_budget import MemoryBudget
+from publisher.model_factory import ModelFactory
 from publisher.read.restore import RestoredState, restore
-from publisher.served_loss import KeptBatch, ModelFactory, Score, ScoredBatch, ServedModel
+from publisher.served_loss import KeptBatch, Score, ScoredBatch, ServedModel
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import (
