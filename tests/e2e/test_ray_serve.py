@@ -1,6 +1,7 @@
 """Ray Serve kept live (examples/ray_serve_live.py) for real: a local Ray started here, the
 deployment's replica following a two-tower model this process trains online (int4, raw string
-ids through id maps) and publishes with a file bus, queried over HTTP through Ray Serve's proxy.
+ids through id maps) and publishes with a file bus, and a DeepFM model on TorchRec published with
+`codec="auto"`, queried over HTTP through Ray Serve's proxy.
 Its answers move to each new version and equal that version's restore; bad requests are 4xx
 answers and the replica keeps serving."""
 
@@ -149,6 +150,44 @@ def test_ray_serve_follows_a_two_tower_model(proxy: str, tmp_path: Path) -> None
     finally:
         try:
             serve.delete("tt")
+        finally:
+            run.close()
+
+
+def test_ray_serve_follows_a_torchrec_model_published_with_codec_auto(
+    proxy: str, tmp_path: Path
+) -> None:
+    """The second architecture: DeepFM on a TorchRec EmbeddingBagCollection, each version's
+    codec chosen from its measured served loss."""
+    pytest.importorskip("torchrec")
+    store = f"file://{tmp_path / 'store'}"
+    run = UserRun.of("deepfm", store, "dfm", codec="auto")
+    try:
+        run.train(7)
+        version = run.checkpoint()
+        app = LiveModelDeployment.bind(
+            store,
+            "dfm",
+            model_factory="examples.deepfm:build",
+            request_adapter="examples.deepfm:requests",
+            poll_head_after_s=0.2,  # no bus: HEAD polls
+        )
+        serve.run(app, name="dfm", route_prefix="/dfm")
+        with httpx.Client(base_url=f"{proxy}/dfm", timeout=30.0) as client:
+            examples = run.requests(16)
+            for step in range(2):
+                if step:
+                    run.train(7)
+                    version = run.checkpoint()
+                _wait_served(client, version, DEPLOY_S if step == 0 else VERSION_S)
+                body = _answer(client, examples)
+                assert body["version"] == version, body
+                np.testing.assert_allclose(
+                    body["scores"], run.restored_scores(version, examples), rtol=0, atol=INT4_ATOL
+                )
+    finally:
+        try:
+            serve.delete("dfm")
         finally:
             run.close()
 
