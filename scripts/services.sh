@@ -158,8 +158,11 @@ spawn() {
   local pid=$! _
   echo "$pid" >"$DIR/$name.pid"
   # Until the child execs, its command line is still this script's and
-  # running_pid would call it dead; give the exec a moment.
-  for _ in $(seq 1 50); do
+  # running_pid would call it dead: wait for the exec (or the child's death). On a
+  # loaded machine it took more than the 5 s once allowed, and a healthy MinIO was
+  # reported as "exited during startup".
+  local deadline=$((SECONDS + READY_TIMEOUT))
+  while ((SECONDS < deadline)); do
     running_pid "$name" >/dev/null && return 0
     [[ -e /proc/$pid ]] || return 0
     sleep 0.1
