@@ -470,6 +470,13 @@ class Manifest(_Frozen):
         return full_fp32_bytes(((t.rows, t.dim, t.aux_dim) for t in self.tables), dense)
 
     @property
+    def served_fp32_bytes(self) -> int:
+        """What serving this version's state holds in fp32: its tables and dense parameters,
+        none of the optimizer's (per-row columns or dense state)."""
+        dense = _tensor_bytes(self.dense, self.dense_tensor_bytes)
+        return full_fp32_bytes(((t.rows, t.dim, 0) for t in self.tables), dense)
+
+    @property
     def ratio_to_full_fp32(self) -> float:
         """How many times fewer bytes than a full fp32 checkpoint this version wrote."""
         return ratio_to_full_fp32(self.full_fp32_bytes, self.written_bytes)

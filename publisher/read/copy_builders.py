@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 
 #: the bytes of the module a `model_config` describes, from the config alone.
 ModelBytes = Callable[[Mapping[str, Any]], int]
-_FLOAT32_BYTES = 4
 
 
 class CopyBuilder(ABC):
@@ -141,7 +140,7 @@ class ModuleBuilder(CopyBuilder):
                         exc,
                     )
                     self._meta_warned = True
-                return manifest_bytes(manifest)
+                return manifest.served_fp32_bytes
         probe = self._probe
         assert probe is not None
         tensors = [*probe.parameters(), *probe.buffers()]
@@ -204,7 +203,7 @@ class TensorBuilder(CopyBuilder):
     version brings (no module)."""
 
     def copy_bytes(self, manifest: Manifest) -> int:
-        return manifest_bytes(manifest)
+        return manifest.served_fp32_bytes
 
     def build(self, manifest: Manifest, formats: Mapping[str, HeldFormat]) -> ModelCopy:
         tables = {
@@ -217,15 +216,6 @@ class TensorBuilder(CopyBuilder):
             mapped=_mapped(manifest),
             adopts_dense=True,
         )
-
-
-def manifest_bytes(manifest: Manifest) -> int:
-    """What a version's tables (float32) and dense tensors take, from its manifest alone."""
-    tables = sum(e.rows * e.dim for e in manifest.tables) * _FLOAT32_BYTES
-    dense = manifest.dense_tensor_bytes
-    if dense is None:
-        dense = 0 if manifest.dense is None else manifest.dense.size
-    return tables + dense
 
 
 def _mapped(manifest: Manifest) -> frozenset[str]:

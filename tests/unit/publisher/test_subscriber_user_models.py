@@ -237,3 +237,24 @@ def rejection_reason_of(sub: Subscriber) -> str:
     """The reason label of the subscriber's last rejection, from its observer's view."""
     assert sub.last_error is not None
     return "layout" if sub.last_error.startswith("ApplyError") else sub.last_error
+
+
+def test_a_tensor_sink_is_budgeted_by_the_tables_and_dense_state_of_two_copies(
+    tmp_path: Path,
+) -> None:
+    run = make_run(tmp_path, "deepfm", "int4")
+    try:
+        run.train(7)
+        version = run.checkpoint()
+        manifest = restore(FileStore(tmp_path / "store"), "deepfm", version).manifest
+        weights = sum(e.rows * e.dim * 4 for e in manifest.tables)
+        assert manifest.served_fp32_bytes == weights + (manifest.dense_tensor_bytes or 0)
+        needed = 2 * manifest.served_fp32_bytes  # the double buffer's two copies
+        url = f"file://{tmp_path / 'store'}"
+        with Subscriber(url, "deepfm", TensorSink(memory_budget=needed - 1), options=FAST) as sub:
+            assert sub.run(timeout=0.3) == []
+            assert "over the memory budget" in (sub.last_error or "")
+        with Subscriber(url, "deepfm", TensorSink(memory_budget=needed), options=FAST) as sub:
+            assert sub.run(max_versions=1, timeout=10) == [version]
+    finally:
+        run.close()
