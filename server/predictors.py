@@ -37,14 +37,14 @@ import numpy as np
 import torch
 
 from publisher.dlrm import DLRMConfig
-from publisher.id_map import UNKNOWN_ROW, IdMap, canonical_key
+from publisher.id_map import UNKNOWN_ROW, IdMap
 from publisher.live_features import LiveSpec, live_spec_of
 from publisher.read import ModelCopy
 from server.api_models import FeatureKind
 from server.errors import shown_input
 from server.feature_batch import FeatureBatch, build_batch
 from server.feature_problems import Problems
-from server.raw_ids import RawExamples, parse_raw_examples
+from server.raw_ids import RawExamples, keys_of, parse_raw_examples
 
 #: the largest number of problems an adapter's refusal is reported with.
 _ADAPTER_MESSAGE_CHARS = 300
@@ -268,20 +268,13 @@ class AdapterPredictor(Predictor):
         return _AdapterExamples(checked, keys)
 
     def _keys(self, value: object, name: str) -> str | list[str] | tuple[str, str] | None:
-        """The canonical key(s) of one raw-id value, or (message, type) of what is wrong."""
+        """The canonical key(s) of one raw-id value (a list is a bag), or (message, type) of
+        what is wrong: the DLRM's raw-id rule (`server.raw_ids.keys_of`)."""
         if value is None:
             return None
-        try:
-            if isinstance(value, list):
-                if len(value) > self.max_ids_per_bag:
-                    return (
-                        f"{name!r} has {len(value)} ids; at most {self.max_ids_per_bag}",
-                        "too_many_ids",
-                    )
-                return [canonical_key(v) for v in value]
-            return canonical_key(value)
-        except ValueError as exc:  # IdMapError, or an int too long for str()
-            return f"an id of {name!r} is not valid: {exc}", "bad_id"
+        bag = isinstance(value, list)
+        got = keys_of(value, name, bag, self.max_ids_per_bag)
+        return got if bag or isinstance(got, tuple) else got[0]
 
     def score(self, checked: object, copy: ModelCopy) -> Scored:
         assert isinstance(checked, _AdapterExamples)

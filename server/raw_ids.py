@@ -153,7 +153,7 @@ def parse_raw_examples(
             value = example.get(feature.name)
             if value is None:
                 continue
-            got = _keys_of(value, feature.name, feature.bag, max_ids_per_bag)
+            got = keys_of(value, feature.name, feature.bag, max_ids_per_bag)
             if isinstance(got, tuple):
                 problems.add(i, feature.name, *got)
                 continue
@@ -166,10 +166,12 @@ def parse_raw_examples(
     return RawExamples(spec, ts, features)
 
 
-def _keys_of(
+def keys_of(
     value: object, name: str, bag: bool, max_ids_per_bag: int
 ) -> list[str] | tuple[str, str]:
-    """The canonical keys of one feature value, or (message, type) of what is wrong with it."""
+    """The canonical keys of one feature value (a bag: a list of raw ids; else one raw id), or
+    (message, type) of what is wrong with it. A user's request adapter's raw ids are checked
+    by the same rule (server/predictors.py)."""
     if bag:
         if not isinstance(value, list):
             return (
