@@ -65,6 +65,7 @@ from starlette.responses import JSONResponse
 
 from publisher.read import (
     ModuleSink,
+    NotBootstrappedError,
     Subscriber,
     SubscriberObserver,
     SubscriberOptions,
@@ -72,7 +73,6 @@ from publisher.read import (
     VersionRef,
 )
 from server.errors import shown_input
-from server.feature_batch import check_scores
 from server.feature_problems import FeatureValidationError
 from server.plugins import load_callable
 from server.predictors import AdapterPredictor, RequestAdapterError
@@ -163,24 +163,15 @@ class LiveModelReplica:
             raise RequestRefused(
                 413, f"batch of {len(examples)} examples exceeds the cap of {self.max_batch}"
             )
-        current = self.sink.current()
-        if current is None:
-            raise RequestRefused(503, "no version is served yet")
-        now = time.time()
         try:
-            # Checked before the model is borrowed; again only if the model changed meanwhile.
-            checked = self.predictor.check(examples, current, now)
-            with self.sink.reader() as copy:
-                if copy is not current and copy.model_config != current.model_config:
-                    checked = self.predictor.check(examples, copy, now)
-                scored = self.predictor.score(checked, copy)
-                version = copy.version
-            assert version is not None
-            check_scores(scored.scores, version)
+            scored, served = self.predictor.predict(self.sink, examples, time.time())
+        except NotBootstrappedError as exc:
+            raise RequestRefused(503, str(exc)) from exc
         except FeatureValidationError as exc:
             raise RequestRefused(422, [p.as_detail() for p in exc.problems]) from exc
         except RequestAdapterError as exc:
             raise RequestRefused(500, str(exc)) from exc
+        version = served.version
         return {
             "model": self.subscriber.model_name,
             "version": version,

@@ -39,10 +39,10 @@ import torch
 from publisher.dlrm import DLRMConfig
 from publisher.id_map import UNKNOWN_ROW, IdMap
 from publisher.live_features import LiveSpec, live_spec_of
-from publisher.read import ModelCopy
+from publisher.read import ModelCopy, NotBootstrappedError, ServedVersion, VersionSink
 from server.api_models import FeatureKind
 from server.errors import shown_input
-from server.feature_batch import FeatureBatch, build_batch
+from server.feature_batch import FeatureBatch, build_batch, check_scores
 from server.feature_problems import Problems
 from server.raw_ids import RawExamples, keys_of, parse_raw_examples
 
@@ -98,6 +98,26 @@ class Predictor(ABC):
     def id_space(self, copy: ModelCopy) -> IdSpace | None:
         """How raw ids are mapped, or None when the model takes none."""
         return None
+
+    def predict(
+        self, sink: VersionSink, examples: Sequence[object], now: float
+    ) -> tuple[Scored, ServedVersion]:
+        """`examples` scored against one version of `sink` (and that version): checked before
+        the model is borrowed, again only if the model changed meanwhile; FeatureValidationError
+        for what is wrong with them or an example given no finite score, NotBootstrappedError
+        before the first version."""
+        current = sink.current()
+        if current is None:
+            raise NotBootstrappedError("no version is served yet")
+        checked = self.check(examples, current, now)
+        with sink.reader() as copy:
+            if copy is not current and copy.model_config != current.model_config:
+                checked = self.check(examples, copy, now)
+            scored = self.score(checked, copy)
+            served = copy.served
+        assert served is not None
+        check_scores(scored.scores, served.version)
+        return scored, served
 
     def hashing(self, copy: ModelCopy) -> bool:
         """Whether ids outside a table are folded in by modulo."""

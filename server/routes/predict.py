@@ -15,10 +15,8 @@ import time
 
 from fastapi import APIRouter, HTTPException, status
 
-from publisher.read import NotBootstrappedError
 from server.api_models import ErrorResponse, PredictRequest, PredictResponse
 from server.dependencies import LiveModelDep, MetricsDep, PredictorDep, SettingsDep
-from server.feature_batch import check_scores
 from server.metrics import ServerMetrics
 from server.predictors import Scored
 
@@ -70,18 +68,7 @@ def predict(
             status.HTTP_413_CONTENT_TOO_LARGE,
             f"batch of {len(body.examples)} examples exceeds the cap of {settings.max_batch}",
         )
-    current = live.sink.current()
-    if current is None:
-        raise NotBootstrappedError("no version is served yet")
-    # Checked before borrowing the model; again only if the model changed in between.
-    checked = predictor.check(body.examples, current, now)
-    with live.reader() as copy:
-        if copy is not current and copy.model_config != current.model_config:
-            checked = predictor.check(body.examples, copy, now)
-        scored = predictor.score(checked, copy)
-        served = copy.served
-    assert served is not None
-    check_scores(scored.scores, served.version)
+    scored, served = predictor.predict(live.sink, body.examples, now)
     scores = scored.scores.tolist()
     metrics.predict_seconds.observe(time.perf_counter() - started)
     metrics.predict_examples.inc(len(scores))
