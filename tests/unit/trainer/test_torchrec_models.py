@@ -15,6 +15,7 @@ from torch import nn
 
 from bench.sharded_job import Job, run_ranks
 from publisher.codecs import encode_rows, max_abs_error_bound
+from publisher.read import ModuleSink, Subscriber
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import FileStore
@@ -458,3 +459,14 @@ def test_a_sharded_user_model_publishes_and_restores_on_one_rank_and_in_one_proc
     for i, per in dense.state_dict()["state"].items():
         for k, v in per.items():
             np.testing.assert_array_equal(torch.as_tensor(v).numpy(), job[f"opt/{i}/{k}"])
+
+    # A serving process of the user's follows the job of 2 ranks as it would one process: its
+    # module holds the job's tables (row-range shards joined) and dense state, bit for bit.
+    sink = ModuleSink(UserRanker())
+    with Subscriber(FileStore(tmp_path), MODEL, sink) as sub:
+        assert sub.run(max_versions=3, timeout=30)[-1] == versions[-1].version
+        with sink.reader() as copy:
+            for name in TABLES:
+                np.testing.assert_array_equal(copy.values(name).numpy(), job[f"table/{name}"])
+            for key, value in copy.dense.items():
+                np.testing.assert_array_equal(value.numpy(), job[f"dense/{key}"])
