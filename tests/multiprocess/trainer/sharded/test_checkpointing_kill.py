@@ -16,13 +16,13 @@ from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import FileStore
 from schemas.errors import CheckNRunError
-from tests.unit.trainer.sharded.job import sharded_state
-from tests.unit.trainer.sharded.test_checkpointing_publish import (
+from tests.multiprocess.trainer.sharded.test_checkpointing_publish import (
     BATCH,
     MIXED,
     MODEL,
     checkpointer,
 )
+from tests.unit.trainer.sharded.job import sharded_state
 
 pytest.importorskip("torchrec")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchrec.distributed.sharding_plan import _calculate_rw_shard_sizes_and_offsets
 
-from tests.unit.trainer.sharded.ranks import tiny_stream
+from tests.multiprocess.trainer.sharded.ranks import tiny_stream
 from trainer.online import DLRMSettings, dlrm_config
 from trainer.sharded.launch import spawn_ranks
 from trainer.sharded.local_shards import local_shards

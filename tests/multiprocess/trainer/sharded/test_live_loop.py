@@ -16,7 +16,7 @@ from bench.sharded_job import batch as random_batch
 from bench.sharded_job import run_ranks, sharded_job
 from publisher.read.catalog import Catalog
 from publisher.store import FileStore
-from tests.unit.trainer.sharded.test_checkpointing_publish import MIXED, MODEL, checkpointer
+from tests.multiprocess.trainer.sharded.test_checkpointing_publish import MIXED, MODEL, checkpointer
 from trainer.streams.base import Batch
 
 pytest.importorskip("torchrec")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.trainer.sharded.ranks import check_local_shards
+from tests.multiprocess.trainer.sharded.ranks import check_local_shards
 from trainer.sharded import model
 from trainer.sharded.launch import spawn_ranks
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from publisher.cli import exit_status
-from tests.unit.trainer.sharded.ranks import die_on_rank_one, fail_on_rank_one
+from tests.multiprocess.trainer.sharded.ranks import die_on_rank_one, fail_on_rank_one
 from trainer.cli import main
 from trainer.errors import RankFailedError
 from trainer.sharded.launch import spawn_ranks

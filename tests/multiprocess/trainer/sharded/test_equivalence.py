@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.trainer.sharded.ranks import (
+from tests.multiprocess.trainer.sharded.ranks import (
     BATCH,
     FEATURES,
     SAMPLES,
