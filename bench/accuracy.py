@@ -43,9 +43,9 @@ from bench.workloads import (
     quantize_in_place,
 )
 from publisher.cli import CommandError, positive_int
-from trainer.cli import add_file_args, open_stream
-from trainer.live_options import is_live
+from trainer.options import add_file_args, is_live
 from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.sources import open_stream
 
 FAILURES = (0, 1, 2, 5, 10)
 QUICK_FAILURES = (0, 1)

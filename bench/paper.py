@@ -60,8 +60,9 @@ from publisher.write.publishing import CheckpointPublisher, encode_table, reenco
 from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
 from schemas.manifest import Position, ServedLoss, full_fp32_bytes
+from trainer.options import DEFAULT_SCORED_SAMPLES
 from trainer.progressive_metrics import ProgressiveMetrics
-from trainer.recent_samples import DEFAULT_SCORED_SAMPLES, RecentSamples
+from trainer.recent_samples import RecentSamples
 from trainer.snapshot_capture import SnapshotCapture
 
 #: versions kept by the retention window (storage capacity over a window).

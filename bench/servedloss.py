@@ -37,10 +37,9 @@ from publisher.cli import CommandError, positive_int
 from publisher.write.policies import SERVED_LOSS_BUDGET, ServedLossCodecRule
 from publisher.write.publishing import reencoded_json
 from trainer.checkpointer import IncrementalCheckpointer
-from trainer.cli import add_file_args, open_stream
-from trainer.live_options import is_live
 from trainer.online import train_online
-from trainer.recent_samples import DEFAULT_SCORED_SAMPLES
+from trainer.options import DEFAULT_SCORED_SAMPLES, add_file_args, is_live
+from trainer.sources import open_stream
 
 ARMS = ("unmeasured", "int4", "int8", "auto")
 

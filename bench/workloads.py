@@ -23,7 +23,6 @@ from publisher.codecs import decode_rows, encode_rows
 from publisher.dlrm import DLRM, TABLE_PREFIX
 from publisher.write.publishing import aux_encoding_for
 from schemas.delta_blob import round_to_bfloat16
-from trainer.cli import default_embedding_dim
 from trainer.online import (
     DLRMSettings,
     OptimizerSettings,
@@ -31,11 +30,12 @@ from trainer.online import (
     build_optimizers,
     train_step,
 )
+from trainer.options import default_embedding_dim
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.streams.base import Batch, DataError, InteractionStream
 
 WORKLOADS = ("movielens", "synthetic")
-#: the trainer's defaults (trainer.cli): what "the default settings" of the targets mean.
+#: the trainer's defaults (trainer.options): what "the default settings" of the targets mean.
 DEFAULT_POLICY = "intermittent"
 DEFAULT_CODEC = "int4"
 BATCH_SIZE = 512

@@ -115,7 +115,8 @@ from schemas.manifest import Position
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
-from trainer.recent_samples import DEFAULT_SCORED_SAMPLES, RecentSamples
+from trainer.options import DEFAULT_SCORED_SAMPLES
+from trainer.recent_samples import RecentSamples
 from trainer.resume import load_restored
 from trainer.snapshot_capture import SnapshotCapture
 

@@ -1,4 +1,4 @@
-"""The `train` options of a live event stream (`--data kafka://HOST:PORT/TOPIC`).
+"""The live event stream the `train` options describe (`--data kafka://HOST:PORT/TOPIC`).
 
     checknrun train --data kafka://localhost:9092/events --features user,item,genres[] \\
         --id-space dynamic --id-capacity 100000,user=200000 --admit-after 2 \\
@@ -7,7 +7,8 @@
 `--features` names the events' id fields (a trailing `[]` marks a bag); by default the
 MovieLens set that `checknrun replay --data movielens` produces. `--id-capacity` is the rows of
 every table, or `N,name=M,...` (N for the tables not named); in a dynamic id space one row of
-each table is the unknown row, so a table holds capacity - 1 ids.
+each table is the unknown row, so a table holds capacity - 1 ids. The options themselves are
+trainer/options.py's (`add_live_args`).
 """
 
 from __future__ import annotations
@@ -16,63 +17,12 @@ import argparse
 import threading
 from dataclasses import replace
 
-from publisher.cli import CommandError, positive_int
-from publisher.id_map import ID_SPACES
+from publisher.cli import CommandError
 from publisher.live_features import LiveSpec, LiveSpecError
 from trainer.id_space import IdSpacePolicy
+from trainer.options import DEFAULT_COUNT_FEATURES, DEFAULT_ID_CAPACITY
 from trainer.streams.kafka_events import KafkaEventStream
 from trainer.streams.kafka_reader import EventSource
-
-#: the fields `checknrun replay --data movielens` writes.
-MOVIELENS_FEATURES = "user,item,gender,age,occupation,zip_code,genres[],release_year"
-DEFAULT_COUNT_FEATURES = ("user", "item")
-DEFAULT_ID_CAPACITY = 100_000
-
-
-def is_live(data: str) -> bool:
-    """Whether `--data` names a live event stream."""
-    return data.startswith("kafka://")
-
-
-def add_live_args(p: argparse.ArgumentParser) -> None:
-    """The options of `--data kafka://...` (ignored for other data)."""
-    g = p.add_argument_group("live event stream (--data kafka://HOST:PORT/TOPIC[?partitions=0,1])")
-    g.add_argument(
-        "--features",
-        default=MOVIELENS_FEATURES,
-        help="the events' id fields, a trailing [] marks a bag (default: the MovieLens set, "
-        "%(default)s)",
-    )
-    g.add_argument(
-        "--count-features",
-        default=",".join(DEFAULT_COUNT_FEATURES),
-        help="single-valued features whose prior event count is a dense input (default "
-        "%(default)s, those of them that are features)",
-    )
-    g.add_argument("--id-space", choices=ID_SPACES, default="dynamic")
-    g.add_argument(
-        "--id-capacity",
-        default=str(DEFAULT_ID_CAPACITY),
-        help="rows per table: N, or N,name=M,... (default %(default)s)",
-    )
-    g.add_argument(
-        "--admit-after",
-        type=positive_int,
-        default=1,
-        help="an id gets a row at its Nth event (default %(default)s: the first)",
-    )
-    g.add_argument(
-        "--evict-after-s",
-        type=float,
-        default=None,
-        help="evict ids unseen for this many seconds of event time (default: only when a "
-        "table is full, the least recently seen)",
-    )
-    g.add_argument(
-        "--stop-at-end",
-        action="store_true",
-        help="stop once every partition is read up to where it ended when training started",
-    )
 
 
 def live_spec(args: argparse.Namespace) -> LiveSpec:

@@ -25,12 +25,10 @@ from torch.nn import functional as F
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature
 from schemas.manifest import ratio_to_full_fp32
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
+from trainer.options import DENSE_OPTIMIZERS, SPARSE_OPTIMIZERS
 from trainer.progressive_metrics import ProgressiveMetrics
 from trainer.rowwise_adagrad import RowWiseAdagrad
 from trainer.streams.base import Batch, InteractionStream
-
-SPARSE_OPTIMIZERS = ("rowwise-adagrad", "adagrad", "sgd")
-DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,6 @@ from collections import deque
 
 from publisher.served_loss import KeptSample
 
-#: the default window: enough for AUC differences of a few 1e-5 to stand out (paired on the same
-#: samples), small enough to score twice per version in tens of milliseconds.
-DEFAULT_SCORED_SAMPLES = 16_384
-
 
 class RecentSamples:
     """A bounded window of the latest batches: at most `capacity` samples (0: keeps nothing)."""

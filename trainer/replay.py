@@ -35,7 +35,9 @@ from publisher.bus.base import BusError, KafkaAddress, parse_kafka_url
 from publisher.cli import CommandError, CommandParser, parse_command_line, positive_int, run_command
 from schemas.errors import UnavailableError
 from schemas.events import encode_event
-from trainer.cli import add_source_args, open_stream, stop_on_signals
+from trainer.options import add_source_args
+from trainer.signals import stop_on_signals
+from trainer.sources import open_stream
 from trainer.streams.base import ColumnarStream, InteractionStream
 
 #: event time of the first synthetic event (2023-11-14), which then advance 1 ms each.

@@ -16,11 +16,10 @@ continues the file at its reader position, or each partition of the topic at its
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,11 +27,7 @@ from torchrec.distributed import DistributedModelParallel
 
 from publisher.bus import open_announcer
 from publisher.cli import (
-    REPORTED,
     CommandError,
-    CommandParser,
-    parse_command_line,
-    report_failure,
 )
 from publisher.read.catalog import Catalog, NoVersionError
 from publisher.store import ObjectStore, open_store
@@ -40,29 +35,29 @@ from publisher.write.policies import codec_for_expected_restores
 from publisher.write.publishing import PublishResult
 from schemas.errors import BadDataError
 from schemas.manifest import Position
-from trainer.cli import (
+from trainer.live_options import open_live_stream
+from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
+from trainer.options import (
+    DEFAULT_COUNT_FEATURES,
     DEFAULT_INTERVAL_SAMPLES,
-    _human_bytes,
-    add_train_args,
     default_embedding_dim,
     default_model_name,
-    open_stream,
+    human_bytes,
+    is_live,
     resume_version,
-    stop_on_signals,
     whole_batches,
 )
-from trainer.live_options import DEFAULT_COUNT_FEATURES, is_live, open_live_stream
-from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
 from trainer.sharded.checkpointing import ShardedCheckpointer
 from trainer.sharded.collective import TorchCollective
 from trainer.sharded.data import check_batch_size
-from trainer.sharded.launch import run_rank, spawn_ranks
 from trainer.sharded.live_loop import train_sharded_live
 from trainer.sharded.live_steps import StepAgreement, rank_partitions
 from trainer.sharded.loop import ShardedReport, train_sharded
 from trainer.sharded.model import build_sharded_dlrm, dense_parameters
 from trainer.sharded.plan import ROWWISE_ADAGRAD_EPS
 from trainer.sharded.topic_part import RankTopicPart
+from trainer.signals import stop_on_signals
+from trainer.sources import open_stream
 from trainer.streams.base import InteractionStream
 from trainer.streams.kafka_events import live_model_extra
 from trainer.streams.kafka_reader import EventSource, topic_partitions
@@ -107,40 +102,6 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
                 f"--device cuda needs a GPU per rank: {world_size} ranks, {gpus} GPUs"
             )
     check_batch_size(args.batch_size, world_size)
-
-
-def run_job(args: argparse.Namespace) -> int:
-    """`checknrun train --nproc N`: the job's N ranks on this host; returns the exit status."""
-    check_job_options(args, args.nproc)
-    backend = "nccl" if args.device == "cuda" else "gloo"  # as under torchrun
-    spawn_ranks(functools.partial(train_rank, args), args.nproc, backend=backend)
-    return 0
-
-
-def torchrun_rank(argv: Sequence[str], environ: Mapping[str, str]) -> int:
-    """This process's rank of a job torchrun started: the `train` options, RANK, WORLD_SIZE,
-    LOCAL_RANK (and MASTER_ADDR/MASTER_PORT for the process group) from `environ`."""
-    parser = CommandParser(prog="python -m trainer.sharded.launch")
-    add_train_args(parser)
-    args = parse_command_line(parser, argv)
-    try:
-        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
-        if missing:
-            raise CommandError(f"{', '.join(missing)} not set: start this module with torchrun")
-        rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-        if args.nproc not in (None, world_size):
-            raise CommandError(f"--nproc {args.nproc}, but torchrun started {world_size} ranks")
-        check_job_options(args, world_size)
-        run_rank(
-            functools.partial(train_rank, args),
-            rank,
-            world_size,
-            int(environ.get("LOCAL_RANK", rank)),
-            backend="nccl" if args.device == "cuda" else "gloo",
-        )
-    except (*REPORTED, KeyboardInterrupt) as exc:
-        return report_failure(parser.prog, exc, as_json=args.json)
-    return 0
 
 
 def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank: int) -> None:
@@ -360,7 +321,7 @@ def _published(result: PublishResult) -> None:
     manifest = result.manifest
     ranks = manifest.position.ranks
     print(
-        f"published v{manifest.version} {manifest.kind:<5} {_human_bytes(result.bytes_written):>9} "
+        f"published v{manifest.version} {manifest.kind:<5} {human_bytes(result.bytes_written):>9} "
         f"({result.ratio:.1f}x < fp32)  samples {manifest.position.samples_seen:,}  "
         f"{len(ranks) if ranks else 1} rank(s)",
         file=sys.stderr,

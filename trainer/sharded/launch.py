@@ -19,6 +19,8 @@ that no job's stderr says it.)
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import os
 import signal
@@ -28,7 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
@@ -40,8 +42,17 @@ from torch.multiprocessing.spawn import (
     start_processes,
 )
 
+from publisher.cli import (
+    REPORTED,
+    CommandError,
+    CommandParser,
+    parse_command_line,
+    report_failure,
+)
 from schemas.errors import CheckNRunError
 from trainer.errors import RankFailedError
+from trainer.options import add_train_args
+from trainer.sharded.job import check_job_options, train_rank
 
 #: how long a collective waits for a peer before the rank fails (a dead or stuck rank).
 DEFAULT_TIMEOUT_S = 300.0
@@ -196,10 +207,42 @@ def _exit_reason(exit_code: int) -> str:
     return f"exit status {exit_code}"
 
 
+def run_job(args: argparse.Namespace) -> int:
+    """`checknrun train --nproc N`: the job's N ranks on this host; returns the exit status."""
+    check_job_options(args, args.nproc)
+    backend = "nccl" if args.device == "cuda" else "gloo"  # as under torchrun
+    spawn_ranks(functools.partial(train_rank, args), args.nproc, backend=backend)
+    return 0
+
+
+def torchrun_rank(argv: Sequence[str], environ: Mapping[str, str]) -> int:
+    """This process's rank of a job torchrun started: the `train` options, RANK, WORLD_SIZE,
+    LOCAL_RANK (and MASTER_ADDR/MASTER_PORT for the process group) from `environ`."""
+    parser = CommandParser(prog="python -m trainer.sharded.launch")
+    add_train_args(parser)
+    args = parse_command_line(parser, argv)
+    try:
+        missing = [name for name in ("RANK", "WORLD_SIZE") if name not in environ]
+        if missing:
+            raise CommandError(f"{', '.join(missing)} not set: start this module with torchrun")
+        rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+        if args.nproc not in (None, world_size):
+            raise CommandError(f"--nproc {args.nproc}, but torchrun started {world_size} ranks")
+        check_job_options(args, world_size)
+        run_rank(
+            functools.partial(train_rank, args),
+            rank,
+            world_size,
+            int(environ.get("LOCAL_RANK", rank)),
+            backend="nccl" if args.device == "cuda" else "gloo",
+        )
+    except (*REPORTED, KeyboardInterrupt) as exc:
+        return report_failure(parser.prog, exc, as_json=args.json)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`torchrun ... -m trainer.sharded.launch [train options]`: this process's rank of the job."""
-    from trainer.sharded.job import torchrun_rank
-
     return torchrun_rank(sys.argv[1:] if argv is None else argv, os.environ)
 
 

