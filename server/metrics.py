@@ -1,22 +1,26 @@
-"""Prometheus text exposition (format 0.0.4), hand-written: counters, gauges and histograms.
+"""The server's Prometheus metrics, on `prometheus_client`, all named in one place.
 
-A few dozen lines do what the server needs without a client library: every instrument keeps its
-values under one lock and renders itself; histograms keep cumulative bucket counts so a scrape is
-O(buckets). Label values are escaped as the format requires. `ServerMetrics` names every
-instrument the server exports in one place, so /metrics and the docs cannot drift apart.
+`ServerMetrics` declares every instrument the server exports (names prefixed
+`checknrun_server_`), so /metrics and docs/SERVER.md cannot drift apart. Each instance owns its
+`CollectorRegistry`: tests build many apps in one process, and the library's global default
+registry would refuse the second app's names. `render()` is the /metrics body in text format
+0.0.4; the gauges that describe the live model are read from it at scrape time.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from publisher.read import SubscriberObserver, UpdateResult, VersionRef
 from publisher.read.follower import FollowerStats
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "checknrun_server_"
+#: what `render()` writes (the library's CONTENT_TYPE_LATEST is now the 1.0.0 text format).
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 #: latency buckets (seconds) from 100 µs to 30 s, roughly x2.5 apart.
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -39,287 +43,144 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     30.0,
 )
 
-LabelValues = tuple[str, ...]
-_I = TypeVar("_I", bound="_Instrument")
+#: the gauges read from the live model at scrape time: name (after the prefix) -> help.
+MODEL_GAUGES: dict[str, str] = {
+    "model_version": "Version being served.",
+    "staleness_seconds": (
+        "Seconds the oldest known unapplied committed version has waited (0 = current)."
+    ),
+    "model_age_seconds": "Seconds since the served version was created.",
+    "pinned": "1 while an admin pin holds the version.",
+    "ready": "1 once bootstrapped and fresh enough.",
+    "model_memory_bytes": "Bytes of model weights held (every buffer).",
+}
+
+Read = Callable[[], float | None]
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Registry(CollectorRegistry):
+    """A registry without the library's `<counter>_created` series: in the 0.0.4 text format
+    each would be one more gauge series per counter series, holding a start time nobody reads."""
+
+    def collect(self) -> Iterator[Metric]:
+        for family in super().collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
 
 
-def _format_value(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-class _Instrument:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.label_names = tuple(labels)
-        self._lock = threading.Lock()
-
-    def _key(self, labels: Sequence[str]) -> LabelValues:
-        if len(labels) != len(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
-        return tuple(str(v) for v in labels)
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def render(self) -> list[str]:
-        raise NotImplementedError
-
-
-class Counter(_Instrument):
-    """A value that only goes up (per label set)."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
-        self._values: dict[LabelValues, float] = {} if labels else {(): 0.0}
-
-    def inc(self, amount: float = 1.0, labels: Sequence[str] = ()) -> None:
-        if amount < 0:
-            raise ValueError(f"{self.name}: counters only go up, got {amount}")
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, labels: Sequence[str] = ()) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def total(self) -> float:
-        with self._lock:
-            return sum(self._values.values())
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        lines = self.header()
-        lines += [f"{self.name}{_labels(self.label_names, k)} {_format_value(v)}" for k, v in items]
-        return lines
-
-
-class Gauge(_Instrument):
-    """A value that goes up and down; either set, or read from a callback at scrape time."""
-
-    kind = "gauge"
-
-    def __init__(
-        self, name: str, help_text: str, read: Callable[[], float | None] | None = None
-    ) -> None:
-        super().__init__(name, help_text)
-        self._value: float = 0.0
-        self._read = read
-
-    def set(self, value: float) -> None:
-        with self._lock:
-            self._value = float(value)
-
-    def value(self) -> float | None:
-        if self._read is not None:
-            return self._read()
-        with self._lock:
-            return self._value
-
-    def render(self) -> list[str]:
-        value = self.value()
-        if value is None:  # nothing to report yet (e.g. no version served): omit the sample
-            return self.header()
-        return [*self.header(), f"{self.name} {_format_value(value)}"]
-
-
-class Histogram(_Instrument):
-    """Observations counted into cumulative buckets (`le`), plus their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        buckets: Iterable[float] = LATENCY_BUCKETS,
-        labels: Sequence[str] = (),
-    ) -> None:
-        super().__init__(name, help_text, labels)
-        self.buckets = tuple(sorted(float(b) for b in buckets))
-        if not self.buckets or any(math.isinf(b) for b in self.buckets):
-            raise ValueError(f"{self.name}: give finite buckets; +Inf is implicit")
-        self._series: dict[LabelValues, tuple[list[int], list[float]]] = {}
-
-    def observe(self, value: float, labels: Sequence[str] = ()) -> None:
-        key = self._key(labels)
-        with self._lock:
-            counts, totals = self._series.setdefault(key, ([0] * (len(self.buckets) + 1), [0.0]))
-            # Cumulative buckets: an observation counts in every bucket whose bound it fits.
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    counts[i] += 1
-            counts[-1] += 1
-            totals[0] += value
-
-    def count(self, labels: Sequence[str] = ()) -> int:
-        with self._lock:
-            series = self._series.get(self._key(labels))
-            return 0 if series is None else series[0][-1]
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted((k, (list(c), t[0])) for k, (c, t) in self._series.items())
-        lines = self.header()
-        for key, (counts, total) in items:
-            for bound, n in zip((*self.buckets, math.inf), counts, strict=True):
-                le = f'le="{_format_value(bound)}"'
-                lines.append(f"{self.name}_bucket{_labels(self.label_names, key, le)} {n}")
-            lines.append(f"{self.name}_sum{_labels(self.label_names, key)} {_format_value(total)}")
-            lines.append(f"{self.name}_count{_labels(self.label_names, key)} {counts[-1]}")
-        return lines
-
-
-class Registry:
-    """Instruments in registration order; `render()` is the /metrics body."""
+class _ModelGauges:
+    """A collector of the `MODEL_GAUGES`, each read at scrape time from its bound callback; one
+    with nothing to report (no version served yet) keeps its HELP and TYPE but has no sample."""
 
     def __init__(self) -> None:
-        self._instruments: list[_Instrument] = []
+        self.reads: dict[str, Read] = {}
 
-    def register(self, instrument: _Instrument) -> None:
-        if any(i.name == instrument.name for i in self._instruments):
-            raise ValueError(f"metric {instrument.name} registered twice")
-        self._instruments.append(instrument)
-
-    def render(self) -> str:
-        lines: list[str] = []
-        for instrument in self._instruments:
-            lines += instrument.render()
-        return "\n".join(lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        for name, help_text in MODEL_GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, help_text)
+            read = self.reads.get(name)
+            value = None if read is None else read()
+            if value is not None:
+                family.add_metric([], value)
+            yield family
 
 
 class ServerMetrics:
-    """Every metric the server exports (names prefixed `checknrun_server_`)."""
+    """Every metric the server exports, on a registry of its own."""
 
     def __init__(self) -> None:
-        self.registry = Registry()
-        p = "checknrun_server_"
-        self.applied_versions = self._add(
-            Counter(f"{p}versions_applied_total", "Versions applied to the live model.", ["kind"])
-        )
-        self.apply_seconds = self._add(
-            Histogram(
-                f"{p}apply_seconds",
-                "Seconds to fetch, verify, decode and swap in one plan of versions.",
-                labels=["kind"],
-            )
-        )
-        self.swap_pause_seconds = self._add(
-            Histogram(
-                f"{p}swap_pause_seconds",
-                "Seconds predictions could not start while a version was swapped in.",
-            )
-        )
-        self.bytes_fetched = self._add(
-            Counter(f"{p}bytes_fetched_total", "Blob bytes fetched from the store and verified.")
-        )
-        self.rejected = self._add(
-            Counter(
-                f"{p}rejected_versions_total",
-                "Versions rejected (failed verification, decoding or layout checks), by reason.",
-                ["reason"],
-            )
-        )
-        self.follow_errors = self._add(
-            Counter(
-                f"{p}follow_errors_total", "Follow-loop failures other than rejections.", ["kind"]
-            )
-        )
-        self.follower_events = self._add(
-            Counter(
-                f"{p}follower_events_total",
-                "Announcement follower counters, by reason.",
-                ["reason"],
-            )
-        )
-        self.predict_seconds = self._add(
-            Histogram(f"{p}predict_seconds", "Seconds per predict request (validation + model).")
-        )
-        self.predict_examples = self._add(Counter(f"{p}predict_examples_total", "Examples scored."))
-        self.raw_ids = self._add(
-            Counter(
-                f"{p}raw_ids_total",
-                "Raw ids mapped in predict requests (models trained from raw events), by feature.",
-                ["feature"],
-            )
-        )
-        self.unknown_ids = self._add(
-            Counter(
-                f"{p}unknown_ids_total",
-                "Raw ids the served version did not know (served by row 0), by feature.",
-                ["feature"],
-            )
-        )
-        self.requests = self._add(
-            Counter(
-                f"{p}http_requests_total",
-                "HTTP requests by route, method and status.",
-                ["route", "method", "status"],
-            )
-        )
-        self.version = self._add(Gauge(f"{p}model_version", "Version being served."))
-        self.staleness = self._add(
-            Gauge(
-                f"{p}staleness_seconds",
-                "Seconds the oldest known unapplied committed version has waited (0 = current).",
-            )
-        )
-        self.age = self._add(
-            Gauge(f"{p}model_age_seconds", "Seconds since the served version was created.")
-        )
-        self.pinned = self._add(Gauge(f"{p}pinned", "1 while an admin pin holds the version."))
-        self.ready = self._add(Gauge(f"{p}ready", "1 once bootstrapped and fresh enough."))
-        self.model_bytes = self._add(
-            Gauge(f"{p}model_memory_bytes", "Bytes of model weights held (every buffer).")
-        )
+        self.registry: CollectorRegistry = _Registry()
 
-    def _add(self, instrument: _I) -> _I:
-        self.registry.register(instrument)
-        return instrument
+        def counter(name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, help_text, labels, registry=self.registry)
+
+        def histogram(name: str, help_text: str, labels: Sequence[str] = ()) -> Histogram:
+            return Histogram(
+                PREFIX + name, help_text, labels, registry=self.registry, buckets=LATENCY_BUCKETS
+            )
+
+        self.applied_versions = counter(
+            "versions_applied_total", "Versions applied to the live model.", ["kind"]
+        )
+        self.apply_seconds = histogram(
+            "apply_seconds",
+            "Seconds to fetch, verify, decode and swap in one plan of versions.",
+            ["kind"],
+        )
+        self.swap_pause_seconds = histogram(
+            "swap_pause_seconds",
+            "Seconds predictions could not start while a version was swapped in.",
+        )
+        self.bytes_fetched = counter(
+            "bytes_fetched_total", "Blob bytes fetched from the store and verified."
+        )
+        self.rejected = counter(
+            "rejected_versions_total",
+            "Versions rejected (failed verification, decoding or layout checks), by reason.",
+            ["reason"],
+        )
+        self.follow_errors = counter(
+            "follow_errors_total", "Follow-loop failures other than rejections.", ["kind"]
+        )
+        self.follower_events = counter(
+            "follower_events_total", "Announcement follower counters, by reason.", ["reason"]
+        )
+        self.predict_seconds = histogram(
+            "predict_seconds", "Seconds per predict request (validation + model)."
+        )
+        self.predict_examples = counter("predict_examples_total", "Examples scored.")
+        self.raw_ids = counter(
+            "raw_ids_total",
+            "Raw ids mapped in predict requests (models trained from raw events), by feature.",
+            ["feature"],
+        )
+        self.unknown_ids = counter(
+            "unknown_ids_total",
+            "Raw ids the served version did not know (served by row 0), by feature.",
+            ["feature"],
+        )
+        self.requests = counter(
+            "http_requests_total",
+            "HTTP requests by route, method and status.",
+            ["route", "method", "status"],
+        )
+        self._model_gauges = _ModelGauges()
+        self.registry.register(self._model_gauges)
 
     def bind(
         self,
         *,
-        version: Callable[[], float | None],
-        staleness: Callable[[], float | None],
-        age: Callable[[], float | None],
-        pinned: Callable[[], float | None],
-        ready: Callable[[], float | None],
-        model_bytes: Callable[[], float | None],
+        version: Read,
+        staleness: Read,
+        age: Read,
+        pinned: Read,
+        ready: Read,
+        model_bytes: Read,
     ) -> None:
         """Read the gauges that describe the live model from it at scrape time."""
-        self.version._read = version
-        self.staleness._read = staleness
-        self.age._read = age
-        self.pinned._read = pinned
-        self.ready._read = ready
-        self.model_bytes._read = model_bytes
+        self._model_gauges.reads = {
+            "model_version": version,
+            "staleness_seconds": staleness,
+            "model_age_seconds": age,
+            "pinned": pinned,
+            "ready": ready,
+            "model_memory_bytes": model_bytes,
+        }
 
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self) -> bytes:
+        """The /metrics body (served as `CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+
+def counted(counter: Counter, **labels: str) -> float:
+    """What `counter` has counted over its series whose labels include `labels`: one series'
+    value, or with no labels the counter's total."""
+    return sum(
+        sample.value
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total") and labels.items() <= sample.labels.items()
+    )
 
 
 class MetricsObserver(SubscriberObserver):
@@ -327,35 +188,37 @@ class MetricsObserver(SubscriberObserver):
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
+        self._follower_counts: dict[str, int] = {}  # the follower's totals counted so far
 
     def applied(
         self, plan: Sequence[VersionRef], result: UpdateResult, seconds: float, kind: str
     ) -> None:
         for ref in plan:
-            self.metrics.applied_versions.inc(labels=[ref.manifest.kind])
-        self.metrics.apply_seconds.observe(seconds, labels=[kind])
+            self.metrics.applied_versions.labels(ref.manifest.kind).inc()
+        self.metrics.apply_seconds.labels(kind).observe(seconds)
         self.metrics.swap_pause_seconds.observe(result.pause_s)
 
     def fetched(self, nbytes: int) -> None:
         self.metrics.bytes_fetched.inc(nbytes)
 
     def rejected(self, reason: str) -> None:
-        self.metrics.rejected.inc(labels=[reason])
+        self.metrics.rejected.labels(reason).inc()
 
     def failed(self, kind: str) -> None:
-        self.metrics.follow_errors.inc(labels=[kind])
+        self.metrics.follow_errors.labels(kind).inc()
 
     def follower_stats(self, stats: FollowerStats) -> None:
-        counts = {f"ignored_{k}": v for k, v in stats.ignored.items()}
-        counts.update(
+        # The follower keeps running totals; the counters take what was added since last time.
+        totals = {f"ignored_{k}": v for k, v in stats.ignored.items()}
+        totals.update(
             received=stats.received,
             reconciles=stats.reconciles,
             coalesced=stats.coalesced,
             head_polls=stats.head_polls,
             store_errors=stats.store_errors,
         )
-        events = self.metrics.follower_events
-        for reason, value in counts.items():
-            seen = events.value(labels=[reason])
-            if value > seen:
-                events.inc(value - seen, labels=[reason])
+        for reason, total in totals.items():
+            seen = self._follower_counts.get(reason, 0)
+            if total > seen:
+                self.metrics.follower_events.labels(reason).inc(total - seen)
+                self._follower_counts[reason] = total

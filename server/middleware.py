@@ -116,7 +116,7 @@ class RequestMetrics:
             await self.app(scope, receive, recording_send)
         finally:
             labels = [_route_label(scope), _method_label(scope), str(status[0])]
-            self.metrics.requests.inc(labels=labels)
+            self.metrics.requests.labels(*labels).inc()
 
 
 def _route_label(scope: Scope) -> str:

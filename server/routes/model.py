@@ -160,7 +160,7 @@ def pin(body: PinRequest, _admin: AdminDep, live: LiveModelDep, state: StateDep)
     except NoVersionError as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
     except BadDataError as exc:
-        state.metrics.rejected.inc(labels=["pin"])
+        state.metrics.rejected.labels("pin").inc()
         raise HTTPException(
             status.HTTP_502_BAD_GATEWAY,
             f"version {body.version} cannot be served: {type(exc).__name__}: {exc}",

@@ -25,8 +25,8 @@ router = APIRouter(prefix="/v1", tags=["predict"])
 
 def _count_ids(metrics: ServerMetrics, scored: Scored) -> None:
     for feature, count in (scored.ids or {}).items():
-        metrics.raw_ids.inc(count, labels=[feature])
-        metrics.unknown_ids.inc((scored.unknown_ids or {}).get(feature, 0), labels=[feature])
+        metrics.raw_ids.labels(feature).inc(count)
+        metrics.unknown_ids.labels(feature).inc((scored.unknown_ids or {}).get(feature, 0))
 
 
 @router.post(

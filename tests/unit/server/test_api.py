@@ -556,21 +556,22 @@ def test_metrics_exposition(served: Served) -> None:
     r = served.client.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    text = r.text
+    lines = r.text.splitlines()
     for line in (
-        "checknrun_server_model_version 2",
-        "checknrun_server_staleness_seconds 0",
-        'checknrun_server_predict_seconds_bucket{le="+Inf"} 1',
-        "checknrun_server_predict_seconds_count 1",
-        'checknrun_server_http_requests_total{route="/v1/predict",method="POST",status="200"} 1',
-        'checknrun_server_http_requests_total{route="/v1/predict",method="POST",status="422"} 1',
-        'checknrun_server_apply_seconds_count{kind="bootstrap"} 1',
+        "checknrun_server_model_version 2.0",
+        "checknrun_server_staleness_seconds 0.0",
+        'checknrun_server_predict_seconds_bucket{le="+Inf"} 1.0',
+        "checknrun_server_predict_seconds_count 1.0",
+        # prometheus_client writes labels in name order.
+        'checknrun_server_http_requests_total{method="POST",route="/v1/predict",status="200"} 1.0',
+        'checknrun_server_http_requests_total{method="POST",route="/v1/predict",status="422"} 1.0',
+        'checknrun_server_apply_seconds_count{kind="bootstrap"} 1.0',
         "# TYPE checknrun_server_apply_seconds histogram",
         "# TYPE checknrun_server_bytes_fetched_total counter",
-        "checknrun_server_pinned 0",
-        "checknrun_server_ready 1",
+        "checknrun_server_pinned 0.0",
+        "checknrun_server_ready 1.0",
     ):
-        assert line in text, line
+        assert line in lines, line
 
 
 def _request_series(text: str) -> list[dict[str, str]]:

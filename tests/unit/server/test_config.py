@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import secrets
@@ -11,13 +10,23 @@ import signal
 from pathlib import Path
 
 import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr, ValidationError
 
 from bench.child_server import ChildServer
 from bench.synthetic_run import SyntheticRun, random_examples, small_config
+from publisher.read.follower import FollowerStats
 from publisher.store import FileStore
 from server.cli import register, settings_from_args
-from server.metrics import Counter, Gauge, Histogram, Registry, ServerMetrics
+from server.metrics import (
+    LATENCY_BUCKETS,
+    MODEL_GAUGES,
+    PREFIX,
+    MetricsObserver,
+    ServerMetrics,
+    counted,
+)
 from server.settings import ServerSettings, load_settings, token_weakness
 
 STRONG = "Zq8-vT3pL0xW9mR2bN7c"
@@ -182,44 +191,95 @@ def test_serve_runs_uvicorn_and_stops_on_sigterm(tmp_path: Path) -> None:
 # --- metrics format ------------------------------------------------------------------------------
 
 
-def test_counter_and_gauge_exposition() -> None:
-    reg = Registry()
-    c = Counter("x_total", "Things.", ["reason"])
-    g = Gauge("y", "A level.")
-    reg.register(c)
-    reg.register(g)
-    c.inc(labels=['bad "quote"\n'])
-    c.inc(2, labels=["ok"])
-    g.set(1.5)
-    assert reg.render() == (
-        "# HELP x_total Things.\n# TYPE x_total counter\n"
-        'x_total{reason="bad \\"quote\\"\\n"} 1\nx_total{reason="ok"} 2\n'
-        "# HELP y A level.\n# TYPE y gauge\ny 1.5\n"
-    )
-    with pytest.raises(ValueError):
-        c.inc(-1, labels=["ok"])
-    with pytest.raises(ValueError):
-        c.inc(labels=[])
-    with pytest.raises(ValueError):
-        reg.register(Counter("x_total", "again"))
+def _families(metrics: ServerMetrics) -> dict[str, Metric]:
+    # Parsing the body back checks that it is valid Prometheus text, not only that it holds a line.
+    return {m.name: m for m in text_string_to_metric_families(metrics.render().decode())}
 
 
-def test_histogram_buckets_are_cumulative() -> None:
-    h = Histogram("lat_seconds", "Latency.", buckets=[0.1, 1.0])
-    for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(v)
-    assert h.render()[2:] == [
-        'lat_seconds_bucket{le="0.1"} 2',
-        'lat_seconds_bucket{le="1"} 3',
-        'lat_seconds_bucket{le="+Inf"} 4',
-        "lat_seconds_sum 3.65",
-        "lat_seconds_count 4",
-    ]
-    with pytest.raises(ValueError):
-        Histogram("bad", "x", buckets=[math.inf])
+def test_metrics_keep_their_names_types_and_labels() -> None:
+    metrics = ServerMetrics()
+    metrics.requests.labels("/v1/predict", "POST", "200").inc()
+    metrics.unknown_ids.labels('bad "quote"\n').inc(2)
+    metrics.apply_seconds.labels("delta").observe(0.05)
+    families = _families(metrics)
+    # The parser names a counter family without `_total`; its samples keep the exported name.
+    kinds = {name: family.type for name, family in families.items()}
+    assert kinds == {
+        "checknrun_server_versions_applied": "counter",
+        "checknrun_server_apply_seconds": "histogram",
+        "checknrun_server_swap_pause_seconds": "histogram",
+        "checknrun_server_bytes_fetched": "counter",
+        "checknrun_server_rejected_versions": "counter",
+        "checknrun_server_follow_errors": "counter",
+        "checknrun_server_follower_events": "counter",
+        "checknrun_server_predict_seconds": "histogram",
+        "checknrun_server_predict_examples": "counter",
+        "checknrun_server_raw_ids": "counter",
+        "checknrun_server_unknown_ids": "counter",
+        "checknrun_server_http_requests": "counter",
+        **{PREFIX + name: "gauge" for name in MODEL_GAUGES},
+    }
+    (request,) = families["checknrun_server_http_requests"].samples
+    assert request.name == "checknrun_server_http_requests_total" and request.value == 1
+    assert request.labels == {"route": "/v1/predict", "method": "POST", "status": "200"}
+    (unknown,) = families["checknrun_server_unknown_ids"].samples
+    assert unknown.labels == {"feature": 'bad "quote"\n'} and unknown.value == 2
+    buckets = {
+        s.labels["le"]: s.value
+        for s in families["checknrun_server_apply_seconds"].samples
+        if s.name.endswith("_bucket")
+    }
+    assert buckets["0.025"] == 0 and buckets["0.05"] == 1 and buckets["+Inf"] == 1
+    assert len(buckets) == len(LATENCY_BUCKETS) + 1
+    assert "_created" not in metrics.render().decode()
+
+
+def test_each_server_metrics_has_a_registry_of_its_own() -> None:
+    first, second = ServerMetrics(), ServerMetrics()  # the default registry would refuse this
+    first.rejected.labels("integrity").inc()
+    assert counted(first.rejected, reason="integrity") == 1
+    assert counted(second.rejected) == 0
 
 
 def test_server_metrics_render_without_a_model() -> None:
-    text = ServerMetrics().render()
+    text = ServerMetrics().render().decode()
     assert "# TYPE checknrun_server_model_version gauge" in text
-    assert "\ncheckknrun_server_model_version " not in text  # no sample until a version is served
+    assert "\nchecknrun_server_model_version " not in text  # no sample until a version is served
+
+
+def test_model_gauges_are_read_at_scrape_time() -> None:
+    metrics = ServerMetrics()
+    version: list[float | None] = [None]
+    metrics.bind(
+        version=lambda: version[0],
+        staleness=lambda: None,
+        age=lambda: 1.5,
+        pinned=lambda: 0.0,
+        ready=lambda: 1.0,
+        model_bytes=lambda: 4096.0,
+    )
+    assert _families(metrics)["checknrun_server_model_version"].samples == []
+    version[0] = 7.0
+    families = _families(metrics)
+    values = {name: [s.value for s in families[PREFIX + name].samples] for name in MODEL_GAUGES}
+    assert values == {
+        "model_version": [7.0],
+        "staleness_seconds": [],
+        "model_age_seconds": [1.5],
+        "pinned": [0.0],
+        "ready": [1.0],
+        "model_memory_bytes": [4096.0],
+    }
+
+
+def test_follower_totals_are_counted_once() -> None:
+    metrics = ServerMetrics()
+    observer = MetricsObserver(metrics)
+    observer.follower_stats(FollowerStats(received=3, head_polls=1, ignored={"old": 2}))
+    observer.follower_stats(FollowerStats(received=5, head_polls=1, ignored={"old": 2}))
+    events = metrics.follower_events
+    assert counted(events, reason="received") == 5
+    assert counted(events, reason="head_polls") == 1
+    assert counted(events, reason="ignored_old") == 2
+    assert counted(events, reason="reconciles") == 0
+    assert counted(events) == 8

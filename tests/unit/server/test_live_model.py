@@ -43,7 +43,7 @@ from publisher.store import FileStore, StoreUnavailableError
 from schemas.announcement import Announcement
 from schemas.delta_blob import decode_delta_blob, encode_delta_blob
 from schemas.tensor_blob import decode_tensors, encode_tensors
-from server.metrics import MetricsObserver, ServerMetrics
+from server.metrics import MetricsObserver, ServerMetrics, counted
 from tests.support import dlrm_scores, dlrm_sink
 
 SCHEMES: list[ConsistencyScheme] = ["double-buffer", "rwlock"]
@@ -237,7 +237,7 @@ def test_corrupt_delta_is_rejected_then_retried_once_healed(world: World) -> Non
     assert world.loop.run(timeout=0.4) == []
     assert world.live.version == 1  # still serving the last good version
     assert world.loop.rejected >= 1
-    assert world.metrics.rejected.value(["integrity"]) >= 1
+    assert counted(world.metrics.rejected, reason="integrity") >= 1
     version, scores = served_scores(world.live, examples)
     assert version == 1 and np.array_equal(scores, before_scores)
     assert_matches_restore(world.live, world.store, 1)  # nothing torn, in any buffer
@@ -273,8 +273,8 @@ def test_missing_blob_is_rejected_not_counted_as_an_outage(world: World) -> None
     path.unlink()
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
-    assert world.metrics.rejected.value(["restore"]) >= 1
-    assert world.metrics.follow_errors.total() == 0
+    assert counted(world.metrics.rejected, reason="restore") >= 1
+    assert counted(world.metrics.follow_errors) == 0
     path.write_bytes(good)  # the store heals
     assert world.loop.run(max_versions=1, timeout=5) == [v2]
 
@@ -339,7 +339,7 @@ def test_version_holding_nan_or_inf_is_rejected(
 
     assert world.loop.run(timeout=0.4) == []
     assert world.live.version == 1  # still serving the last good version
-    assert world.metrics.rejected.value(["non_finite"]) >= 1
+    assert counted(world.metrics.rejected, reason="non_finite") >= 1
     served, scores = served_scores(world.live, examples)
     assert served == 1 and np.array_equal(scores, before_scores)
     assert np.isfinite(scores).all()
@@ -427,7 +427,7 @@ def test_delta_of_another_layout_is_rejected(world: World) -> None:
     world.publish()
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
-    assert world.metrics.rejected.value(["layout"]) >= 1
+    assert counted(world.metrics.rejected, reason="layout") >= 1
 
 
 def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -450,7 +450,7 @@ def test_store_outage_is_counted_and_retried(world: World, monkeypatch: pytest.M
     monkeypatch.setattr(world.store, "get_range", range_down)
     assert world.loop.run(timeout=0.3) == []
     assert world.live.version == 1
-    assert world.metrics.follow_errors.value(["store"]) >= 1
+    assert counted(world.metrics.follow_errors, kind="store") >= 1
     monkeypatch.setattr(world.store, "get_with_etag", real_get)
     monkeypatch.setattr(world.store, "get_range", real_range)
     assert world.loop.run(max_versions=1, timeout=5) == [v2]
@@ -554,4 +554,4 @@ def test_interrupt_abandons_an_apply_without_tearing(world: World) -> None:
     assert world.live.version == 1
     assert_matches_restore(world.live, world.store, 1)
     assert world.loop.run(timeout=0.2) == []  # the loop treats it as "stopping", not an error
-    assert world.metrics.follow_errors.total() == 0
+    assert counted(world.metrics.follow_errors) == 0

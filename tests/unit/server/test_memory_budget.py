@@ -21,7 +21,7 @@ from publisher.read import Catalog, ModelCopy, Subscriber, SubscriberOptions
 from publisher.read.version_fetch import fetch_version
 from publisher.store import FileStore, IntegrityError
 from server.app import create_app
-from server.metrics import MetricsObserver, ServerMetrics
+from server.metrics import MetricsObserver, ServerMetrics, counted
 from server.settings import ServerSettings
 from tests.support import dlrm_live, dlrm_sink
 
@@ -117,7 +117,7 @@ def test_a_forged_model_config_is_rejected_before_allocating(
         assert loop.run(timeout=0.5) == []
         assert live.version == 1
         assert spy.built == 0  # no model of the declared size, and no other
-        assert metrics.rejected.value(["budget"]) >= 2  # every retry is refused the same
+        assert counted(metrics.rejected, reason="budget") >= 2  # every retry is refused the same
         assert "over the memory budget" in (loop.last_error or "")
     finally:
         loop.close()

@@ -107,10 +107,10 @@ def test_raw_ids_are_mapped_and_unknown_ones_reported(served: RawServed) -> None
     assert body["version"] == 1
     assert body["unknown_ids"] == {"user": 1, "item": 0, "genres": 1}
     np.testing.assert_allclose(body["scores"][:1], served.run.scores(asked[:1]), atol=1e-6)
-    metrics = served.client.get("/metrics").text
-    assert 'checknrun_server_raw_ids_total{feature="user"} 2' in metrics
-    assert 'checknrun_server_unknown_ids_total{feature="user"} 1' in metrics
-    assert 'checknrun_server_unknown_ids_total{feature="genres"} 1' in metrics
+    metrics = served.client.get("/metrics").text.splitlines()
+    assert 'checknrun_server_raw_ids_total{feature="user"} 2.0' in metrics
+    assert 'checknrun_server_unknown_ids_total{feature="user"} 1.0' in metrics
+    assert 'checknrun_server_unknown_ids_total{feature="genres"} 1.0' in metrics
 
 
 def test_a_new_id_is_served_once_its_version_is_applied(served: RawServed) -> None:
