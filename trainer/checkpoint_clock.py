@@ -42,8 +42,16 @@ class CheckpointClock:
 
     def due(self) -> bool:
         """Whether an interval has passed since the last `restart`."""
-        if self.interval_samples is not None and self._since_samples >= self.interval_samples:
-            return True
+        return self.due_by_samples() or self.due_by_time()
+
+    def due_by_samples(self) -> bool:
+        """Whether `interval_samples` have passed (the same on every rank of a job: they count
+        the job's samples)."""
+        return self.interval_samples is not None and self._since_samples >= self.interval_samples
+
+    def due_by_time(self) -> bool:
+        """Whether `interval_seconds` have passed (this process's clock: the ranks of a job
+        vote on it, trainer/sharded/step_votes.py)."""
         return (
             self.interval_seconds is not None
             and self._now() - self._since_time >= self.interval_seconds

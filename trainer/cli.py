@@ -13,7 +13,7 @@ announced and subscribers poll HEAD. A live topic runs until SIGTERM / Ctrl-C or
 `--nproc N` trains one model over N processes on this host instead (trainer/sharded/: the
 tables sharded by TorchRec, `--sharding table_wise|row_wise`, `--device cpu|cuda`; the same job
 runs under `torchrun --nproc-per-node N -m trainer.sharded.launch ...`; a live topic is split
-by partitions over the ranks, trainer/sharded/live_steps.py).
+by partitions over the ranks, trainer/sharded/step_votes.py).
 
 Registered through the `checknrun.commands` entry point `train = "trainer.command:register"`;
 `python -m trainer.cli train ...` runs it without the entry point.

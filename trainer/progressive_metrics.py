@@ -32,13 +32,32 @@ def auc_from_histograms(pos: np.ndarray, neg: np.ndarray) -> float:
     return wins / (n_pos * n_neg)
 
 
-class _Counts:
+class Counts:
+    """Per-label score histograms, loss sum, samples and positives: what the metrics come from,
+    and what the ranks of a job sum (`as_array`, `from_array`)."""
+
     def __init__(self) -> None:
         self.pos = np.zeros(BINS, dtype=np.int64)
         self.neg = np.zeros(BINS, dtype=np.int64)
         self.loss_sum = 0.0
         self.samples = 0
         self.positives = 0
+
+    def as_array(self) -> np.ndarray:
+        """Everything as one float64 array (counts are exact below 2**53)."""
+        scalars = [self.loss_sum, self.samples, self.positives]
+        return np.concatenate([self.pos, self.neg, np.array(scalars)]).astype(np.float64)
+
+    @classmethod
+    def from_array(cls, values: np.ndarray) -> Counts:
+        """The counts `as_array` gave (or a sum of such arrays)."""
+        counts = cls()
+        counts.pos = np.rint(values[:BINS]).astype(np.int64)
+        counts.neg = np.rint(values[BINS : 2 * BINS]).astype(np.int64)
+        loss_sum, samples, positives = values[2 * BINS :]
+        counts.loss_sum = float(loss_sum)
+        counts.samples, counts.positives = int(samples), int(positives)
+        return counts
 
     def metrics(self, suffix: str) -> dict[str, float]:
         if self.samples == 0:
@@ -55,8 +74,8 @@ class ProgressiveMetrics:
     """Cumulative and windowed AUC / log loss of pre-update predictions."""
 
     def __init__(self) -> None:
-        self._total = _Counts()
-        self._window = _Counts()
+        self._total = Counts()
+        self._window = Counts()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Count one batch: `logits` scored before the batch was trained on, `labels` 0/1."""
@@ -89,5 +108,16 @@ class ProgressiveMetrics:
     def take_window(self) -> dict[str, float]:
         """Window and cumulative metrics, then start a new window (called at checkpoints)."""
         values = {**self.window(), **self.cumulative()}
-        self._window = _Counts()
+        self._window = Counts()
         return values
+
+    def take_window_counts(self) -> tuple[Counts, Counts]:
+        """The window's and the cumulative counts, then start a new window (a rank's part of
+        a job's metrics, trainer/sharded/step_metrics.py)."""
+        window, self._window = self._window, Counts()
+        return window, self._total
+
+    @staticmethod
+    def metrics_of(window: Counts, total: Counts) -> dict[str, float]:
+        """What `take_window` gives, from counts (a job's: summed over its ranks)."""
+        return {**window.metrics(""), **total.metrics("_cumulative")}

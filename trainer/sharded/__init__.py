@@ -3,7 +3,11 @@
 plan.py             how the tables are split over the ranks (the planner and its sharder)
 model.py            the sharded DLRM, its initial rows and each rank's local shards
 data.py             a rank's part of a global batch, as TorchRec's KeyedJaggedTensor
-loop.py             the training loop every rank runs, with the checkpointer's seam
+loop.py             the one training loop every rank runs over a step source, and its seams
+step_votes.py       the ranks' vote before each step (stop, checkpoint by time, end, samples)
+file_steps.py       a file or data set as a step source: the rank's slice of each global batch
+topic_part.py       a live topic as a step source: the rank's partitions and events in hand
+step_metrics.py     the progressive metrics of the job's samples, summed at each checkpoint
 launch.py           the processes: spawned here or started by torchrun, and their teardown
 job.py              one rank's job: the stream, model and optimizers `train` options describe
 collective.py       the publisher's Collective over torch.distributed (a gloo group of its own)

@@ -138,6 +138,7 @@ class ShardedCheckpointer:
         policy: str = "intermittent",
         codec: str = "int4",
         interval_samples: int | None = None,
+        interval_seconds: float | None = None,
         model_config: Mapping[str, Any] | None = None,
         announce: Callable[[Announcement], None] | None = None,
         on_published: Callable[[PublishResult], None] | None = None,
@@ -157,6 +158,9 @@ class ShardedCheckpointer:
                 blob, so the one-process trainer resumes with them).
             policy, codec: as for `IncrementalCheckpointer`; one codec for every table.
             interval_samples: checkpoint after this many samples of the job (all ranks).
+            interval_seconds: checkpoint after this many seconds; each rank's clock is its
+                own, so the training loop's vote says when (`time_due`, then
+                `maybe_checkpoint(due=True)` on every rank at the same step).
             model_config: what the serving side needs to rebuild the model.
             announce: called on rank 0 with each committed version's announcement.
             on_published: called (on the publishing thread) with each committed version.
@@ -189,7 +193,7 @@ class ShardedCheckpointer:
         self.tables: dict[str, ShardedTable] = {name: shards[name] for name in order}
         self.table_rows = {name: t.rows for name, t in self.tables.items()}
         self.weight_keys = {k for k, v in model.state_dict().items() if hasattr(v, "local_shards")}
-        self.clock = CheckpointClock(interval_samples)
+        self.clock = CheckpointClock(interval_samples, interval_seconds)
         #: this rank's samples (the clock counts the job's).
         self.rank_samples = 0
         self.policy: Policy = make_policy(policy, self.table_rows)
@@ -240,11 +244,17 @@ class ShardedCheckpointer:
         """Whether a full baseline is being copied in chunks (its last stop is still to come)."""
         return self._chunked is not None
 
+    @property
+    def time_due(self) -> bool:
+        """Whether this rank's clock says `interval_seconds` have passed (its vote)."""
+        return self.clock.due_by_time()
+
     def maybe_checkpoint(
-        self, reader: Reader | None = None, metrics: Metrics | None = None
+        self, reader: Reader | None = None, metrics: Metrics | None = None, *, due: bool = False
     ) -> CheckpointRecord | None:
-        """Checkpoint when the interval has passed (a collective call); re-raises a publishing
-        failure at once. `metrics` may be a callable (called only then, on every rank).
+        """Checkpoint when the job's samples reach the interval, or when `due` (the ranks
+        voted: some rank's `time_due`); a collective call; re-raises a publishing failure at
+        once. `metrics` may be a callable (called only then, on every rank).
 
         A full baseline larger than `Tunables.full_copy_chunk_bytes` on some rank is copied in
         chunks, one per call, and published by the call after the job's last chunk (None until
@@ -261,7 +271,7 @@ class ShardedCheckpointer:
                 chunked.pauses_ms.append((time.perf_counter() - started) * 1e3)
                 return None
             return self._finish_chunked(reader, metrics)
-        if not self.clock.due():
+        if not (due or self.clock.due_by_samples()):
             return None
         if self._closed:
             raise CheckpointError("checkpointer is closed")

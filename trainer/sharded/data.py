@@ -12,7 +12,7 @@ gradient one process takes on the global batch.
 
 A live topic is not split by sample index: each rank reads its own partitions, and a step's
 global batch is what the ranks hold together (`padded_batch`: a rank's events padded to the
-largest share; trainer/sharded/live_loop.py). The loss scale is the same rule.
+largest share; trainer/sharded/loop.py). The loss scale is the same rule.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def padded_batch(
 ) -> RankBatch:
     """All of `batch` (None: no samples) padded to `local_size` samples: a rank's part of a
     step whose `global_size` samples the ranks read each from its own source (a live topic's
-    partitions, trainer/sharded/live_loop.py)."""
+    partitions, trainer/sharded/loop.py)."""
     if batch is None:
         return RankBatch(
             dense=torch.zeros(local_size, n_dense),

@@ -4,7 +4,7 @@
 (`run_job`); under torchrun each process enters through `torchrun_rank`. On a file or data set
 every rank opens the same stream and takes its slice of each global batch; on a live topic
 (`--data kafka://...`, `--id-space hash`) each rank reads its own partitions and the ranks vote
-before each step (trainer/sharded/live_steps.py, live_loop.py). Rank 0 prints progress and the
+before each step (trainer/sharded/step_votes.py, loop.py). Rank 0 prints progress and the
 summary.
 
 Every rank publishes its shards through a ShardedCheckpointer (trainer/sharded/checkpointing.py)
@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torchrec.distributed import DistributedModelParallel
 
 from publisher.bus import open_announcer
 from publisher.cli import (
@@ -50,11 +49,11 @@ from trainer.options import (
 from trainer.sharded.checkpointing import ShardedCheckpointer
 from trainer.sharded.collective import TorchCollective
 from trainer.sharded.data import check_batch_size
-from trainer.sharded.live_loop import train_sharded_live
-from trainer.sharded.live_steps import StepAgreement, rank_partitions
-from trainer.sharded.loop import ShardedReport, train_sharded
+from trainer.sharded.file_steps import FileSteps
+from trainer.sharded.loop import ShardedReport, StepSource, train_steps
 from trainer.sharded.model import build_sharded_dlrm, dense_parameters
 from trainer.sharded.plan import ROWWISE_ADAGRAD_EPS
+from trainer.sharded.step_votes import StepAgreement, rank_partitions
 from trainer.sharded.topic_part import RankTopicPart
 from trainer.signals import stop_on_signals
 from trainer.sources import open_stream
@@ -74,11 +73,6 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
         raise CommandError(
             f"--sparse-optimizer {args.sparse_optimizer}: a sharded job (--nproc) trains its "
             "tables with TorchRec's fused row-wise Adagrad only (rowwise-adagrad)"
-        )
-    if args.interval_seconds is not None:
-        raise CommandError(
-            "--interval-seconds: the ranks of a sharded job (--nproc) must checkpoint at the same "
-            "step, and their clocks differ: use --interval-samples"
         )
     if args.on_nonfinite != "stop":
         raise CommandError("--on-nonfinite skip: a sharded job (--nproc) stops on NaN or inf")
@@ -105,10 +99,23 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
 
 
 def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank: int) -> None:
-    """Train this rank's part of the job (its process group is up)."""
+    """Train this rank's part of the job (its process group is up). SIGTERM or Ctrl-C, from
+    its first moment, asks the job to stop: the ranks agree at the next step's vote, publish a
+    final version and end with exit status 0, on a file as on a topic."""
+    stop_event = threading.Event()
+    with stop_on_signals(stop_event):
+        _train_rank(args, rank, world_size, local_rank, stop_event)
+
+
+def _train_rank(
+    args: argparse.Namespace,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    stop_event: threading.Event,
+) -> None:
     torch.set_num_threads(args.threads)
     device = _rank_device(args.device, local_rank)
-    stop_event = threading.Event()
     topic: _TopicSplit | None = None
     if is_live(args.data):
         topic = _TopicSplit.open(args, rank, world_size, stop_event)
@@ -134,6 +141,9 @@ def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank:
     codec = args.codec
     if codec == "auto":
         codec = codec_for_expected_restores(args.expected_restores)
+    interval_samples = args.interval_samples
+    if interval_samples is None and args.interval_seconds is None:
+        interval_samples = DEFAULT_INTERVAL_SAMPLES
     store = open_store(args.store, create=True)
     checkpointer = ShardedCheckpointer(
         model,
@@ -144,26 +154,39 @@ def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank:
         sparse_hyper={"lr": args.sparse_lr, "eps": ROWWISE_ADAGRAD_EPS},
         policy=args.policy,
         codec=codec,
-        interval_samples=args.interval_samples or DEFAULT_INTERVAL_SAMPLES,
+        interval_samples=interval_samples,
+        interval_seconds=args.interval_seconds,
         model_config=config.to_json(),
         announce=open_announcer(args.bus, model_name).announce if rank == 0 and args.bus else None,
         on_published=_published if rank == 0 and not args.json else None,
     )
+    source: StepSource
     try:
+        agreement = StepAgreement.new(COLLECTIVE_TIMEOUT_S)
         if topic is None:
             start, resumed = _resume(
                 checkpointer, args, store, model_name, lambda p: stream.resume_offset(p.reader)
             )
             stop = whole_batches(args.max_samples, start, args.batch_size, say=rank == 0)
+            features = [f.name for f in config.sparse]
+            source = FileSteps(
+                stream, args.batch_size, rank, world_size, features, start=start, stop=stop
+            )
+            max_samples, stop_at_end = None, True
         else:
             start, resumed = _resume(checkpointer, args, store, model_name, topic.resume)
             if rank == 0 and resumed is not None:
                 topic.part.stream.restore_metrics(
                     Catalog(store, model_name).find(resumed).manifest.metrics
                 )
-            stop = topic.samples_left(args.max_samples, checkpointer.clock.samples_seen)
+            max_samples = topic.samples_left(args.max_samples, checkpointer.clock.samples_seen)
+            stop_at_end = args.stop_at_end
+            topic.part.open(args.batch_size // world_size)
+            source = topic.part
     except BaseException:
         checkpointer.close(flush=False)
+        if topic is not None:
+            topic.part.close()
         raise
     if rank == 0 and not args.json:
         print(
@@ -173,37 +196,33 @@ def train_rank(args: argparse.Namespace, rank: int, world_size: int, local_rank:
             file=sys.stderr,
         )
     on_step = _progress if rank == 0 and not args.no_progress and not args.json else None
-    if topic is None:
-        report = train_sharded(
+    try:
+        report = train_steps(
             model,
             optimizer,
-            stream,
-            batch_size=args.batch_size,
-            rank=rank,
-            world_size=world_size,
+            source,
+            agreement,
             device=device,
-            start=start,
-            stop=stop,
+            stop_at_end=stop_at_end,
+            stop_event=stop_event,
+            max_samples=max_samples,
             checkpointer=checkpointer,
             on_step=on_step,
         )
         live: dict[str, Any] = {}
-    else:
-        report, live = topic.train(
-            model,
-            optimizer,
-            args,
-            device=device,
-            stop=stop,
-            checkpointer=checkpointer,
-            on_step=on_step,
-        )
+        if topic is not None:
+            counters = agreement.sum_counters(topic.part.metrics())
+            live = {"samples_seen": checkpointer.clock.samples_seen, "stream": counters}
+    finally:
+        checkpointer.close()
+        if topic is not None:
+            topic.part.close()
     if rank == 0:
         _report(args, world_size, report, model_name, resumed, checkpointer, live)
 
 
 class _TopicSplit:
-    """A rank's part of a live topic in a sharded job (trainer/sharded/live_steps.py)."""
+    """A rank's part of a live topic in a sharded job (trainer/sharded/step_votes.py)."""
 
     def __init__(
         self,
@@ -211,14 +230,12 @@ class _TopicSplit:
         partitions: tuple[int, ...],
         rank: int,
         world_size: int,
-        stop_event: threading.Event,
     ) -> None:
         self.part = part
         #: the partitions the job reads, sorted.
         self.partitions = partitions
         self.rank = rank
         self.world_size = world_size
-        self.stop_event = stop_event
 
     @classmethod
     def open(
@@ -230,7 +247,7 @@ class _TopicSplit:
         # no count features (check_job_options): they need the id maps' counts
         uncounted = argparse.Namespace(**{**vars(args), "count_features": ""})
         stream = open_live_stream(uncounted, stop_event, partitions=mine)
-        return cls(RankTopicPart(stream, mine), partitions, rank, world_size, stop_event)
+        return cls(RankTopicPart(stream, mine), partitions, rank, world_size)
 
     def resume(self, position: Position) -> int:
         """Continue at a version's reader (rank 0 carries the partitions no rank reads)."""
@@ -248,40 +265,6 @@ class _TopicSplit:
                 f"--max-samples is {max_samples:,}"
             )
         return max_samples - samples_seen
-
-    def train(
-        self,
-        model: DistributedModelParallel,
-        optimizer: torch.optim.Optimizer,
-        args: argparse.Namespace,
-        *,
-        device: torch.device,
-        stop: int | None,
-        checkpointer: ShardedCheckpointer,
-        on_step: Callable[[ShardedReport], None] | None,
-    ) -> tuple[ShardedReport, dict[str, Any]]:
-        """Train until the ranks agree to stop; the report and the job's stream counters."""
-        agreement = StepAgreement.new(COLLECTIVE_TIMEOUT_S)
-        try:
-            self.part.open(args.batch_size // self.world_size)
-            with stop_on_signals(self.stop_event):
-                report = train_sharded_live(
-                    model,
-                    optimizer,
-                    self.part,
-                    agreement,
-                    device=device,
-                    stop_at_end=args.stop_at_end,
-                    stop_event=self.stop_event,
-                    max_samples=stop,
-                    checkpointer=checkpointer,
-                    on_step=on_step,
-                )
-            counters = agreement.sum_counters(self.part.metrics())
-        finally:
-            checkpointer.close()
-            self.part.close()
-        return report, {"samples_seen": checkpointer.clock.samples_seen, "stream": counters}
 
 
 #: how long a rank waits for the others in a publishing round before the job stops.
@@ -371,6 +354,7 @@ def _report(
         "seconds": round(report.seconds, 3),
         "samples_per_s": round(report.samples_per_s, 1),
         "rank0_loss": round(report.loss, 6),
+        "stopped": report.stopped,
         **live,
     }
     if args.json:

@@ -3,7 +3,7 @@
     part = RankTopicPart(stream, (0, 2))   # `stream` reads partitions 0 and 2 of the topic
     part.open(local_batch=256)
     n = part.poll(0.05)       # good events in hand (reads a batch if it holds none)
-    batch = part.take(n)      # once the ranks agreed to step (trainer/sharded/live_steps.py)
+    batch = part.step_batch(plan, rank)   # once the ranks agreed (trainer/sharded/step_votes.py)
 
 A rank holds at most one parsed batch (`RawEvents`) between the vote and the step; the stream's
 position moves past it only when it is taken, so a job that stops with events in hand leaves
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from trainer.sharded.data import RankBatch, padded_batch
+from trainer.sharded.step_votes import StepPlan
 from trainer.streams.base import Batch
 from trainer.streams.event_columns import RawEvents
 from trainer.streams.kafka_events import KafkaEventStream
@@ -81,6 +83,19 @@ class RankTopicPart:
         batch = self.stream.take(raw.head(n) if n < raw.n else raw, self._taken)
         self._taken += n
         return batch
+
+    def step_batch(self, plan: StepPlan, rank: int) -> RankBatch:
+        """This rank's events of the agreed step, padded to the step's local batch size."""
+        features = [f.name for f in self.stream.features]
+        batch = self.take(plan.take[rank])
+        return padded_batch(
+            batch, plan.local_size, plan.global_size, features, len(self.stream.dense_names)
+        )
+
+    @property
+    def offset(self) -> int:
+        """This rank's samples taken in this run."""
+        return self._taken
 
     def reader(self) -> dict[str, int | str | dict[str, int]]:
         """Where this rank stops: the next untrained record of each of its partitions."""

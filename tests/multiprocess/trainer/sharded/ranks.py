@@ -104,10 +104,16 @@ class _Recorder:
     def step(self, samples: int, rank_samples: int | None = None) -> None:
         self.calls.append(["step", samples, rank_samples])
 
-    def maybe_checkpoint(self, reader: Mapping[str, object]) -> None:
+    @property
+    def time_due(self) -> bool:
+        return False
+
+    def maybe_checkpoint(
+        self, reader: Mapping[str, object], metrics: object = None, *, due: bool = False
+    ) -> None:
         self.calls.append(["maybe_checkpoint", reader["offset"]])
 
-    def checkpoint_now(self, reader: Mapping[str, object]) -> None:
+    def checkpoint_now(self, reader: Mapping[str, object], metrics: object = None) -> None:
         self.calls.append(["checkpoint_now", reader["offset"]])
 
     def close(self) -> None:

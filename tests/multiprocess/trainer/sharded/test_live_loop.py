@@ -12,14 +12,19 @@ from typing import Any
 
 import pytest
 
+from bench.sharded_job import CONFIG, run_ranks, sharded_job
 from bench.sharded_job import batch as random_batch
-from bench.sharded_job import run_ranks, sharded_job
 from publisher.read.catalog import Catalog
 from publisher.store import FileStore
 from tests.multiprocess.trainer.sharded.test_checkpointing_publish import MIXED, MODEL, checkpointer
+from trainer.sharded.data import RankBatch, padded_batch
+from trainer.sharded.step_votes import StepPlan
 from trainer.streams.base import Batch
 
 pytest.importorskip("torchrec")
+
+FEATURES = [f.name for f in CONFIG.sparse]
+N_DENSE = len(CONFIG.dense)
 
 
 class FakeEvents:
@@ -49,6 +54,14 @@ class FakeEvents:
     def at_end(self) -> bool:
         return not self.held and not self.arrivals
 
+    @property
+    def offset(self) -> int:
+        return self.taken
+
+    def step_batch(self, plan: StepPlan, rank: int) -> RankBatch:
+        batch = self.take(plan.take[rank])
+        return padded_batch(batch, plan.local_size, plan.global_size, FEATURES, N_DENSE)
+
     def take(self, n: int) -> Batch | None:
         assert n == self.held, (n, self.held)  # no sample limit: a step takes all in hand
         self.held = 0
@@ -67,14 +80,14 @@ class FakeEvents:
 
 def _live_rank(rank: int, world: int, root: str, arrivals: list[list[int]], stop: int) -> None:
     from trainer.sharded.checkpointing import ShardedCheckpointer
-    from trainer.sharded.live_loop import train_sharded_live
-    from trainer.sharded.live_steps import StepAgreement
+    from trainer.sharded.loop import train_steps
+    from trainer.sharded.step_votes import StepAgreement
 
     job = sharded_job(MIXED)
     ckpt = checkpointer(job, root, world)
     assert isinstance(ckpt, ShardedCheckpointer)
     events = FakeEvents(rank, arrivals[rank], stop_at_poll=stop if rank == 1 else None)
-    report = train_sharded_live(
+    report = train_steps(
         job.model,  # type: ignore[arg-type]
         job.dense_optimizer,
         events,
@@ -108,7 +121,7 @@ def test_ranks_at_their_own_pace_take_the_same_steps_and_stop_together_at_the_en
     assert [d["mine"] for d in done] == [16, 2]
     # a rank waits for its reader only after a vote found nothing anywhere: after a step, a
     # rank with nothing (rank 1 at the last step) must not hold up the others
-    from trainer.sharded.live_loop import POLL_S, STEP_POLL_S
+    from trainer.sharded.loop import POLL_S, STEP_POLL_S
 
     wait, step = POLL_S, STEP_POLL_S
     assert [d["timeouts"] for d in done] == [[wait, step, wait, step, step]] * 2
@@ -120,7 +133,14 @@ def test_ranks_at_their_own_pace_take_the_same_steps_and_stop_together_at_the_en
     assert [r.samples_seen for r in position.ranks] == [16, 2]
     assert [r.reader["offsets"] for r in position.ranks] == [{"0": 16}, {"1": 2}]
     assert position.reader == {"source": "kafka", "topic": "t", "offsets": {"0": 16, "1": 2}}
-    assert latest.manifest.metrics == {"bad_events": 3.0, "consumer_lag": 0.0}
+    metrics = latest.manifest.metrics
+    assert {k: metrics[k] for k in ("bad_events", "consumer_lag")} == {
+        "bad_events": 3.0,
+        "consumer_lag": 0.0,
+    }
+    # the training metrics of the job's samples (both ranks'), not of padding
+    assert metrics["samples"] == metrics["samples_cumulative"] == 18.0
+    assert 0.0 < metrics["logloss"] < 5.0
 
 
 @pytest.mark.slow

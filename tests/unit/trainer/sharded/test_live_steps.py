@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainer.cli import main
-from trainer.sharded.live_steps import Decision, RankVote, StepPlan, plan_step, rank_partitions
+from trainer.sharded.step_votes import Decision, RankVote, StepPlan, plan_step, rank_partitions
 
 
 def test_each_partition_goes_to_the_rank_of_its_index_mod_the_world_size() -> None:

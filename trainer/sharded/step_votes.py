@@ -1,23 +1,28 @@
-"""How the ranks of a sharded job on a live topic split it and agree on each step.
+"""How the ranks of a sharded job agree on each step, and how they split a live topic.
 
 Rank r reads the partitions whose index in the sorted partition list (the topic's, or the URL's
 `?partitions=`) is r mod N (`rank_partitions`): every partition has one reader, a rank may have
 none (N > partitions) and still takes every step, with weight-0 padding.
 
-Unlike a file, a topic gives each rank its events at its own pace, but every step all ranks
-must join the same collectives (TorchRec's all-to-alls, the dense all-reduce). So before each
-step the ranks exchange one small vote (`RankVote`: the good events it holds, whether it has
-read its partitions to their end, whether it was asked to stop) with one all_gather of an int64
-tensor on a gloo group of their own, and every rank derives the same `StepPlan` from the votes:
+Every step all ranks must join the same collectives (TorchRec's all-to-alls, the dense
+all-reduce), but a topic gives each rank its events at its own pace, a signal reaches one rank
+(or all, at different steps), and each rank's clock is its own. So before each step the ranks
+exchange one small vote (`RankVote`: the samples it holds for the step, whether it has read its
+part of the stream to its end, whether it was asked to stop, whether its clock says a
+checkpoint is due) with one all_gather of an int64 tensor on a gloo group of their own, and
+every rank derives the same `StepPlan` from the votes:
 
     any rank asked to stop (SIGTERM, Ctrl-C)        -> STOP (events in hand stay unread)
-    events somewhere                                -> STEP: each rank trains what it holds,
-                                                       padded to the largest share
-    none anywhere, --stop-at-end and all at end     -> STOP
+    samples somewhere                               -> STEP: each rank trains what it holds,
+                                                       padded to the largest share; a
+                                                       checkpoint follows when any clock
+                                                       says one is due (--interval-seconds)
+    none anywhere, --stop-at-end and all at end     -> STOP (a file always stops at its end)
     none anywhere                                   -> WAIT (poll again)
 
 With a sample limit (`--max-samples`) the step that reaches it trains only the events up to it,
-taken in rank order, and the job stops after it.
+taken in rank order, and the job stops after it. On a file every rank holds its slice of the
+same global batch (trainer/sharded/file_steps.py), so the plan is the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -51,14 +57,17 @@ class RankVote:
     at_end: bool
     #: it was asked to stop.
     stop: bool
+    #: its clock says a checkpoint is due (`--interval-seconds`: the ranks' clocks differ).
+    due: bool = False
 
     def encode(self) -> torch.Tensor:
-        return torch.tensor([self.events, int(self.at_end), int(self.stop)], dtype=torch.int64)
+        fields = [self.events, int(self.at_end), int(self.stop), int(self.due)]
+        return torch.tensor(fields, dtype=torch.int64)
 
     @classmethod
     def decode(cls, values: torch.Tensor) -> RankVote:
-        events, at_end, stop = (int(v) for v in values.tolist())
-        return cls(events, bool(at_end), bool(stop))
+        events, at_end, stop, due = (int(v) for v in values.tolist())
+        return cls(events, bool(at_end), bool(stop), bool(due))
 
 
 class Decision(enum.Enum):
@@ -75,6 +84,8 @@ class StepPlan:
     take: tuple[int, ...] = ()
     #: the job stops after this step (it reaches the sample limit).
     last: bool = False
+    #: every rank checkpoints after this step (some rank's clock said one is due).
+    checkpoint: bool = False
 
     @property
     def local_size(self) -> int:
@@ -99,13 +110,14 @@ def plan_step(
         if stop_at_end and all(v.at_end for v in votes):
             return StepPlan(Decision.STOP)
         return StepPlan(Decision.WAIT)
+    due = any(v.due for v in votes)
     if remaining is None or sum(held) < remaining:
-        return StepPlan(Decision.STEP, tuple(held))
+        return StepPlan(Decision.STEP, tuple(held), checkpoint=due)
     take = []
     for n in held:
         take.append(min(n, remaining))
         remaining -= take[-1]
-    return StepPlan(Decision.STEP, tuple(take), last=True)
+    return StepPlan(Decision.STEP, tuple(take), last=True, checkpoint=due)
 
 
 class StepAgreement(GlooGroup):
@@ -126,7 +138,15 @@ class StepAgreement(GlooGroup):
         self.run("a sum over the ranks", lambda: dist.all_reduce(total, group=self.group))
         return [int(v) for v in total.tolist()]
 
+    def sum_floats(self, values: np.ndarray) -> np.ndarray:
+        """The element-wise sum of every rank's float64 `values` (the same shape on every rank)."""
+        total = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        self.run("a sum over the ranks", lambda: dist.all_reduce(total, group=self.group))
+        return total.numpy()
+
     def sum_counters(self, mine: Mapping[str, float]) -> dict[str, float]:
         """Counters (whole numbers, the same names on every rank) summed over the ranks."""
         names = sorted(mine)
+        if not names:  # a file's stream counts nothing, on every rank alike
+            return {}
         return dict(zip(names, map(float, self.sum([round(mine[n]) for n in names])), strict=True))

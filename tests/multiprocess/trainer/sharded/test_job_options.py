@@ -1,0 +1,99 @@
+"""`train` options a sharded job honours as one process does: `--interval-seconds` (each rank's
+clock votes, every rank checkpoints at the same step), SIGTERM on a file (one final version,
+exit 0), and the training metrics of the job's samples in every version's manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from publisher.read.catalog import Catalog
+from publisher.store import FileStore
+
+ROOT = Path(__file__).resolve().parents[4]
+pytestmark = pytest.mark.slow
+TRAINING_METRICS = {"auc", "logloss", "ctr", "samples", "auc_cumulative", "samples_cumulative"}
+
+
+def _ratings(path: Path, rows: int) -> Path:
+    lines = ["user,item,timestamp,label"]
+    lines += [f"{i % 17},{i % 29},{i},{(i * 7) % 3 == 0:d}" for i in range(rows)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _command(tmp_path: Path, rows: int, *options: str) -> list[str]:
+    data = str(_ratings(tmp_path / "r.csv", rows))
+    command = [sys.executable, "-m", "trainer.cli", "train", "--nproc", "2", "--data", data]
+    command += ["--store", f"file://{tmp_path / 'store'}", "--model", "m", "--codec", "fp32"]
+    return [*command, "--batch-size", "64", "--json", *options]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _versions(tmp_path: Path) -> list[int]:
+    if not (tmp_path / "store").exists():
+        return []
+    return [ref.version for ref in Catalog(FileStore(tmp_path / "store"), "m").versions()]
+
+
+def test_interval_seconds_checkpoints_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    command = _command(tmp_path, 32_000, "--interval-seconds", "0.5")
+    done = subprocess.run(
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["samples"] == 32_000
+    catalog = Catalog(FileStore(tmp_path / "store"), "m")
+    refs = catalog.versions()
+    # by time, not by samples (the default interval is 50,000 samples: one version at the end)
+    assert len(refs) >= 2, report
+    for ref in refs:
+        manifest = catalog.find(ref.version).manifest
+        ranks = manifest.position.ranks
+        assert ranks is not None and len(ranks) == 2
+        # one step for both ranks: the same job step, each rank's share of its samples
+        assert sum(r.samples_seen for r in ranks) == manifest.position.samples_seen
+        assert set(manifest.metrics) >= TRAINING_METRICS, manifest.metrics
+    last = catalog.find(refs[-1].version).manifest
+    assert last.metrics["samples_cumulative"] == 32_000.0  # both ranks' samples, no padding
+    windows = [catalog.find(r.version).manifest.metrics["samples"] for r in refs]
+    assert sum(windows) == 32_000.0
+
+
+def test_sigterm_to_a_job_on_a_file_publishes_a_final_version_and_exits_0(tmp_path: Path) -> None:
+    command = _command(tmp_path, 400_000, "--interval-samples", "1280")
+    job = subprocess.Popen(
+        command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not _versions(tmp_path) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling for the job's first version, not a timed assertion
+        assert job.poll() is None, "the job ended before it was stopped"
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err
+    assert "killed by SIGTERM" not in err and "terminate called" not in err
+    report = json.loads(out)
+    assert report["stopped"] == "stop"
+    assert 0 < report["samples"] < 400_000
+    latest = Catalog(FileStore(tmp_path / "store"), "m").latest()
+    assert latest is not None
+    # the final version holds every step the job trained, and --resume continues after it
+    assert latest.version == report["last_version"]
+    assert latest.manifest.position.samples_seen == report["samples"]
+    assert latest.manifest.position.reader["offset"] == report["end_offset"]
