@@ -87,8 +87,8 @@ def spawn_ranks(
 
 @contextmanager
 def _signals_to_ranks(pids: Sequence[int]) -> Iterator[None]:
-    """While the ranks run: SIGTERM to this process goes to every rank (a live job's ranks stop
-    together and publish a final version, trainer/sharded/live_steps.py), and Ctrl-C, which the
+    """While the ranks run: SIGTERM to this process goes to every rank (the job's ranks stop
+    together and publish a final version, trainer/sharded/step_votes.py), and Ctrl-C, which the
     terminal sends the ranks too, leaves the spawner waiting for them to finish."""
     if threading.current_thread() is not threading.main_thread():
         yield
