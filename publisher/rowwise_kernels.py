@@ -9,13 +9,13 @@ The codes are packed LSB first (element j at bit j*bits), the layout of a delta 
 section (docs/FORMAT.md section 4), so fused rows and blob sections differ only by where the
 scale and bias sit; `fuse` and `split` move them, with one cache-resident copy per chunk.
 
-The prepack kernels quantize exactly by the uniform rule of publisher/codecs.py (which adopted
-theirs, so that its own code, used where a kernel is missing, writes the same bytes):
-bias = fp16(min), scale = fp16((max - bias) / L), 1 where that is 0, code = clamp(rint((x -
-bias) * (1 / scale)), 0, L). They need dim to be a multiple of 8 / bits, and they do not look for
-NaN (it is quantised to code 0), so the caller checks its input. The unpack kernels compute bias +
-code * scale in float32, as `codecs.decode_rows` does (the product is exact), for any dim: a fused
-row of dim' = 8 * code bytes / bits elements decodes the padding codes too, which are dropped.
+The prepack kernels quantize exactly by the uniform rule of publisher/codecs/affine_rule.py (which
+adopted theirs, so that its own code, used where a kernel is missing, writes the same bytes): bias
+= fp16(min), scale = fp16((max - bias) / L), 1 where that is 0, code = clamp(rint((x - bias) * (1 /
+scale)), 0, L). They need dim to be a multiple of 8 / bits, and they do not look for NaN (it is
+quantised to code 0), so the caller checks its input. The unpack kernels compute bias + code *
+scale in float32, as `codecs.decode_rows` does (the product is exact), for any dim: a fused row of
+dim' = 8 * code bytes / bits elements decodes the padding codes too, which are dropped.
 
 The 8-bit kernels are not used. `embedding_bag_byte_prepack` quantises against the float32
 range / 255 (plus 1e-8), so its codes do not fit the fp16 scale and bias a blob stores; and 8-bit
