@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from publisher.codecs import codec_of
 from publisher.write.policies import (  # noqa: F401 - re-exported for the bench
     FALLBACK_CODEC,
     MEASURED_BIT_RULE,
     codec_for_expected_restores,
 )
-from schemas.codec_names import CODEC_BITS
 
 #: the paper's criterion: relative AUC degradation at most 0.01%.
 AUC_TOLERANCE = 1e-4
@@ -28,7 +28,8 @@ MEASURED_RULE = MEASURED_BIT_RULE
 
 def _order(codec: str) -> tuple[int, int]:
     # Fewer bits first; at equal bits the uniform codec (cheaper to encode) first.
-    return (CODEC_BITS[codec], codec.endswith("-adaptive"))
+    c = codec_of(codec)
+    return (c.bits, c.adaptive)
 
 
 def derive_rule(accuracy_doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def derive_rule(accuracy_doc: Mapping[str, Any]) -> dict[str, Any]:
             {
                 "max_expected_restores": k,
                 "codec": best,
-                "bits": CODEC_BITS[best],
+                "bits": codec_of(best).bits,
                 "worst_auc_rel_degradation": worst[(best, k)],
             }
         )

@@ -42,10 +42,15 @@ import numpy as np
 import torch
 
 from bench.machine import describe_machine
-from publisher import rowwise_kernels
 from publisher.cli import positive_int
-from publisher.codecs import CHUNK_ELEMENTS, decode_rows, encode_rows, max_abs_error_bound
-from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes, scale_bias_bytes
+from publisher.codecs import (
+    CHUNK_ELEMENTS,
+    codec_of,
+    decode_rows,
+    encode_rows,
+    max_abs_error_bound,
+)
+from schemas.codec_names import CODECS
 
 #: rows used for uniform codecs / adaptive codecs, and timed repeats: (full, quick).
 ROWS = (262_144, 32_768)
@@ -144,8 +149,9 @@ def _median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[f
 
 def _torch_kernels(codec: str, dim: int) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """torch's (prepack, unpack) for a uniform codec, if this torch has them and takes `dim`."""
-    bits = CODEC_BITS[codec]
-    if codec.endswith("-adaptive") or bits not in TORCH_KERNELS or dim % (8 // bits):
+    c = codec_of(codec)
+    bits = c.bits
+    if not c.affine or c.adaptive or bits not in TORCH_KERNELS or dim % (8 // bits):
         return None
     try:
         prepack, unpack = (getattr(torch.ops.quantized, name) for name in TORCH_KERNELS[bits])
@@ -194,17 +200,16 @@ def measure(
     worst = np.abs(err).max(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = np.where(worst > 0, worst / bound, 0.0)
-    enc_bytes = (q.codes.nbytes + scale_bias_bytes(codec, n)) / n
+    c = codec_of(codec)
+    enc_bytes = (q.codes.nbytes + c.layout.scale_bias_bytes(n)) / n
 
     q_timed = encode_rows(codec, timed)
     out = np.ones_like(timed)
     mb = timed.nbytes / 1e6
     encoders: list[Callable[[], object]] = [lambda: encode_rows(codec, timed)]
     decoders: list[Callable[[], object]] = [lambda: decode_rows(q_timed, out)]
-    bits = CODEC_BITS[codec]
-    int_codec = is_integer_codec(codec)
-    uniform_int = int_codec and not codec.endswith("-adaptive")
-    on_kernel = uniform_int and rowwise_kernels.encodes(bits, dim)
+    bits = c.bits
+    on_kernel = c.encodes_on_kernel(dim)
     kernels = _torch_kernels(codec, dim)
     if kernels is not None:
         prepack, unpack = kernels
@@ -233,9 +238,9 @@ def measure(
         rel_mse=mse / power if power else 0.0,
         max_error_to_bound=float(ratios.max()),
         bytes_per_row=enc_bytes,
-        ratio_vs_fp32=row_bytes("fp32", dim) / enc_bytes,
+        ratio_vs_fp32=codec_of("fp32").row_bytes(dim) / enc_bytes,
         encode_on_kernel=on_kernel,
-        decode_on_kernel=int_codec and rowwise_kernels.decodes(bits),
+        decode_on_kernel=c.decodes_on_kernel(),
         kernel_encode_mb_s=kernel_enc,
         kernel_decode_mb_s=kernel_dec,
         encode_vs_kernel=t_enc[1] / t_enc[0] if kernels else None,
@@ -347,7 +352,7 @@ def run(
     results: list[CodecResult] = []
     try:
         for i, codec in enumerate(codecs, 1):
-            timed = n_adaptive if codec.endswith("-adaptive") else n_full
+            timed = n_adaptive if codec_of(codec).adaptive else n_full
             r = measure(codec, data, repeats, timed)
             results.append(r)
             vs_kernel = (

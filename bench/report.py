@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # headless: CI and servers have no display
 import matplotlib.pyplot as plt
 
 from bench.workloads import DEFAULT_CODEC, DEFAULT_POLICY
+from publisher.codecs import CODECS
 
 PARTS = ("paper", "accuracy", "stall", "codec", "freshness")
 COMMANDS = {
@@ -397,7 +398,7 @@ def plot_accuracy(doc: dict[str, Any], out: Path) -> Path:
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         wl = doc["workloads"][name]
-        bits = {"fp16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}
+        bits = {c.name: c.bits for c in CODECS.values() if not c.lossless and not c.adaptive}
         served = {r["codec"]: r for r in wl["served"]["codecs"] if r["codec"] in bits}
         xs = sorted(served, key=lambda c: bits[c])
         ax.plot(

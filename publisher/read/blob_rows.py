@@ -25,8 +25,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from publisher.codecs import QuantizedRows, decode_rows
-from schemas.codec_names import is_integer_codec, row_bytes
+from publisher.codecs import QuantizedRows, codec_of, decode_rows
 from schemas.delta_blob import DeltaBlob
 
 #: float32 elements decoded at a time when a codec holds only some rows of a table (2 MiB, the
@@ -185,11 +184,12 @@ class _EncodedRows:
 
     @classmethod
     def empty(cls, codec: str, dim: int, table_rows: int) -> _EncodedRows:
-        scaled = table_rows if is_integer_codec(codec) else 0  # fp codecs have no scale, bias
+        rows = codec_of(codec)
+        scaled = table_rows if rows.affine else 0  # fp codecs have no scale, bias
         return cls(
             codec=codec,
             dim=dim,
-            codes=np.empty((table_rows, row_bytes(codec, dim)), dtype=np.uint8),
+            codes=np.empty((table_rows, rows.row_bytes(dim)), dtype=np.uint8),
             scale=np.empty(scaled, dtype=np.float16),
             bias=np.empty(scaled, dtype=np.float16),
             held=np.zeros(table_rows, dtype=np.bool_),

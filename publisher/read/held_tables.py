@@ -58,15 +58,27 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from publisher.codecs import CodecError, QuantizedRows, decode_rows, pack_codes, unpack_codes
+from publisher.codecs import (
+    AffineCodec,
+    CodecError,
+    QuantizedRows,
+    codec_of,
+    pack_codes,
+    uniform_codec,
+    unpack_codes,
+)
 from publisher.read.blob_rows import BlobRows, decode_blob, write_blob
-from schemas.codec_names import CODEC_BITS, is_integer_codec
 from schemas.delta_blob import DeltaBlob
 
 HeldFormat = Literal["int2", "int4", "int8", "fp32"]
 #: formats from coarsest to finest: a table held in one holds any coarser row exactly.
 FORMAT_ORDER: Final[tuple[HeldFormat, ...]] = ("int2", "int4", "int8", "fp32")
-_FORMAT_BITS: Final[dict[HeldFormat, int]] = {"int2": 2, "int4": 4, "int8": 8}
+#: the fused formats and the codec whose rows each holds as they are (its bits, its decoder).
+_FORMAT_CODEC: Final[dict[HeldFormat, AffineCodec]] = {
+    "int2": uniform_codec(2),
+    "int4": uniform_codec(4),
+    "int8": uniform_codec(8),
+}
 #: rows converted at a time (dequantizing, widening): the chunk's temporaries stay in cache.
 CHUNK_ROWS: Final = 1 << 14
 #: float32's unit roundoff: the bound of a bag sum's reordering per added row (module doc).
@@ -167,7 +179,7 @@ def looks_up(fmt: HeldFormat, dim: int) -> bool:
     """True if a table of `dim` can be held and looked up in `fmt` on this torch."""
     if fmt == "fp32":
         return True
-    bits = _FORMAT_BITS[fmt]
+    bits = _FORMAT_CODEC[fmt].bits
     return bits in _LOOKUP and dim % (8 // bits) == 0
 
 
@@ -179,11 +191,11 @@ def held_format(
     fp32 for a module the kernels cannot stand in for (`lookup`, default a plain bag)."""
     if lookup is not None and not lookup.quantizable:
         return "fp32"
-    if is_integer_codec(codec):
-        bits = CODEC_BITS[codec]
-        wanted: HeldFormat = "int2" if bits == 2 else "int4" if bits <= 4 else "int8"
-    else:
-        wanted = "fp32"
+    rows = codec_of(codec)
+    # The coarsest format whose codes are at least as wide as the rows' (int3 is held as int4).
+    wanted: HeldFormat = next(
+        (f for f, held in _FORMAT_CODEC.items() if rows.affine and rows.bits <= held.bits), "fp32"
+    )
     start = FORMAT_ORDER.index(wanted)
     if current is not None:
         start = max(start, FORMAT_ORDER.index(current))
@@ -485,7 +497,8 @@ class FusedTable(HeldTable):
             raise ValueError(f"a table of dim {dim} cannot be held in {fmt} on this torch")
         self.format = fmt
         self.rows, self.dim = rows, dim
-        self.bits = _FORMAT_BITS[fmt]
+        self.codec = _FORMAT_CODEC[fmt]
+        self.bits = self.codec.bits
         self.fused_tensor = torch.empty((rows, fused_row_bytes(self.bits, dim)), dtype=torch.uint8)
         self.fused: npt.NDArray[np.uint8] = self.fused_tensor.numpy()
         self._module = FusedLookup(self.fused_tensor, self.bits, self.lookup)
@@ -500,23 +513,23 @@ class FusedTable(HeldTable):
 
     def values(self) -> torch.Tensor:
         out = np.empty((self.rows, self.dim), dtype=np.float32)
-        codec = f"int{self.bits}"
         for start in range(0, self.rows, CHUNK_ROWS):
             sl = slice(start, start + CHUNK_ROWS)
             codes, scale, bias = _fields(self.fused[sl], self.bits, self.dim)
-            decode_rows(QuantizedRows(codec, self.dim, codes, scale, bias), out=out[sl])
+            rows = QuantizedRows(self.codec.name, self.dim, codes, scale, bias)
+            self.codec.decode(rows, out=out[sl])
         return torch.from_numpy(out)
 
     def _check(self, blob: DeltaBlob) -> int:
-        bits = CODEC_BITS[blob.codec]
-        if not is_integer_codec(blob.codec) or bits > self.bits:
+        rows = codec_of(blob.codec)
+        if not rows.affine or rows.bits > self.bits:
             raise ValueError(f"{blob.codec} rows do not fit a table held in {self.format}")
         if (blob.table_rows, blob.dim) != self.shape:
             raise ValueError(
                 f"blob for {blob.table!r} is {(blob.table_rows, blob.dim)}, the table {self.shape}"
             )
         _check_scales(blob)
-        return bits
+        return rows.bits
 
     def write_blob(self, blob: DeltaBlob) -> FusedRows | None:
         if blob.n_rows != self.rows:

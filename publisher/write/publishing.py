@@ -16,27 +16,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from publisher.codecs import QuantizedRows, decode_rows, encode_rows
+from publisher.codecs import QuantizedRows, codec_of, encode_rows
 from publisher.read.catalog import VersionRef
-from publisher.served_loss import Fp32Scores, ServedLossMeter, ServedModel
+from publisher.served_loss import ServedModel
 from publisher.store import ObjectStore, StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
 from publisher.write.priority import lower_this_thread
+from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
 from schemas.announcement import Announcement
 from schemas.delta_blob import AuxEncoding, DeltaBlob, encode_delta_blob, round_to_bfloat16
 from schemas.errors import BadDataError, UnavailableError
 from schemas.id_map_blob import encode_id_entries
-from schemas.manifest import Manifest, ServedLoss, ratio_to_full_fp32
+from schemas.manifest import Manifest, ratio_to_full_fp32
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,10 @@ def aux_encoding_for(codec: str) -> AuxEncoding:
     from a bfloat16 accumulator at every one of MovieLens-1M's 20 checkpoints moved AUC by
     -0.005% (synthetic, 8 checkpoints: +0.001%), the size of the divergence a one-ulp float32
     nudge at the same points gives (-0.003%). It halves the aux section, a third of an int2
-    MovieLens delta's table bytes. float32 for `fp32`, whose checkpoints restore the trainer's
-    state bit for bit.
+    MovieLens delta's table bytes. float32 for a lossless codec (`fp32`), whose checkpoints
+    restore the trainer's state bit for bit.
     """
-    return "float32" if codec == "fp32" else "bfloat16"
+    return "float32" if codec_of(codec).lossless else "bfloat16"
 
 
 def encode_table(
@@ -213,10 +214,14 @@ class CheckpointPublisher:
         self.tunables = tunables
         self.writer = writer or VersionWriter(store, model, tunables=tunables)
         self.announce = announce
-        self.measure_served_loss = measure_served_loss
-        self.codec_rule = codec_rule
-        self.served_model = served_model
-        self._meter: ServedLossMeter | None = None
+        #: the served-loss meter and `--codec auto`'s rule (publisher/write/served_codec.py).
+        self.served = ServedCodec(
+            encode_table,
+            measure_served_loss=measure_served_loss,
+            codec_rule=codec_rule,
+            served_model=served_model,
+            tunables=tunables,
+        )
 
     def publish(self, snapshot: Snapshot) -> PublishResult:
         """Encode, commit and announce one snapshot; return the committed version.
@@ -225,41 +230,7 @@ class CheckpointPublisher:
         """
         started = time.perf_counter()
         largest = snapshot.check_finite()
-        rows = snapshot.tables
-        if self.codec_rule is not None:
-            first = self.codec_rule.first_codec(snapshot.kind)
-            rows = tuple(replace(t, codec=first) for t in rows)
-        meter = self._meter_for(snapshot)
-        fp32_scores = None
-        measure_s = 0.0
-        if meter is not None:
-            # The snapshot's rows, not what the blobs end up holding: a row a delta would leave
-            # out as unchanged once encoded still moved in fp32 (publisher/served_loss.py).
-            measuring = time.perf_counter()
-            fp32_scores = meter.score_fp32(rows, snapshot.dense, snapshot.scored)
-            measure_s += time.perf_counter() - measuring
-        tables, served_loss, seconds = self._encode(rows, largest, meter, fp32_scores)
-        measure_s += seconds
-        reencoded: list[tuple[str, float]] = []
-        while self.codec_rule is not None and served_loss is not None and rows:
-            # Over the budget at this codec: encode the same rows again with more bits before
-            # anything is written. The samples scored look up only rows this version carries
-            # (publisher/served_loss.py): at fp32 they score exactly as trained, so this ends.
-            codec = self.codec_rule.step_up_now(served_loss.auc_rel_loss, rows[0].codec)
-            if codec is None:
-                break
-            reencoded.append((rows[0].codec, served_loss.auc_rel_loss))
-            log.info(
-                "--codec auto: this version lost %.4f%% relative AUC served at %s; "
-                "encoding it again with %s",
-                100 * served_loss.auc_rel_loss,
-                rows[0].codec,
-                codec,
-            )
-            rows = tuple(replace(t, codec=codec) for t in rows)
-            del tables  # the rejected blobs go before the new ones are encoded
-            tables, served_loss, seconds = self._encode(rows, largest, meter, fp32_scores)
-            measure_s += seconds
+        choice = self.served.choose(snapshot, snapshot.tables, largest)
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
             encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
@@ -272,29 +243,18 @@ class CheckpointPublisher:
             relative_to=snapshot.relative_to,
             policy=snapshot.policy,
             position=snapshot.position,
-            tables=tables,
+            tables=choice.tables,
             dense=dense,
             optimizer=optimizer,
             dense_tensor_bytes=None if dense is None else tensor_bytes(dense),
             optimizer_tensor_bytes=None if optimizer is None else tensor_bytes(optimizer),
             model_config=snapshot.model_config,
             metrics=snapshot.metrics,
-            served_loss=served_loss,
+            served_loss=choice.served_loss,
         )
         ref = self.writer.commit(draft)
         committed = time.perf_counter()
-        if self.codec_rule is not None:
-            before = self.codec_rule.codec
-            after = self.codec_rule.observe(
-                None if served_loss is None else served_loss.auc_rel_loss
-            )
-            if after != before:
-                log.info(
-                    "--codec auto: version %d lost %.4f%% relative AUC served; next codec %s",
-                    ref.version,
-                    100 * served_loss.auc_rel_loss if served_loss is not None else float("nan"),
-                    after,
-                )
+        self.served.observe(ref.version, choice.served_loss)
         if self.announce is not None:
             # The version is committed whatever happens here: subscribers reconcile from HEAD.
             try:
@@ -310,56 +270,9 @@ class CheckpointPublisher:
             merged=snapshot.merged,
             taken_at=snapshot.taken_at,
             sequence=snapshot.sequence,
-            measure_s=measure_s,
-            reencoded=tuple(reencoded),
+            measure_s=choice.measure_s,
+            reencoded=choice.reencoded,
         )
-
-    def _encode(
-        self,
-        rows: tuple[TableRows, ...],
-        largest: Mapping[str, float],
-        meter: ServedLossMeter | None,
-        fp32_scores: Fp32Scores | None,
-    ) -> tuple[list[TableBlob], ServedLoss | None, float]:
-        """Every table's blob, the version's served loss (None: not measured) and the seconds
-        spent measuring it. `fp32_scores` is the meter's first step for this snapshot; the
-        decoded rows go to the meter table by table (one table's decoded rows at a time)."""
-        tables = []
-        measure_s = 0.0
-        for t in rows:
-            # check_finite refused NaN and inf and measured each table's magnitude
-            q = encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name])
-            tables.append(encode_table(t, self.tunables, q))
-            if meter is not None:
-                measuring = time.perf_counter()
-                meter.apply_table(t.name, t.row_ids, decode_rows(q))
-                measure_s += time.perf_counter() - measuring
-            del q
-        served_loss = None
-        if meter is not None:
-            measuring = time.perf_counter()
-            served_loss = meter.measure(fp32_scores)
-            measure_s += time.perf_counter() - measuring
-        return tables, served_loss, measure_s
-
-    def _meter_for(self, snapshot: Snapshot) -> ServedLossMeter | None:
-        """The served-loss copy of the snapshot's model; None when not measuring."""
-        if not self.measure_served_loss:
-            return None
-        if self._meter is None or self._meter.model_config != snapshot.model_config:
-            if self.served_model is not None:
-                self._meter = self.served_model.meter(snapshot.model_config)
-                return self._meter
-            self._meter = ServedLossMeter.for_config(snapshot.model_config)
-            if self._meter is None:
-                # Not a model this module can rebuild: said once, not at every version.
-                log.warning(
-                    "served loss not measured: model_config %s is no DLRM's, and the "
-                    "publisher has no served_model (IncrementalCheckpointer: give score=...)",
-                    snapshot.model_config,
-                )
-                self.measure_served_loss = False
-        return self._meter
 
     def close(self) -> None:
         self.writer.close()
