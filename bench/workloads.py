@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from publisher.codecs import decode_rows, encode_rows
+from publisher.codecs import codec_of, decode_rows, encode_rows
 from publisher.dlrm import DLRM, TABLE_PREFIX
 from publisher.write.publishing import aux_encoding_for
 from schemas.delta_blob import round_to_bfloat16
@@ -212,7 +212,7 @@ class BenchTrainer:
         for opt, sd in zip(self.optimizers, state["optimizers"], strict=True):
             opt.load_state_dict(copy.deepcopy(sd))
         self.metrics = copy.deepcopy(state["metrics"])
-        if codec != "fp32":
+        if not codec_of(codec).lossless:  # a lossless round trip changes nothing
             with torch.no_grad():
                 for table in self.table_rows:
                     quantize_in_place(self.weight(table), codec)
