@@ -175,7 +175,7 @@ def test_each_manifest_records_the_chain_as_served(tmp_path: Path) -> None:
             assert isinstance(emb, torch.nn.EmbeddingBag)
             emb.weight.mul_(1.01)  # every row moves; only `touched` are written
     publisher.publish(_snapshot(model, "fp32", touched, scored=samples))
-    meter = publisher._meter
+    meter = publisher.served._meter
     assert meter is not None
     for table, key in table_weight_names(model).items():
         served = meter.served.state_dict()[key].numpy()

@@ -180,7 +180,7 @@ def test_model_info(served: Served) -> None:
 
 def test_model_info_shows_the_served_loss_its_trainer_measured(factory: ServerFactory) -> None:
     run = factory.trainer()
-    run.publisher.measure_served_loss = True
+    run.publisher.served.measure_served_loss = True
     rng = np.random.default_rng(0)
     n = 400
     scored = ScoredBatch(
