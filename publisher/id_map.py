@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from schemas.errors import BadDataError
 from schemas.id_map_blob import MAX_KEY_BYTES, IdEntries, IdKeyError, id_key
@@ -332,6 +331,8 @@ class IdMap:
         weights_only=True)` reads back (`checknrun restore`): `keys`, a str per row ("" for a
         free row, every row of a hashed map), `counts` (int64) and `last_seen` (float64)
         tensors of one entry per row, copies, and `hashed`. `from_state` is the inverse."""
+        import torch  # only the torch-file form needs it: `checknrun ls`/`inspect` do without
+
         return {
             "keys": self._key_of.tolist(),
             "counts": torch.from_numpy(self.counts.copy()),
@@ -405,6 +406,8 @@ _STATE_FIELDS = {"keys", "counts", "last_seen", "hashed"}
 def _state_array(value: object, name: str, rows: int, kinds: str) -> np.ndarray:
     """One of a state's arrays (a tensor or a numpy array) as numpy, checked: one dimension of
     `rows` entries, of a dtype kind in `kinds`."""
+    import torch  # a state read from a torch file: see `IdMap.state`
+
     if isinstance(value, torch.Tensor):
         try:
             array = value.detach().cpu().numpy()

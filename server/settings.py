@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from publisher.read.consistency import ConsistencyScheme
+from publisher.read.scheme_names import ConsistencyScheme
 from publisher.tunables import DEFAULT_TUNABLES
 from schemas.manifest import check_model_name
 

@@ -16,23 +16,64 @@ consistency schemes and held tables behind it are this package's modules; these 
 public face (docs/SUBSCRIBER.md).
 """
 
-from publisher.model_factory import ModelFactory
-from publisher.read.catalog import Catalog, ModelNotFoundError, NoVersionError, VersionRef
-from publisher.read.consistency import ConsistencyScheme, UpdateResult
-from publisher.read.errors import (
-    ApplyError,
-    NonFiniteError,
-    NotBootstrappedError,
-    PinnedError,
-    ShuttingDownError,
-    SubscriberError,
-)
-from publisher.read.model_copy import ModelCopy, ServedVersion
-from publisher.read.module_state import ModuleStateError, load_module_state
-from publisher.read.observer import SubscriberObserver
-from publisher.read.restore import RestoredState, RestoreError, restore
-from publisher.read.sinks import ModuleSink, TensorSink, VersionSink
-from publisher.read.subscriber import Subscriber, SubscriberOptions, rejection_reason
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from schemas.lazy_face import lazy_face
+
+if TYPE_CHECKING:
+    from publisher.model_factory import ModelFactory
+    from publisher.read.catalog import Catalog, ModelNotFoundError, NoVersionError, VersionRef
+    from publisher.read.consistency import UpdateResult
+    from publisher.read.errors import (
+        ApplyError,
+        NonFiniteError,
+        NotBootstrappedError,
+        PinnedError,
+        ShuttingDownError,
+        SubscriberError,
+    )
+    from publisher.read.model_copy import ModelCopy, ServedVersion
+    from publisher.read.module_state import ModuleStateError, load_module_state
+    from publisher.read.observer import SubscriberObserver
+    from publisher.read.restore import RestoredState, RestoreError, restore
+    from publisher.read.scheme_names import ConsistencyScheme
+    from publisher.read.sinks import ModuleSink, TensorSink, VersionSink
+    from publisher.read.subscriber import Subscriber, SubscriberOptions, rejection_reason
+
+# Names load on first use: the store commands (`checknrun ls`, `inspect`, `gc`) and the server's
+# command line import `publisher.read.catalog` without the subscriber's torch (2 s to import).
+_EXPORTS = {
+    "ApplyError": "publisher.read.errors",
+    "Catalog": "publisher.read.catalog",
+    "ConsistencyScheme": "publisher.read.scheme_names",
+    "ModelCopy": "publisher.read.model_copy",
+    "ModelFactory": "publisher.model_factory",
+    "ModelNotFoundError": "publisher.read.catalog",
+    "ModuleSink": "publisher.read.sinks",
+    "ModuleStateError": "publisher.read.module_state",
+    "NoVersionError": "publisher.read.catalog",
+    "NonFiniteError": "publisher.read.errors",
+    "NotBootstrappedError": "publisher.read.errors",
+    "PinnedError": "publisher.read.errors",
+    "RestoreError": "publisher.read.restore",
+    "RestoredState": "publisher.read.restore",
+    "ServedVersion": "publisher.read.model_copy",
+    "ShuttingDownError": "publisher.read.errors",
+    "Subscriber": "publisher.read.subscriber",
+    "SubscriberError": "publisher.read.errors",
+    "SubscriberObserver": "publisher.read.observer",
+    "SubscriberOptions": "publisher.read.subscriber",
+    "TensorSink": "publisher.read.sinks",
+    "UpdateResult": "publisher.read.consistency",
+    "VersionRef": "publisher.read.catalog",
+    "VersionSink": "publisher.read.sinks",
+    "load_module_state": "publisher.read.module_state",
+    "rejection_reason": "publisher.read.subscriber",
+    "restore": "publisher.read.restore",
+}
+__getattr__ = lazy_face(__name__, _EXPORTS)
 
 __all__ = [
     "ApplyError",

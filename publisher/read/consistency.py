@@ -45,20 +45,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
 
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import VersionRef
 from publisher.read.copy_builders import CopyBuilder
 from publisher.read.errors import ApplyError, NotBootstrappedError
 from publisher.read.model_copy import ModelCopy, ServedVersion, Touched
+from publisher.read.scheme_names import ConsistencyScheme
 from publisher.read.version_fetch import FetchedVersion, FetchFn, merge_id_rows
 
 log = logging.getLogger(__name__)
-
-#: how a new version replaces the served one (module docstring).
-ConsistencyScheme = Literal["double-buffer", "rwlock"]
-SCHEMES: tuple[ConsistencyScheme, ...] = ("double-buffer", "rwlock")
 
 #: a drain that takes longer than this is logged (a prediction is stuck or very slow).
 DRAIN_WARN_S = 10.0

@@ -45,13 +45,7 @@ from publisher.dlrm import build_served_model, served_model_bytes
 from publisher.memory_budget import MemoryBudget
 from publisher.model_factory import ModelFactory
 from publisher.read.catalog import VersionRef
-from publisher.read.consistency import (
-    SCHEMES,
-    ConsistencyScheme,
-    ModelSlot,
-    UpdateResult,
-    make_slot,
-)
+from publisher.read.consistency import ModelSlot, UpdateResult, make_slot
 from publisher.read.copy_builders import (
     CopyBuilder,
     ModelBytes,
@@ -59,6 +53,7 @@ from publisher.read.copy_builders import (
     TensorBuilder,
 )
 from publisher.read.model_copy import ModelCopy
+from publisher.read.scheme_names import SCHEMES, ConsistencyScheme
 from publisher.read.version_fetch import FetchFn
 
 
