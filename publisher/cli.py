@@ -2,7 +2,8 @@
 
 Store commands (`ls`, `inspect`, `restore`) live here. `train`, `serve` and `demo` belong to the
 trainer and server packages; they plug in through the `checknrun.commands` entry-point group, so
-this module never imports them (imports flow one way: trainer and server stand on publisher).
+this module never imports them (imports flow one way: trainer and server stand on publisher),
+and a command line loads only the plugin whose command it names (`build_parser`).
 
 Every command with `--json` prints one JSON document on stdout and nothing else. A failure is
 one line on stderr naming its cause, the exit status `exit_status` gives it, and with `--json`
@@ -473,7 +474,30 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=cmd_gc)
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the commands of this module (`_builtin_commands`); every other one is a plugin's.
+BUILTIN_COMMANDS = ("ls", "inspect", "restore", "gc")
+#: the top-level options that take no value and print nothing: the command word may follow them.
+_QUIET_FLAGS = frozenset({"-v", "--verbose"})
+
+
+def named_command(arguments: Sequence[str]) -> str | None:
+    """The command `arguments` name: their first word, when nothing but `-v` precedes it; None
+    when they ask for the top-level help, or start with anything else."""
+    for argument in arguments:
+        if argument not in _QUIET_FLAGS:
+            return None if argument.startswith("-") else argument
+    return None
+
+
+def build_parser(arguments: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `checknrun` parser, with the plugged-in commands that `arguments` need.
+
+    A built-in command needs no plugin and a plugin's command only its own plugin; without
+    `arguments`, or when they name no known command (`--help`, a usage error that lists the
+    commands), every plugin is loaded. Loading one imports its registration module, so `ls`,
+    `inspect` and `gc` never import what another command stands on (torch: 2 s), and a broken
+    plugin cannot take the store commands down.
+    """
     # Typed as the base: plugins register on `_SubParsersAction[ArgumentParser]`.
     parser: argparse.ArgumentParser = CommandParser(
         prog="checknrun",
@@ -482,10 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _builtin_commands(sub)
-    for ep in sorted(entry_points(group="checknrun.commands"), key=lambda e: e.name):
+    command = None if arguments is None else named_command(arguments)
+    if command in BUILTIN_COMMANDS:
+        return parser
+    plugins = sorted(entry_points(group="checknrun.commands"), key=lambda e: e.name)
+    for ep in [ep for ep in plugins if ep.name == command] or plugins:
         try:
             register: Callable[[Any], None] = ep.load()
-        except ImportError as exc:  # a broken plugin must not take the store commands down
+        except ImportError as exc:  # a broken plugin must not take the other commands down
             print(f"checknrun: command {ep.name!r} unavailable: {exc}", file=sys.stderr)
             continue
         register(sub)
@@ -493,8 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parse_command_line(parser, argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(arguments)
+    args = parse_command_line(parser, arguments)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
