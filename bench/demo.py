@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from bench.child_server import ChildServer, ChildServerError
+from bench.demo_options import add_demo_parser
 from publisher.cli import CommandError, run_command
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
@@ -46,42 +47,6 @@ from trainer.streams.movielens import load_movielens
 MODEL = "movielens"
 BATCH_SIZE = 512
 _MARKER = ".checknrun-demo"
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `demo` to the `checknrun` command line."""
-    p = subparsers.add_parser(
-        "demo",
-        help="train on MovieLens-1M and serve the live model, side by side (embedded default)",
-    )
-    p.add_argument(
-        "--dir",
-        default="checknrun-demo",
-        help="working directory for the store, the announcement log and the server log "
-        "(emptied first; default %(default)s)",
-    )
-    p.add_argument(
-        "--max-samples",
-        type=int,
-        default=300_000,
-        help="samples to train on (default %(default)s; 1000209 = the whole stream)",
-    )
-    p.add_argument("--interval-samples", type=int, default=25_000, help="a version every N samples")
-    p.add_argument(
-        "--rate",
-        type=float,
-        default=10_000,
-        help="samples arriving per second (default %(default)s; 0 = as fast as possible)",
-    )
-    p.add_argument("--policy", default="intermittent")
-    p.add_argument("--codec", default="int4")
-    p.add_argument(
-        "--eval-samples",
-        type=int,
-        default=4096,
-        help="upcoming samples both sides score after each version (default %(default)s)",
-    )
-    p.set_defaults(func=cmd_demo)
 
 
 class _RecordingMetrics(ProgressiveMetrics):
@@ -381,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m bench.demo [options]`: the command without the entry point."""
     parser = argparse.ArgumentParser(prog="python -m bench.demo")
     sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
+    add_demo_parser(sub).set_defaults(func=cmd_demo)
     args = parser.parse_args(["demo", *(argv if argv is not None else sys.argv[1:])])
     return run_command(args)
 

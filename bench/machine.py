@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 
 def describe_machine() -> dict[str, Any]:
@@ -20,6 +19,8 @@ def describe_machine() -> dict[str, Any]:
     The machine is shared and noisy: the load average at the start says how much to trust
     absolute times; ratios measured side by side in one run are what the results rely on.
     """
+    import torch  # for its version only: `checknrun bench --help` does without torch
+
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:

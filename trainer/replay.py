@@ -13,7 +13,8 @@ announcement bus does (section 6). `--rate N` sends at most N events a second, `
 paces them X times faster than their event times; by default they go as fast as the broker
 takes them. `?partitions=N` in the URL is how many partitions a topic it creates gets.
 
-Registered through the `checknrun.commands` entry point `replay = "trainer.replay:register"`.
+Its options are trainer/replay_options.py's; the `checknrun.commands` entry point
+`replay = "trainer.replay_command:register"` registers them without importing this module.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ import numpy as np
 from tqdm import tqdm
 
 from publisher.bus.base import BusError, KafkaAddress, parse_kafka_url
-from publisher.cli import CommandError, CommandParser, parse_command_line, positive_int, run_command
+from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
 from schemas.errors import UnavailableError
 from schemas.events import encode_event
-from trainer.options import add_source_args
+from trainer.replay_options import add_replay_parser
 from trainer.signals import stop_on_signals
 from trainer.sources import open_stream
 from trainer.streams.base import ColumnarStream, InteractionStream
@@ -49,29 +50,6 @@ DELIVERY_TIMEOUT_S = 60.0
 
 class ReplayError(UnavailableError):
     """Events that the broker did not take."""
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the `replay` command (the `checknrun.commands` entry point)."""
-    p = subparsers.add_parser(
-        "replay",
-        help="replay a data set or file as live events on a Kafka topic",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("--data", default="movielens", help="movielens, synthetic, or a data file")
-    p.add_argument("--to", required=True, help="kafka://HOST:PORT/TOPIC[?partitions=N]")
-    pace = p.add_mutually_exclusive_group()
-    pace.add_argument("--rate", type=float, default=None, help="at most N events per second")
-    pace.add_argument(
-        "--speedup", type=float, default=None, help="event time runs X times faster than now"
-    )
-    p.add_argument("--start", type=int, default=0, help="first sample to send (default 0)")
-    p.add_argument("--max-events", type=positive_int, default=None, help="send at most N")
-    p.add_argument("--seed", type=int, default=0, help="of the synthetic stream")
-    p.add_argument("--json", action="store_true", help="print one JSON document at the end")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_source_args(p)
-    p.set_defaults(func=cmd_replay)
 
 
 @dataclass
@@ -294,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m trainer.replay replay ...`: the command without the entry point installed."""
     parser: argparse.ArgumentParser = CommandParser(prog="python -m trainer.replay")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    register(sub)
+    add_replay_parser(sub).set_defaults(func=cmd_replay)
     return run_command(parse_command_line(parser, argv))
 
 
