@@ -86,11 +86,9 @@ from publisher.served_loss import KeptBatch, Score, ScoredBatch, ServedModel
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import (
-    DEFAULT_EXPECTED_RESTORES,
-    SERVED_LOSS_BUDGET,
     Policy,
     ServedLossCodecRule,
-    codec_for_expected_restores,
+    auto_codec_rule,
     make_policy,
 )
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
@@ -234,13 +232,8 @@ class IncrementalCheckpointer:
         if codec == "auto":
             if codec_rule is not None:
                 raise CheckpointError("codec='auto' builds its own codec_rule: give one of them")
-            restores = DEFAULT_EXPECTED_RESTORES if expected_restores is None else expected_restores
-            floor = codec_for_expected_restores(restores)
-            codec_rule = ServedLossCodecRule(
-                floor,
-                budget=SERVED_LOSS_BUDGET if served_loss_budget is None else served_loss_budget,
-            )
-            codec = floor
+            codec_rule = auto_codec_rule(expected_restores, served_loss_budget)
+            codec = codec_rule.codec  # the floor, where it starts
             if served_loss_samples is None:
                 served_loss_samples = DEFAULT_SCORED_SAMPLES
         elif served_loss_budget is not None or expected_restores is not None:

@@ -59,6 +59,7 @@ from trainer.options import (
     whole_batches,
 )
 from trainer.progressive_metrics import ProgressiveMetrics
+from trainer.report_text import served_text
 from trainer.signals import stop_on_signals
 from trainer.sources import open_stream
 from trainer.streams.base import Batch, InteractionStream
@@ -314,14 +315,7 @@ def _published_line(record: CheckpointRecord) -> str:
 
 
 def _served_text(record: CheckpointRecord) -> str:
-    """The version's codec and what it loses as served (docs/FORMAT.md 3.2), when measured."""
-    loss = record.served_loss
-    if loss is None:
-        return f"  {record.codec}" if record.codec else ""
-    text = f"  {record.codec} served AUC {-100 * loss.auc_rel_loss:+.4f}% vs fp32"
-    for codec, first in record.reencoded:
-        text += f" ({codec} {-100 * first:+.4f}%: encoded again)"
-    return text
+    return served_text(record.codec, record.served_loss, record.reencoded)
 
 
 def _report_json(

@@ -3,9 +3,10 @@
 A `Collective` is the two operations the job's commit (publisher/write/job_publishing.py) needs:
 `broadcast` (rank 0's value reaches every rank) and `gather` (rank 0 gets every rank's value in
 rank order). Values are JSON only (dict, list, str, int, float, bool, None): what crosses
-between ranks is data a rank may check, never a pickle. Both raise `CollectiveError` when a
-peer does not answer within the collective's timeout, which is how a dead rank is noticed
-(docs/FORMAT.md section 2.1).
+between ranks is data a rank may check, never a pickle; `gather_bytes` is `gather` of raw
+bytes, for arrays (publisher/write/row_transfer.py: the rows rank 0 judges the served loss on).
+Each raises `CollectiveError` when a peer does not answer within the collective's timeout,
+which is how a dead rank is noticed (docs/FORMAT.md section 2.1).
 
 `ThreadCollective` is the collective of n threads of one process (tests, and a job simulated in
 one process); `trainer/sharded/collective.py` implements it over torch.distributed.
@@ -41,8 +42,12 @@ class Collective(Protocol):
         """On rank 0, every rank's value in rank order; None on the others."""
         ...
 
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """On rank 0, every rank's bytes in rank order; None on the others."""
+        ...
 
-Operation = Literal["broadcast", "gather"]
+
+Operation = Literal["broadcast", "gather", "gather_bytes"]
 
 
 @dataclass
@@ -51,6 +56,8 @@ class _Round:
 
     operation: Operation
     texts: dict[int, str] = field(default_factory=dict)
+    #: a `gather_bytes` round's data, by rank.
+    data: dict[int, bytes] = field(default_factory=dict)
     #: ranks that took rank 0's broadcast value so far.
     taken: int = 0
 
@@ -129,3 +136,19 @@ class ThreadCollective:
                 )
             ex.rounds.pop(number, None)
             return [json.loads(current.texts[r]) for r in range(ex.world_size)]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        number, ex = self._next(), self._exchange
+        with ex.cond:
+            current = ex.round(number, "gather_bytes", self.rank)
+            current.data[self.rank] = bytes(data)
+            ex.cond.notify_all()
+            if self.rank != 0:
+                return None
+            if not ex.cond.wait_for(lambda: len(current.data) == ex.world_size, ex.timeout_s):
+                missing = sorted(set(range(ex.world_size)) - set(current.data))
+                raise CollectiveError(
+                    f"rank 0: ranks {missing} did not send their bytes within {ex.timeout_s} s"
+                )
+            ex.rounds.pop(number, None)
+            return [current.data[r] for r in range(ex.world_size)]

@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from publisher.codecs import encode_rows
@@ -52,6 +53,13 @@ from publisher.write.collective import (
 )
 from publisher.write.priority import lower_this_thread
 from publisher.write.publishing import PublisherWorker, PublishResult, encode_table
+from publisher.write.row_transfer import (
+    largest_magnitudes,
+    merge_rank_rows,
+    rows_from_bytes,
+    rows_to_bytes,
+)
+from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import Snapshot
 from publisher.write.version_writer import (
     BlobsDraft,
@@ -63,7 +71,7 @@ from publisher.write.version_writer import (
 )
 from schemas.announcement import Announcement
 from schemas.errors import BadDataError, CheckNRunError
-from schemas.manifest import Manifest, Position, RankPosition
+from schemas.manifest import Manifest, Position, RankPosition, ServedLoss
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -132,13 +140,17 @@ class JobPublisher:
         tunables: Tunables = DEFAULT_TUNABLES,
         timeout_s: float = 300.0,
         writer: VersionWriter | None = None,
+        served: ServedCodec | None = None,
     ) -> None:
+        """`served`: rank 0's judge of the served loss and `--codec auto`'s codec (every rank
+        passes one that judges, or none does: its rounds are collective calls)."""
         self.store = store
         self.model = model
         self.collective = collective
         self.rank = collective.rank
         self.announce = announce
         self.tunables = tunables
+        self.served = served if served is not None and served.judges else None
         #: how long a rank waits for its own trainer's snapshot of the sequence rank 0 picked
         #: (JobBackgroundPublisher): a trainer that far behind the others has stopped.
         self.timeout_s = timeout_s
@@ -195,6 +207,7 @@ class JobPublisher:
         plan = _dict(self._call(lambda: self.collective.broadcast(self._reserve(snapshot))))
         if "error" in plan:
             raise RankFailedError(0, str(plan["error"]))
+        verdict = self._judge(snapshot if error is None else None)
         encoded_s = 0.0
         report: JSONValue
         try:
@@ -204,18 +217,25 @@ class JobPublisher:
             reservation = Reservation(
                 self.model, _int(plan["version"]), str(plan["token"]), None, None
             )
-            report, encoded_s = self._upload(snapshot, plan, reservation)
+            codec = verdict.get("codec")
+            report, encoded_s = self._upload(
+                snapshot, plan, reservation, None if codec is None else str(codec)
+            )
         except Exception as exc:  # every rank must take part in the rounds whatever failed
             log.exception("rank %d: its part of the version failed", self.rank)
             report = {"error": _describe(exc)}
         reports = self._call(lambda: self.collective.gather(report))
+        served_loss = verdict.get("served_loss")
+        judged = None if served_loss is None else ServedLoss.model_validate(served_loss)
         outcome = _dict(
-            self._call(lambda: self.collective.broadcast(self._commit(reports, snapshot)))
+            self._call(lambda: self.collective.broadcast(self._commit(reports, snapshot, judged)))
         )
         if "error" in outcome:
             raise RankFailedError(_int(outcome["rank"]), str(outcome["error"]))
         manifest = Manifest.from_json(str(outcome["manifest"]).encode())
         ref = VersionRef(manifest, str(outcome["key"]))
+        if self.rank == 0 and self.served is not None:
+            self.served.observe(ref.version, judged)
         if self.rank == 0 and self.announce is not None:
             try:
                 self.announce(Announcement.of(manifest, ref.key))
@@ -229,7 +249,50 @@ class JobPublisher:
             merged=snapshot.merged,
             taken_at=snapshot.taken_at,
             sequence=snapshot.sequence,
+            measure_s=float(_number(verdict.get("measure_s", 0.0))),
+            reencoded=tuple(
+                (str(c), float(_number(loss))) for c, loss in _pairs(verdict.get("reencoded"))
+            ),
         )
+
+    def _judge(self, snapshot: Snapshot | None) -> dict[str, JSONValue]:
+        """Rank 0's verdict on the round's version, the same on every rank: the codec every
+        rank encodes its rows with and what the version loses as served (publisher/write/
+        served_codec.py), judged on the rows every rank sends it (publisher/write/
+        row_transfer.py); {} when the job does not judge, or a rank has no rows to send (its
+        upload then fails the round, saying why)."""
+        if self.served is None:
+            return {}
+        data = b""
+        try:
+            if snapshot is not None:
+                snapshot.check_finite()
+                data = rows_to_bytes(snapshot.tables)
+        except Exception:  # refused again, and reported, by this rank's upload
+            data = b""
+        parts = self._call(lambda: self.collective.gather_bytes(data))
+        verdict: JSONValue = None
+        if self.rank == 0:
+            verdict = {}
+            assert parts is not None
+            if snapshot is not None and all(parts):
+                try:
+                    verdict = self._verdict(snapshot, parts)
+                except Exception:
+                    log.exception("rank 0: the served loss of this version was not measured")
+        return _dict(self._call(lambda: self.collective.broadcast(verdict)))
+
+    def _verdict(self, snapshot: Snapshot, parts: Sequence[bytes]) -> dict[str, JSONValue]:
+        assert self.served is not None
+        rows = merge_rank_rows([rows_from_bytes(p) for p in parts])
+        choice = self.served.choose(snapshot, rows, largest_magnitudes(rows))
+        loss = choice.served_loss
+        return {
+            "codec": choice.codec,
+            "served_loss": None if loss is None else loss.model_dump(mode="json"),
+            "reencoded": [[codec, value] for codec, value in choice.reencoded],
+            "measure_s": choice.measure_s,
+        }
 
     def _reserve(self, snapshot: Snapshot | None) -> JSONValue:
         """Rank 0's plan of the round: the reserved version and its header (None elsewhere)."""
@@ -251,9 +314,14 @@ class JobPublisher:
         }
 
     def _upload(
-        self, snapshot: Snapshot, plan: dict[str, JSONValue], reservation: Reservation
+        self,
+        snapshot: Snapshot,
+        plan: dict[str, JSONValue],
+        reservation: Reservation,
+        codec: str | None = None,
     ) -> tuple[JSONValue, float]:
-        """This rank's report of the round: its part, once durable, and its position."""
+        """This rank's report of the round: its part, once durable, and its position; `codec`:
+        what rank 0's verdict gave every table (None: the snapshot's own)."""
         started = time.perf_counter()
         mine = _header(snapshot)
         theirs = _dict(plan["header"])
@@ -270,13 +338,16 @@ class JobPublisher:
         unknown = sorted({t.name for t in snapshot.tables} - set(order))
         if unknown:
             raise JobMismatchError(f"tables {unknown} are not the model's {list(order)}")
+        rows = snapshot.tables
+        if codec is not None:
+            rows = tuple(replace(t, codec=codec) for t in rows)
         tables = [
             encode_table(
                 t,
                 self.tunables,
                 encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name]),
             )
-            for t in snapshot.tables
+            for t in rows
         ]
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
@@ -310,7 +381,12 @@ class JobPublisher:
         }
         return report, encoded_s
 
-    def _commit(self, reports: list[JSONValue] | None, snapshot: Snapshot | None) -> JSONValue:
+    def _commit(
+        self,
+        reports: list[JSONValue] | None,
+        snapshot: Snapshot | None,
+        served_loss: ServedLoss | None = None,
+    ) -> JSONValue:
         """Rank 0's outcome of the round: the committed version, or the first failure."""
         if self.rank != 0:
             return None
@@ -320,13 +396,15 @@ class JobPublisher:
                 return {"rank": rank, "error": _dict(report)["error"]}
         assert snapshot is not None  # rank 0's own report would be an error otherwise
         try:
-            ref = self._commit_parts(reports, snapshot)
+            ref = self._commit_parts(reports, snapshot, served_loss)
         except Exception as exc:
             log.exception("rank 0: committing the job's version failed")
             return {"rank": 0, "error": _describe(exc)}
         return {"key": ref.key, "manifest": ref.manifest.to_json().decode()}
 
-    def _commit_parts(self, reports: list[JSONValue], snapshot: Snapshot) -> VersionRef:
+    def _commit_parts(
+        self, reports: list[JSONValue], snapshot: Snapshot, served_loss: ServedLoss | None
+    ) -> VersionRef:
         assert self.writer is not None
         parts: list[WrittenPart] = []
         ranks: list[RankPosition] = []
@@ -350,6 +428,7 @@ class JobPublisher:
             position=position,
             model_config=snapshot.model_config,
             metrics=snapshot.metrics,
+            served_loss=served_loss,
         )
         names = sorted({t.name for p in parts for t in p.tables})
         order = table_order(snapshot.model_config) or names
@@ -508,6 +587,21 @@ def _dict(value: JSONValue) -> dict[str, JSONValue]:
     if not isinstance(value, dict):
         raise JobMismatchError(f"expected a JSON object, got {value!r}")
     return value
+
+
+def _number(value: JSONValue) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise JobMismatchError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _pairs(value: JSONValue) -> list[tuple[JSONValue, JSONValue]]:
+    """A JSON list of [a, b] pairs (None: none)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, list) and len(v) == 2 for v in value):
+        raise JobMismatchError(f"expected a list of pairs, got {value!r}")
+    return [(v[0], v[1]) for v in value if isinstance(v, list)]
 
 
 __all__ = [

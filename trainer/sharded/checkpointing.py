@@ -68,8 +68,9 @@ from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.collective import Collective
 from publisher.write.job_publishing import JobBackgroundPublisher, JobPublisher, table_order
-from publisher.write.policies import Plan, Policy, make_policy
-from publisher.write.publishing import PublishResult
+from publisher.write.policies import Plan, Policy, auto_codec_rule, make_policy
+from publisher.write.publishing import PublishResult, encode_table
+from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import Snapshot, TableRows
 from publisher.write.tracker import RowIds
 from schemas.announcement import Announcement
@@ -78,6 +79,9 @@ from schemas.manifest import Position
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
+from trainer.options import DEFAULT_SCORED_SAMPLES
+from trainer.recent_samples import RecentSamples
+from trainer.sharded.data import RankBatch, scored_batch
 from trainer.sharded.dirty_rows import ShardDirtyRows
 from trainer.sharded.host_copies import ChunkedShardFull, ShardRowCopier, chunk_plan
 from trainer.sharded.local_shards import ShardedTable, local_shards
@@ -137,6 +141,9 @@ class ShardedCheckpointer:
         sparse_hyper: Mapping[str, float],
         policy: str = "intermittent",
         codec: str = "int4",
+        served_loss_samples: int | None = None,
+        served_loss_budget: float | None = None,
+        expected_restores: float | None = None,
         interval_samples: int | None = None,
         interval_seconds: float | None = None,
         model_config: Mapping[str, Any] | None = None,
@@ -156,7 +163,14 @@ class ShardedCheckpointer:
             collective: the publishing thread's collective (trainer/sharded/collective.py).
             sparse_hyper: the fused optimizer's `lr` and `eps` (recorded in the optimizer
                 blob, so the one-process trainer resumes with them).
-            policy, codec: as for `IncrementalCheckpointer`; one codec for every table.
+            policy, codec: as for `IncrementalCheckpointer`; one codec for every table, or
+                "auto": each version's codec from the served loss rank 0 measures on it
+                (publisher/write/served_codec.py), from the bit rule's floor for
+                `expected_restores`, within `served_loss_budget`.
+            served_loss_samples: rank 0 keeps the latest N samples of its slices
+                (`keep_scored`) and records in every manifest what the version loses as
+                served, scored on them on the rows every rank sends it; 0 (the default unless
+                `codec="auto"`) measures nothing.
             interval_samples: checkpoint after this many samples of the job (all ranks).
             interval_seconds: checkpoint after this many seconds; each rank's clock is its
                 own, so the training loop's vote says when (`time_due`, then
@@ -171,8 +185,26 @@ class ShardedCheckpointer:
                 shards now, so no stop of a full copied in chunks pays page faults (or pinning,
                 on a GPU) for them (the first full would allocate them; the pool keeps them).
         """
+        codec_rule = None
+        if codec == "auto":
+            codec_rule = auto_codec_rule(expected_restores, served_loss_budget)
+            codec = codec_rule.codec  # the floor, where it starts
+            if served_loss_samples is None:
+                served_loss_samples = DEFAULT_SCORED_SAMPLES
+            if not served_loss_samples:
+                raise CheckpointError(
+                    "codec='auto' chooses from the served loss it measures: give "
+                    "served_loss_samples > 0, or a codec"
+                )
+        elif served_loss_budget is not None or expected_restores is not None:
+            raise CheckpointError(
+                "served_loss_budget and expected_restores choose codec='auto''s codecs; "
+                f"codec is {codec!r}"
+            )
         if codec not in CODECS:
             raise CheckpointError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+        if served_loss_samples is not None and served_loss_samples < 0:
+            raise CheckpointError(f"served_loss_samples must be >= 0, got {served_loss_samples}")
         self.model = model
         self.dense_optimizer = dense_optimizer
         self.store = store
@@ -210,6 +242,15 @@ class ShardedCheckpointer:
         self.ledger = CheckpointRecords()
         self._results: list[PublishResult] = []
         self._user_on_published = on_published
+        #: rank 0's window of its recent samples, scored as served at every version.
+        self.recent_samples = RecentSamples((served_loss_samples or 0) if self.rank == 0 else 0)
+        self.codec_rule = codec_rule
+        served = ServedCodec(
+            encode_table,
+            measure_served_loss=bool(served_loss_samples),
+            codec_rule=codec_rule,
+            tunables=tunables,
+        )
         self.publisher = JobPublisher(
             store,
             model_name,
@@ -217,6 +258,7 @@ class ShardedCheckpointer:
             announce=announce,
             tunables=tunables,
             timeout_s=timeout_s,
+            served=served,
         )
         self.background = JobBackgroundPublisher(self.publisher, on_published=self._published)
         self._closed = False
@@ -233,6 +275,13 @@ class ShardedCheckpointer:
             share, extra = divmod(samples, self.world_size)
             rank_samples = share + (extra if self.rank == 0 else 0)
         self.rank_samples += rank_samples
+
+    def keep_scored(self, batch: RankBatch) -> None:
+        """Keep this rank's samples of a step just scored (rank 0's, with `served_loss_samples`)
+        in the window every version's served loss is measured on; call it before the step's
+        `maybe_checkpoint`."""
+        if self.recent_samples.capacity:
+            self.recent_samples.add(scored_batch(batch))
 
     @property
     def records(self) -> list[CheckpointRecord]:
@@ -408,6 +457,7 @@ class ShardedCheckpointer:
             model_config=self.model_config,
             metrics=job_metrics,
             sequence=self.ledger.next_index,
+            scored=self.recent_samples.take(),
         )
         copied = time.perf_counter()
         record = CheckpointRecord.of(snapshot, planned.job_rows, self.table_rows)

@@ -73,11 +73,23 @@ class TorchCollective(GlooGroup):
 
     def gather(self, value: JSONValue) -> list[JSONValue] | None:
         """Every rank's `value` in rank order on rank 0; None on the others."""
-        payload = _encode(value)
+        parts = self._gather_payload(_encode(value))
+        return None if parts is None else [_decode(p) for p in parts]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's bytes in rank order on rank 0; None on the others."""
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else _EMPTY
+        parts = self._gather_payload(payload)
+        return None if parts is None else [p.numpy().tobytes() for p in parts]
+
+    def _gather_payload(self, payload: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's uint8 `payload` (any length) on rank 0, trimmed; None elsewhere."""
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         mine = torch.tensor([payload.numel()], dtype=torch.int64)
         self.run("gather", lambda: dist.all_gather(sizes, mine, group=self.group))
         longest = max(int(s.item()) for s in sizes)
+        if longest == 0:  # every rank knows: nothing to send
+            return [_EMPTY] * self.world_size if self.rank == 0 else None
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         parts = (
@@ -88,7 +100,10 @@ class TorchCollective(GlooGroup):
         self.run("gather", lambda: dist.gather(padded, parts, dst=0, group=self.group))
         if parts is None:
             return None
-        return [_decode(p[: int(s.item())]) for p, s in zip(parts, sizes, strict=True)]
+        return [p[: int(s.item())] for p, s in zip(parts, sizes, strict=True)]
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def _encode(value: JSONValue) -> torch.Tensor:

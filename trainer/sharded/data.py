@@ -24,6 +24,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from publisher.dlrm import SparseBatch
+from publisher.served_loss import ScoredBatch
 from trainer.streams.base import Batch, DataError
 
 
@@ -135,4 +136,20 @@ def keyed_features(
         keys=list(features),
         values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
         lengths=torch.cat(lengths),
+    )
+
+
+def scored_batch(batch: RankBatch) -> ScoredBatch:
+    """The real samples of a rank's batch (the padding after them left out) as the DLRM's kept
+    batch (publisher/served_loss.py): what rank 0 scores each version on as served."""
+    n = int((batch.weights > 0).sum())
+    sparse = {}
+    for name, jagged in batch.features.to_dict().items():
+        offsets = jagged.offsets().cpu()
+        values = jagged.values().cpu()[: int(offsets[n])]
+        sparse[name] = (values.numpy().copy(), offsets[:n].numpy().copy())
+    return ScoredBatch(
+        dense=batch.dense[:n].detach().cpu().numpy().copy(),
+        sparse=sparse,
+        labels=batch.labels[:n].detach().cpu().numpy().copy(),
     )

@@ -30,7 +30,6 @@ from publisher.cli import (
 )
 from publisher.read.catalog import Catalog, NoVersionError
 from publisher.store import ObjectStore, open_store
-from publisher.write.policies import codec_for_expected_restores
 from publisher.write.publishing import PublishResult
 from schemas.errors import BadDataError
 from schemas.manifest import Position
@@ -46,6 +45,7 @@ from trainer.options import (
     resume_version,
     whole_batches,
 )
+from trainer.report_text import served_text
 from trainer.sharded.checkpointing import ShardedCheckpointer
 from trainer.sharded.collective import TorchCollective
 from trainer.sharded.data import check_batch_size
@@ -73,6 +73,11 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
         raise CommandError(
             f"--sparse-optimizer {args.sparse_optimizer}: a sharded job (--nproc) trains its "
             "tables with TorchRec's fused row-wise Adagrad only (rowwise-adagrad)"
+        )
+    if args.codec == "auto" and args.served_loss_samples == 0:
+        raise CommandError(
+            "--codec auto chooses from the served loss it measures: give "
+            "--served-loss-samples N > 0, or a codec"
         )
     if args.on_nonfinite != "stop":
         raise CommandError("--on-nonfinite skip: a sharded job (--nproc) stops on NaN or inf")
@@ -136,11 +141,6 @@ def _train_rank(
     )
     optimizer = dense_optimizer(dense_parameters(model), args.dense_optimizer, args.dense_lr)
     model_name = args.model or default_model_name(args.data)
-    # --codec auto (the default) is the floor of the measured bit rule: a sharded job does not
-    # measure served loss, so it never steps up from it.
-    codec = args.codec
-    if codec == "auto":
-        codec = codec_for_expected_restores(args.expected_restores)
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:
         interval_samples = DEFAULT_INTERVAL_SAMPLES
@@ -153,7 +153,10 @@ def _train_rank(
         collective=TorchCollective.new(timeout_s=COLLECTIVE_TIMEOUT_S),
         sparse_hyper={"lr": args.sparse_lr, "eps": ROWWISE_ADAGRAD_EPS},
         policy=args.policy,
-        codec=codec,
+        codec=args.codec,
+        served_loss_samples=args.served_loss_samples,
+        served_loss_budget=args.served_loss_budget if args.codec == "auto" else None,
+        expected_restores=args.expected_restores if args.codec == "auto" else None,
         interval_samples=interval_samples,
         interval_seconds=args.interval_seconds,
         model_config=config.to_json(),
@@ -191,7 +194,7 @@ def _train_rank(
     if rank == 0 and not args.json:
         print(
             f"{world_size} rank(s), {args.sharding} tables on {device.type}, publishing "
-            f"{model_name!r} to {args.store} ({args.policy}, {codec})"
+            f"{model_name!r} to {args.store} ({args.policy}, {args.codec})"
             + (f", resumed from v{resumed} at sample {start:,}" if resumed is not None else ""),
             file=sys.stderr,
         )
@@ -306,7 +309,12 @@ def _published(result: PublishResult) -> None:
     print(
         f"published v{manifest.version} {manifest.kind:<5} {human_bytes(result.bytes_written):>9} "
         f"({result.ratio:.1f}x < fp32)  samples {manifest.position.samples_seen:,}  "
-        f"{len(ranks) if ranks else 1} rank(s)",
+        f"{len(ranks) if ranks else 1} rank(s)"
+        + served_text(
+            manifest.tables[0].codec if manifest.tables else None,
+            manifest.served_loss,
+            result.reencoded,
+        ),
         file=sys.stderr,
     )
 

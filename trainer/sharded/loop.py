@@ -17,11 +17,12 @@ by time (`--interval-seconds`: each rank's clock votes, every rank checkpoints a
 step), the end of the data, a sample limit.
 
 The checkpointer's seam (`RankCheckpointer`; trainer/sharded/checkpointing.py's
-ShardedCheckpointer): per step `step(samples, rank_samples)` with the step's samples and this
-rank's share of them, then `maybe_checkpoint(reader, metrics, due=...)` with the source's
-reader position after the step; `checkpoint_now(reader, metrics)` when the loop ends with
-something not yet in a version (steps, or a reader that moved past bad records); `close()` at
-the end, also when training failed. It needs no ids from the loop: TorchRec's
+ShardedCheckpointer): per step `keep_scored(batch)` (the samples just scored, which rank 0 keeps
+to measure each version's served loss on), `step(samples, rank_samples)` with the step's
+samples and this rank's share of them, then `maybe_checkpoint(reader, metrics, due=...)` with
+the source's reader position after the step; `checkpoint_now(reader, metrics)` when the loop
+ends with something not yet in a version (steps, or a reader that moved past bad records);
+`close()` at the end, also when training failed. It needs no ids from the loop: TorchRec's
 ModelDeltaTracker records the rows inside the sharded model's forward. Every version carries
 the job's metrics: the training loss and progressive metrics of its samples (scored before they
 are trained on, summed over the ranks) and the source's counters (bad events, lag).
@@ -92,6 +93,10 @@ class RankCheckpointer(Protocol):
     @property
     def time_due(self) -> bool:
         """Whether this rank's clock says a checkpoint is due (its vote)."""
+
+    def keep_scored(self, batch: RankBatch) -> None:
+        """This rank's samples of the step, scored before it trained on them (what the
+        served loss is measured on)."""
 
     def maybe_checkpoint(
         self, reader: Reader | None = None, metrics: Metrics | None = None, *, due: bool = False
@@ -180,6 +185,7 @@ def train_steps(
             report.seconds = time.perf_counter() - started
             report.loss = metrics.rank_loss
             if checkpointer is not None:
+                checkpointer.keep_scored(local)
                 checkpointer.step(plan.global_size, mine)
                 reader = source.reader()
                 record = checkpointer.maybe_checkpoint(reader, job_metrics, due=plan.checkpoint)

@@ -108,6 +108,9 @@ class _Recorder:
     def time_due(self) -> bool:
         return False
 
+    def keep_scored(self, batch: object) -> None:
+        pass
+
     def maybe_checkpoint(
         self, reader: Mapping[str, object], metrics: object = None, *, due: bool = False
     ) -> None:

@@ -1,6 +1,7 @@
 """`train` options a sharded job honours as one process does: `--interval-seconds` (each rank's
 clock votes, every rank checkpoints at the same step), SIGTERM on a file (one final version,
-exit 0), and the training metrics of the job's samples in every version's manifest."""
+exit 0), the training metrics of the job's samples in every version's manifest, and `--codec
+auto` (rank 0 measures each version as served on every rank's rows and picks its codec)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,27 @@ def test_sigterm_to_a_job_on_a_file_publishes_a_final_version_and_exits_0(tmp_pa
     assert latest.version == report["last_version"]
     assert latest.manifest.position.samples_seen == report["samples"]
     assert latest.manifest.position.reader["offset"] == report["end_offset"]
+
+
+def test_codec_auto_measures_every_version_as_served_and_steps_up_over_budget(
+    tmp_path: Path,
+) -> None:
+    # a budget no codec but fp32 meets: the rule must step up on the rows of both ranks
+    command = _command(tmp_path, 6_400, "--interval-samples", "1280")
+    command = [c for c in command if c not in ("--codec", "fp32")]  # the default: auto
+    command += ["--served-loss-budget", "1e-9"]
+    done = subprocess.run(
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    catalog = Catalog(FileStore(tmp_path / "store"), "m")
+    manifests = [catalog.find(ref.version).manifest for ref in catalog.versions()]
+    assert len(manifests) == 5
+    for manifest in manifests:
+        loss = manifest.served_loss
+        assert loss is not None, manifest.version  # every version, measured on rank 0
+        assert loss.samples > 0
+        # one codec for every table of the version, whichever rank wrote it
+        assert len({t.codec for t in manifest.tables}) == 1
+    codecs = {manifest.tables[0].codec for manifest in manifests}
+    assert codecs - {"int4"}, codecs  # stepped up from the floor at least once
