@@ -52,7 +52,12 @@ from publisher.write.collective import (
     ThreadCollective,
 )
 from publisher.write.priority import lower_this_thread
-from publisher.write.publishing import PublisherWorker, PublishResult, encode_table
+from publisher.write.publishing import (
+    NonFinitePolicy,
+    PublisherWorker,
+    PublishResult,
+    encode_table,
+)
 from publisher.write.row_transfer import (
     largest_magnitudes,
     merge_rank_rows,
@@ -60,7 +65,7 @@ from publisher.write.row_transfer import (
     rows_to_bytes,
 )
 from publisher.write.served_codec import ServedCodec
-from publisher.write.snapshot import Snapshot
+from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot
 from publisher.write.version_writer import (
     BlobsDraft,
     Reservation,
@@ -207,6 +212,7 @@ class JobPublisher:
         plan = _dict(self._call(lambda: self.collective.broadcast(self._reserve(snapshot))))
         if "error" in plan:
             raise RankFailedError(0, str(plan["error"]))
+        self._check_finite(snapshot if error is None else None)
         verdict = self._judge(snapshot if error is None else None)
         encoded_s = 0.0
         report: JSONValue
@@ -254,6 +260,28 @@ class JobPublisher:
                 (str(c), float(_number(loss))) for c, loss in _pairs(verdict.get("reencoded"))
             ),
         )
+
+    def _check_finite(self, snapshot: Snapshot | None) -> None:
+        """Every rank checks its snapshot before anything is written; NonFiniteSnapshotError on
+        every rank alike when one holds NaN or inf (the reservation writes nothing, so the
+        round ends there: the job stops, or holds the version back and folds it into the
+        next, as `JobBackgroundPublisher.on_non_finite` says)."""
+        refused: JSONValue = None
+        if snapshot is not None:
+            try:
+                snapshot.check_finite()
+            except NonFiniteSnapshotError as exc:
+                refused = str(exc)
+        said = self._call(lambda: self.collective.gather(refused))
+        first: JSONValue = None
+        if said is not None:
+            first = next(
+                ({"rank": r, "error": e} for r, e in enumerate(said) if e is not None), None
+            )
+        told = self._call(lambda: self.collective.broadcast(first))
+        if told is not None:
+            found = _dict(told)
+            raise NonFiniteSnapshotError(f"rank {found['rank']}: {found['error']}")
 
     def _judge(self, snapshot: Snapshot | None) -> dict[str, JSONValue]:
         """Rank 0's verdict on the round's version, the same on every rank: the codec every
@@ -452,18 +480,29 @@ class JobBackgroundPublisher(PublisherWorker):
 
     A failure stops the worker and is re-raised by the next `submit`, `wait`, `close` or
     `raise_if_failed` (docs/FORMAT.md section 2.1: rank 0 stops the job): a store that is down
-    fails a round on every rank alike, which the job restarts from its last version.
+    fails a round on every rank alike, which the job restarts from its last version. A version
+    some rank's part of holds NaN or inf is refused by every rank before anything is written:
+    the job stops (`on_non_finite="stop"`), or every rank holds its part back and folds it into
+    the next round's ("skip"), published once the values are finite again.
     """
 
     def __init__(
         self,
         job_publisher: JobPublisher,
         on_published: Callable[[PublishResult], None] | None = None,
+        on_non_finite: NonFinitePolicy = "stop",
     ) -> None:
+        if on_non_finite not in ("stop", "skip"):
+            raise ValueError(f"on_non_finite must be 'stop' or 'skip', got {on_non_finite!r}")
         self.job = job_publisher
         self.on_published = on_published
+        self.on_non_finite = on_non_finite
+        #: snapshots not published because the job's version held NaN or inf somewhere.
+        self.non_finite_skipped = 0
         self.results: list[PublishResult] = []
         self._queue: list[Snapshot] = []  # oldest first
+        #: a version every rank refused as non-finite, folded into the next one ("skip").
+        self._held: Snapshot | None = None
         self._busy = False
         self._closed = False
         self._error: BaseException | None = None
@@ -567,7 +606,24 @@ class JobBackgroundPublisher(PublisherWorker):
         return _fold(taken)
 
     def _publish(self, snapshot: Snapshot) -> None:
-        self._deliver(self.job.publish(snapshot))
+        held, self._held = self._held, None
+        if held is not None:
+            snapshot = _fold([held, snapshot])
+        try:
+            result = self.job.publish(snapshot)
+        except NonFiniteSnapshotError as exc:
+            if self.on_non_finite == "stop":
+                raise
+            # Every rank refused the same round: each holds its part and folds it into the
+            # next, so the rows it carried stay in the chain (as BackgroundPublisher does).
+            log.warning("%s; held back until a later version is finite", exc)
+            with self._cond:
+                self._held = snapshot
+                self.non_finite_skipped += snapshot.merged - (0 if held is None else held.merged)
+                self._busy = False
+                self._cond.notify_all()
+            return
+        self._deliver(result)
 
 
 def _fold(snapshots: list[Snapshot]) -> Snapshot:

@@ -69,7 +69,7 @@ from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.collective import Collective
 from publisher.write.job_publishing import JobBackgroundPublisher, JobPublisher, table_order
 from publisher.write.policies import Plan, Policy, auto_codec_rule, make_policy
-from publisher.write.publishing import PublishResult, encode_table
+from publisher.write.publishing import NonFinitePolicy, PublishResult, encode_table
 from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import Snapshot, TableRows
 from publisher.write.tracker import RowIds
@@ -153,6 +153,7 @@ class ShardedCheckpointer:
         group: dist.ProcessGroup | None = None,
         timeout_s: float = 60.0,
         preallocate: bool = True,
+        on_non_finite: NonFinitePolicy = "stop",
     ) -> None:
         """
         Args:
@@ -181,6 +182,9 @@ class ShardedCheckpointer:
             group: the training group the dirty bitmaps are reduced over (None: default).
             timeout_s: how long a rank's publisher waits for its own trainer's snapshot of
                 the sequence rank 0 picked (JobPublisher); the collective has its own timeout.
+            on_non_finite: a version some rank's part of holds NaN or inf is never
+                published: "stop" re-raises the error at the next `maybe_checkpoint`, "skip"
+                holds it back on every rank and folds it into the next version.
             preallocate: allocate and touch the host buffers of one full copy of this rank's
                 shards now, so no stop of a full copied in chunks pays page faults (or pinning,
                 on a GPU) for them (the first full would allocate them; the pool keeps them).
@@ -260,7 +264,9 @@ class ShardedCheckpointer:
             timeout_s=timeout_s,
             served=served,
         )
-        self.background = JobBackgroundPublisher(self.publisher, on_published=self._published)
+        self.background = JobBackgroundPublisher(
+            self.publisher, on_published=self._published, on_non_finite=on_non_finite
+        )
         self._closed = False
         #: the version `resume` loaded, None before.
         self.resumed_from: int | None = None
@@ -287,6 +293,11 @@ class ShardedCheckpointer:
     def records(self) -> list[CheckpointRecord]:
         """One record per checkpoint this rank took, oldest first."""
         return self.ledger.records
+
+    @property
+    def non_finite_skipped(self) -> int:
+        """Snapshots not published because the job's version held NaN or inf ("skip")."""
+        return self.background.non_finite_skipped
 
     @property
     def copying_full(self) -> bool:

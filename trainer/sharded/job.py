@@ -79,8 +79,6 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
             "--codec auto chooses from the served loss it measures: give "
             "--served-loss-samples N > 0, or a codec"
         )
-    if args.on_nonfinite != "stop":
-        raise CommandError("--on-nonfinite skip: a sharded job (--nproc) stops on NaN or inf")
     if args.publish_in != "thread":
         raise CommandError("--publish-in process: a sharded job (--nproc) publishes in threads")
     if is_live(args.data) and args.id_space != "hash":
@@ -162,6 +160,7 @@ def _train_rank(
         model_config=config.to_json(),
         announce=open_announcer(args.bus, model_name).announce if rank == 0 and args.bus else None,
         on_published=_published if rank == 0 and not args.json else None,
+        on_non_finite=args.on_nonfinite,
     )
     source: StepSource
     try:
@@ -363,6 +362,7 @@ def _report(
         "samples_per_s": round(report.samples_per_s, 1),
         "rank0_loss": round(report.loss, 6),
         "stopped": report.stopped,
+        "non_finite_skipped": checkpointer.non_finite_skipped,
         **live,
     }
     if args.json:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.sharded_run import (
@@ -212,16 +213,72 @@ def test_ranks_that_disagree_commit_nothing(tmp_path: Path) -> None:
     )
 
 
+def _spoil(part: Snapshot, row: int = 3) -> Snapshot:
+    """The part with a NaN in its first table's `row`-th row (its arrays copied first)."""
+    values = part.tables[0].values.copy()
+    assert len(values) > row
+    values[row, 1] = float("nan")
+    table = replace(part.tables[0], codec="int4", values=values)
+    return replace(part, tables=(table, *part.tables[1:]))
+
+
 def test_a_rank_holding_nan_commits_nothing(tmp_path: Path) -> None:
     # The codec trusts the job publisher's one check of the snapshot (its kernel path would
-    # quantise NaN to code 0 without a word): that check must refuse the part.
-    def spoil(part: Snapshot) -> Snapshot:
-        table = replace(part.tables[0], codec="int4")
-        assert len(table.row_ids) > 3
-        table.values[3, 1] = float("nan")
-        return replace(part, tables=(table, *part.tables[1:]))
+    # quantise NaN to code 0 without a word): every rank refuses the version before anything
+    # is written, with the same error naming the rank.
+    run = _run(tmp_path, "single")
+    store = FileStore(tmp_path / "job")
+    publishers = job_publishers(store, "m", 2)
+    (first,) = _snapshots(run, 1)
+    parts = split_snapshot(first, row_wise(TABLE_ROWS, 2), 2)
+    parts[1] = _spoil(parts[1])
+    results = on_ranks(2, lambda r: publishers[r].publish(parts[r]))
+    for result in results:
+        assert isinstance(result, NonFiniteSnapshotError)
+        assert str(result).startswith("rank 1: ") and "NaN or inf" in str(result)
+    with pytest.raises(NotFoundError):
+        store.get(head_key("m"))
+    assert [o.key for o in store.list("")] == ["m/LEASE"]  # no blob: checked before uploads
+    for publisher in publishers:
+        publisher.close()
 
-    _rank_1_fails_and_nothing_is_committed(tmp_path, spoil, NonFiniteSnapshotError.__name__)
+
+def test_skip_holds_a_non_finite_version_back_on_every_rank_and_folds_it_into_the_next(
+    tmp_path: Path,
+) -> None:
+    run = _run(tmp_path, "single")
+    store = FileStore(tmp_path / "job")
+    publishers = job_publishers(store, "m", 2)
+    layout = row_wise(TABLE_ROWS, 2)
+    parts = [split_snapshot(s, layout, 2) for s in _snapshots(run, 3)]
+    # rank 1's part of the second version, on a row the third rewrites (until a snapshot
+    # rewrites it, a folded NaN row keeps every version refused)
+    second, third = parts[1][1].tables[0], parts[2][1].tables[0]
+    rewritten = np.flatnonzero(np.isin(second.row_ids, third.row_ids))
+    assert rewritten.size
+    parts[1][1] = _spoil(parts[1][1], int(rewritten[0]))
+    published: list[list[PublishResult]] = [[], []]
+    skipped = [0, 0]
+
+    def rank(r: int) -> None:
+        background = JobBackgroundPublisher(
+            publishers[r], on_published=published[r].append, on_non_finite="skip"
+        )
+        for part in parts:
+            background.submit(part[r])
+            background.wait()
+        background.close()
+        skipped[r] = background.non_finite_skipped
+
+    for error in on_ranks(2, rank):
+        assert error is None
+    assert skipped == [1, 1]
+    assert [[(p.ref.version, p.sequence) for p in ranks] for ranks in published] == [
+        [(1, 1), (2, 3)],
+        [(1, 1), (2, 3)],
+    ]
+    # the held version's rows are in the next one: the chain is the single writer's at 3
+    _assert_same_state(store, run.store, 2, single_version=3)
 
 
 @pytest.mark.parametrize(
