@@ -6,7 +6,8 @@ with another `CHECKNRUN_SERVICES_DIR`: other ports and data, the same cached Kaf
 binary. `private_services.down("kafka")` / `.up("kafka")` then only hurt this suite. The pair is
 stopped at the end of the session (its run dir is kept, so the next session starts in ~10 s).
 
-Every test here is marked `integration` and `faults` (`pytest -m faults` runs just this suite).
+Every test here is marked `integration` and `faults` (tests/conftest.py; `pytest -m faults` runs
+just this suite).
 """
 
 from __future__ import annotations
@@ -39,21 +40,6 @@ PRIVATE_DIR = CACHE / "faults-services"
 # A first run on a new machine builds MinIO before anything starts.
 SERVICES_UP_TIMEOUT_S = 45 * 60
 ADMIN_TOKEN = "faults-admin-token-7f3a9c2e5b"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # Until pyproject.toml lists it (--strict-markers refuses unknown markers).
-    config.addinivalue_line(
-        "markers", "faults: stops/kills real services and processes (tests/faults, own services)"
-    )
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # This hook sees the whole session's items, not only this directory's.
-    for item in items:
-        if item.path.is_relative_to(HERE):
-            item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.faults)
 
 
 @dataclass

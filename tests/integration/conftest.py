@@ -1,127 +1,13 @@
-"""Fixtures for tests that talk to a real Kafka broker and MinIO server.
+"""Tests that talk to the shared Kafka broker and MinIO server.
 
-Where the services come from:
-
-* ``CHECKNRUN_KAFKA_BOOTSTRAP`` and ``CHECKNRUN_S3_ENDPOINT`` set in the environment:
-  those are used as they are, so the same tests run against the compose stack or
-  against a shell that did ``eval "$(scripts/services.sh up)"``.
-* otherwise ``scripts/services.sh up`` starts local ones (the first run on a new
-  machine builds MinIO, a few minutes) and they are left running for the next
-  session; CI stops them.
-
-Every test in this directory is marked ``integration``.
+tests/services.py says where the services come from; tests/conftest.py marks every test here
+`integration` and holds the `services`, `unique_name` and `minio_client` fixtures (root-level, so
+the contract suites' S3 and Kafka parameters use them too).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from tests.services import Services
 
-import pytest
-from minio import Minio
-
-from tests.support import parse_env_file
-
-HERE = Path(__file__).resolve().parent
-SERVICES_SCRIPT = HERE.parents[1] / "scripts" / "services.sh"
-# Generous because a new machine builds MinIO from source before anything starts.
-SERVICES_UP_TIMEOUT_S = 45 * 60
-
-
-@dataclass(frozen=True)
-class Services:
-    """Where the broker and the object store listen, and how to log in to the store."""
-
-    kafka_bootstrap: str
-    s3_endpoint: str
-    s3_access_key: str
-    s3_secret_key: str
-    s3_secure: bool
-    s3_region: str
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Services:
-        """Reads the ``CHECKNRUN_*`` variables that scripts/services.sh writes."""
-        missing = [
-            name
-            for name in (
-                "CHECKNRUN_KAFKA_BOOTSTRAP",
-                "CHECKNRUN_S3_ENDPOINT",
-                "CHECKNRUN_S3_ACCESS_KEY",
-                "CHECKNRUN_S3_SECRET_KEY",
-            )
-            if not env.get(name)
-        ]
-        if missing:
-            raise ValueError(f"missing service settings: {', '.join(missing)}")
-        secure = env.get("CHECKNRUN_S3_SECURE", "0").strip().lower()
-        if secure not in {"0", "1", "false", "true"}:
-            raise ValueError(f"CHECKNRUN_S3_SECURE={secure!r}: expected 0, 1, false or true")
-        return cls(
-            kafka_bootstrap=env["CHECKNRUN_KAFKA_BOOTSTRAP"],
-            s3_endpoint=env["CHECKNRUN_S3_ENDPOINT"],
-            s3_access_key=env["CHECKNRUN_S3_ACCESS_KEY"],
-            s3_secret_key=env["CHECKNRUN_S3_SECRET_KEY"],
-            s3_secure=secure in {"1", "true"},
-            s3_region=env.get("CHECKNRUN_S3_REGION") or "us-east-1",
-        )
-
-
-def start_local_services() -> Services:
-    """Runs ``scripts/services.sh up`` and reads the env file it prints."""
-    try:
-        # stdout is the env file; progress goes to stderr, left to pytest's capture
-        # (visible live with -s, which matters during the first MinIO build).
-        done = subprocess.run(
-            ["bash", str(SERVICES_SCRIPT), "up"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-            timeout=SERVICES_UP_TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{SERVICES_SCRIPT} up took over {SERVICES_UP_TIMEOUT_S}s") from exc
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"{SERVICES_SCRIPT} up exited with {done.returncode}; its log tail is above"
-        )
-    return Services.from_env(parse_env_file(done.stdout))
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # This hook sees the whole session's items, not only this directory's.
-    for item in items:
-        if item.path.is_relative_to(HERE):
-            item.add_marker(pytest.mark.integration)
-
-
-@pytest.fixture(scope="session")
-def services() -> Services:
-    """The Kafka broker and MinIO server to test against (see the module docstring)."""
-    if os.environ.get("CHECKNRUN_KAFKA_BOOTSTRAP") and os.environ.get("CHECKNRUN_S3_ENDPOINT"):
-        return Services.from_env(os.environ)
-    return start_local_services()
-
-
-@pytest.fixture
-def unique_name() -> str:
-    """A fresh name valid both as a Kafka topic and as an S3 bucket (lowercase, 15 chars)."""
-    return f"it-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture(scope="session")
-def minio_client(services: Services) -> Iterator[Minio]:
-    """A MinIO client logged in to the test object store."""
-    client = Minio(
-        services.s3_endpoint,
-        access_key=services.s3_access_key,
-        secret_key=services.s3_secret_key,
-        secure=services.s3_secure,
-        region=services.s3_region,
-    )
-    yield client
+# Tests here import Services from this module.
+__all__ = ["Services"]
