@@ -1,4 +1,9 @@
-"""The Kafka bus against a real broker: order, content, keys, topic recreation, broker outage."""
+"""The Kafka bus against a real broker: what only Kafka does (a sending thread, keys and
+partitions, topic deletion and recreation, reconnecting, the queue collapsing in an outage).
+
+What every bus must do runs here too, from tests/contracts/test_bus_contract.py (its `kafka`
+parameter).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -16,20 +20,8 @@ from publisher.bus import open_announcer, open_source
 from publisher.bus.base import KafkaAddress
 from publisher.bus.kafka_bus import KafkaAnnouncementSource, KafkaAnnouncer
 from schemas.announcement import Announcement
+from tests.contracts.test_bus_contract import announcement
 from tests.support import wait_for
-
-
-def announcement(model: str, version: int) -> Announcement:
-    return Announcement(
-        model=model,
-        version=version,
-        parent=version - 1 if version > 1 else None,
-        kind="full" if version == 1 else "delta",
-        manifest_key=f"{model}/manifests/{version:012d}-tok.json",
-        created_at=datetime(2026, 1, 1, tzinfo=UTC),
-        total_bytes=version,
-    )
-
 
 # A source (re)connecting inside `poll` gets at most the poll's timeout to bootstrap, so polls
 # that may connect are long enough for a loaded machine; `poll` returns as soon as messages come.
@@ -67,7 +59,7 @@ def create_topic(admin: KafkaAdminClient, topic: str, partitions: int = 1) -> No
     admin.create_topics({topic: {"num_partitions": partitions, "replication_factor": 1}})
 
 
-def test_announcements_arrive_in_order_with_their_content(
+def test_announce_only_queues_and_the_sender_delivers_in_order(
     services: Any, topic: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"kafka://{services.kafka_bootstrap}/{topic}"
@@ -233,26 +225,6 @@ def test_source_reconnects_when_the_broker_appears(services: Any, topic: str) ->
         # another reconnect to the live one.
         assert source.reconnects >= 1
         announcer.announce(announcement("m", 2))
-        got = collect(source, 1)
-        assert [Announcement.from_json(m).version for m in got] == [2]
-    finally:
-        announcer.close()
-        source.close()
-
-
-def test_start_reading_fixes_latest_before_the_first_poll(services: Any, topic: str) -> None:
-    """What a server does before it reads HEAD: after `start_reading`, an announcement sent
-    before the first poll is delivered (without it, a `latest` start is fixed at the first poll
-    and that announcement would be skipped)."""
-    url = f"kafka://{services.kafka_bootstrap}/{topic}"
-    announcer = open_announcer(url, "m")
-    source = open_source(url)
-    try:
-        announcer.announce(announcement("m", 1))  # creates the topic; history for the source
-        assert announcer.flush(30.0)
-        assert source.start_reading(30.0)
-        announcer.announce(announcement("m", 2))
-        assert announcer.flush(30.0)
         got = collect(source, 1)
         assert [Announcement.from_json(m).version for m in got] == [2]
     finally:

@@ -1,5 +1,9 @@
-"""S3Store against a real MinIO server: ObjectStore conformance, conditional writes, multipart,
-error mapping, and the commit protocol (lease + HEAD compare-and-swap) over S3."""
+"""S3Store against a real MinIO server: what only S3 does (settings, prefixes, paging, multipart,
+error mapping, retries, a server that ignores conditions, buckets never created by reads).
+
+What every store must do runs here too, from tests/contracts/test_store_contract.py (its `s3`
+parameter).
+"""
 
 from __future__ import annotations
 
@@ -15,31 +19,18 @@ from typing import Any
 import pytest
 
 from publisher.cli import EXIT_ERROR, main
-from publisher.read.catalog import Catalog
-from publisher.read.planner import restore_plan
 from publisher.store import (
-    BadKeyError,
     ConditionalWritesIgnoredError,
-    IntegrityError,
-    NotFoundError,
     PreconditionFailedError,
     StoreError,
     StoreMissingError,
     StoreUnavailableError,
-    check_conditional_writes,
     open_store,
 )
 from publisher.store.s3_store import S3Settings, S3Store
-from publisher.write.version_writer import (
-    HeadConflictError,
-    LeaseHeldError,
-    TableBlob,
-    VersionDraft,
-    VersionWriter,
-)
-from schemas.manifest import Head, Position
-from schemas.store_keys import head_key
+from publisher.write.version_writer import VersionWriter
 from server.cli import check_store_exists
+from tests.contracts.test_store_contract import draft
 
 MiB = 1024 * 1024
 
@@ -132,42 +123,13 @@ def test_open_store_reads_the_environment(
     assert s.get("m/k") == b"v"
 
 
-# --- conformance -------------------------------------------------------------------------------
+# --- keys, listing and objects on S3 --------------------------------------------------------
 
 
-def test_put_get_range_list_delete(store: S3Store) -> None:
-    etag = store.put("m/blobs/a", b"hello world")
-    data, etag2 = store.get_with_etag("m/blobs/a")
-    assert (data, etag2) == (b"hello world", etag)
-    assert store.get_range("m/blobs/a", 6, 5) == b"world"
-    assert store.get_range("m/blobs/a", 6, 100) == b"world"  # short at the end
-    assert store.get_range("m/blobs/a", 11, 4) == b""  # at the end
-    assert store.get_range("m/blobs/a", 50, 4) == b""  # past it, like a file
-    assert store.get_range("m/blobs/a", 3, 0) == b""
-    store.put("m/blobs/b", b"")
-    assert store.get("m/blobs/b") == b""
+def test_keys_live_under_the_prefix_in_the_bucket(store: S3Store) -> None:
     store.put("m/HEAD", b"{}")
     store.put("other/x", b"1")
-    listed = list(store.list("m/"))
-    assert [i.key for i in listed] == ["m/HEAD", "m/blobs/a", "m/blobs/b"]  # prefix stripped
-    assert [i.size for i in listed] == [2, 11, 0]
-    assert listed[1].etag == etag and listed[1].modified > time.time() - 600
-    assert [i.key for i in store.list("m/blobs/")] == ["m/blobs/a", "m/blobs/b"]
-    assert len(list(store.list(""))) == 4
-    for hostile in ("/m/", "m//", "../", "m/./", "m\\"):  # schemas.store_keys.is_safe_prefix
-        with pytest.raises(BadKeyError, match="unsafe list prefix"):
-            list(store.list(hostile))
-    assert store.exists("m/blobs/a") and not store.exists("m/blobs/zz")
-    store.delete("m/blobs/a")
-    store.delete("m/blobs/a")  # absent: not an error
-    assert not store.exists("m/blobs/a")
-    with pytest.raises(NotFoundError):
-        store.get("m/blobs/a")
-    with pytest.raises(NotFoundError):
-        store.get_range("m/blobs/a", 0, 1)
-    with pytest.raises(StoreError):
-        store.get("../escape")
-    # Keys really live under the prefix in the bucket.
+    assert [i.key for i in store.list("")] == ["m/HEAD", "other/x"]  # the prefix stripped
     bare = S3Store(store.bucket, "", settings=store.settings)
     assert bare.get("some/prefix/m/HEAD") == b"{}"
     assert [i.key for i in bare.list("some/prefix/other/")] == ["some/prefix/other/x"]
@@ -199,48 +161,6 @@ def test_prefixes_are_isolated(services: Any, bucket: str) -> None:
     assert [i.key for i in b.list("")] == ["m/x"] and b.get("m/x") == b"b"
 
 
-def test_put_if_create_and_compare_and_swap(store: S3Store) -> None:
-    etag = store.put_if("m/LEASE", b"one", etag=None)
-    with pytest.raises(PreconditionFailedError):
-        store.put_if("m/LEASE", b"two", etag=None)  # exists already
-    etag2 = store.put_if("m/LEASE", b"two", etag=etag)
-    assert store.get_with_etag("m/LEASE") == (b"two", etag2)
-    with pytest.raises(PreconditionFailedError):
-        store.put_if("m/LEASE", b"three", etag=etag)  # stale ETag
-    with pytest.raises(PreconditionFailedError):
-        store.put_if("m/absent", b"x", etag=etag2)  # If-Match on a missing object
-    assert store.get("m/LEASE") == b"two"
-    store.put("m/LEASE", b"four")  # an unconditional write moves the ETag on too
-    with pytest.raises(PreconditionFailedError):
-        store.put_if("m/LEASE", b"five", etag=etag2)
-
-
-@pytest.mark.parametrize("create", [True, False])
-def test_racing_conditional_writes_have_one_winner(store: S3Store, create: bool) -> None:
-    key = "m/HEAD"
-    etag = None if create else store.put(key, b"start")
-    barrier = threading.Barrier(8)
-    wins: list[int] = []
-    losses: list[int] = []
-
-    def race(i: int) -> None:
-        barrier.wait()
-        try:
-            store.put_if(key, f"writer {i}".encode(), etag=etag)
-        except PreconditionFailedError:
-            losses.append(i)
-        else:
-            wins.append(i)
-
-    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(wins) == 1 and len(losses) == 7
-    assert store.get(key) == f"writer {wins[0]}".encode()
-
-
 def test_large_object_goes_multipart(store: S3Store) -> None:
     data = bytes(range(256)) * (20 * MiB // 256)
     etag = store.put("m/blobs/big", data)
@@ -252,19 +172,6 @@ def test_large_object_goes_multipart(store: S3Store) -> None:
     assert small.put("m/blobs/big5", data).endswith("-4")
     sha = hashlib.sha256(data).hexdigest()
     assert store.get_verified("m/blobs/big5", len(data), sha) == data
-
-
-def test_get_verified_rejects_a_corrupted_object(store: S3Store) -> None:
-    data = b"delta blob bytes" * 1000
-    sha = hashlib.sha256(data).hexdigest()
-    store.put("m/blobs/t.cnrd", data)
-    assert store.get_verified("m/blobs/t.cnrd", len(data), sha) == data
-    store.put("m/blobs/t.cnrd", data[:-1] + b"X")  # same size, one byte flipped
-    with pytest.raises(IntegrityError, match="sha256"):
-        store.get_verified("m/blobs/t.cnrd", len(data), sha)
-    store.put("m/blobs/t.cnrd", data[:-1])
-    with pytest.raises(IntegrityError, match="bytes"):
-        store.get_verified("m/blobs/t.cnrd", len(data), sha)
 
 
 def test_bucket_creation_can_be_disallowed(services: Any) -> None:
@@ -290,119 +197,6 @@ def test_unreachable_endpoint_fails_fast_and_clearly(services: Any) -> None:
     with pytest.raises(StoreUnavailableError, match=f"127.0.0.1:{port}.*after 3 attempts"):
         s.get("m/HEAD")
     assert time.monotonic() - started < 5.0
-
-
-# --- the commit protocol on S3 -----------------------------------------------------------------
-
-
-def draft(kind: str, step: int) -> VersionDraft:
-    return VersionDraft(
-        kind=kind,  # type: ignore[arg-type]
-        relative_to=None if kind == "full" else "parent",
-        policy="test",
-        position=Position(step=step, samples_seen=step),
-        tables=[
-            TableBlob("emb.a", 64, 4, "fp32", 64 if kind == "full" else 3, 0, b"a" * (step + 1)),
-            TableBlob("emb.b", 16, 4, "fp16", 16 if kind == "full" else 2, 1, b"b" * (step + 2)),
-        ],
-        dense=b"dense@%d" % step,
-        model_config={"arch": "test"},
-    )
-
-
-class LeaselessWriter(VersionWriter):
-    """A writer that ignores the lease, as a buggy or partitioned trainer would."""
-
-    def _acquire_lease(self) -> None:
-        pass
-
-    def renew_lease(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._stop.set()
-
-
-def test_versions_commit_and_read_back(store: S3Store) -> None:
-    kinds = ["full", "delta", "delta", "full", "delta"]
-    with VersionWriter(store, "m") as writer:
-        refs = [writer.commit(draft(k, i)) for i, k in enumerate(kinds)]
-    catalog = Catalog(store, "m")
-    assert [r.version for r in catalog.versions()] == [1, 2, 3, 4, 5]
-    assert [r.version for r in restore_plan(catalog, 3)] == [1, 2, 3]
-    assert [r.version for r in restore_plan(catalog)] == [4, 5]
-    for ref in refs:
-        for blob in ref.manifest.blobs:
-            store.get_verified(blob.key, blob.size, blob.sha256)
-    head = Head.from_json(store.get(head_key("m")))
-    assert (head.version, head.manifest) == (5, refs[-1].key)
-
-
-def test_a_second_writer_is_refused_by_the_lease(store: S3Store) -> None:
-    with VersionWriter(store, "m") as first:
-        first.commit(draft("full", 0))
-        with pytest.raises(LeaseHeldError):
-            VersionWriter(store, "m", owner="elsewhere:1")
-        first.commit(draft("delta", 1))
-    with VersionWriter(store, "m", owner="elsewhere:1") as second:  # released: now it may
-        assert second.commit(draft("delta", 2)).version == 3
-
-
-def test_head_compare_and_swap_makes_one_writer_lose(store: S3Store) -> None:
-    with VersionWriter(store, "m") as w:
-        w.commit(draft("full", 0))
-    late = LeaselessWriter(store, "m")
-    early = LeaselessWriter(store, "m")
-
-    def interleave(stage: str) -> None:
-        if stage == "manifest_written":  # `late` has read HEAD; `early` commits meanwhile
-            late.crash_hook = None
-            early.commit(draft("delta", 1))
-
-    late.crash_hook = interleave  # type: ignore[assignment]
-    with pytest.raises(HeadConflictError):
-        late.commit(draft("delta", 1))
-    catalog = Catalog(store, "m")
-    latest = catalog.latest()
-    assert latest is not None and latest.version == 2
-    assert latest.key.split("-")[-1] == f"{early.token}.json"
-
-
-def test_racing_writers_never_move_head_backwards(store: S3Store) -> None:
-    with VersionWriter(store, "m") as w:
-        w.commit(draft("full", 0))
-    seen: list[int] = []
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            seen.append(Head.from_json(store.get(head_key("m"))).version)
-
-    committed: list[int] = []
-    conflicts: list[int] = []
-
-    def write(i: int) -> None:
-        writer = LeaselessWriter(store, "m")
-        for step in range(4):
-            try:
-                committed.append(writer.commit(draft("delta", 10 * i + step)).version)
-            except HeadConflictError:
-                conflicts.append(i)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    writers = [threading.Thread(target=write, args=(i,)) for i in range(4)]
-    for t in writers:
-        t.start()
-    for t in writers:
-        t.join()
-    stop.set()
-    watcher.join()
-    assert conflicts, "four writers racing on one HEAD should have collided at least once"
-    assert len(committed) == len(set(committed))  # no version number committed twice
-    assert seen == sorted(seen)  # HEAD only ever moved forward
-    versions = [r.version for r in Catalog(store, "m").versions()]
-    assert versions == list(range(1, 2 + len(committed)))  # a linear chain, no holes
 
 
 # --- retries -----------------------------------------------------------------------------------
@@ -470,13 +264,6 @@ def test_conditional_put_whose_answer_was_lost_is_recognised(
 
 
 # --- conditional writes must be enforced (issue 11.9) ------------------------------------------
-
-
-def test_minio_enforces_conditional_writes_so_the_probe_passes(store: S3Store) -> None:
-    check_conditional_writes(store, "m/probe-test")
-    assert list(store.list("")) == []  # the probe object is gone
-    with VersionWriter(store, "m") as writer:
-        assert writer.commit(draft("full", 0)).version == 1
 
 
 def test_a_server_that_ignores_conditions_is_refused(

@@ -1,4 +1,11 @@
-"""The embedded announcement bus (file:// log) and bus URL parsing."""
+"""The embedded announcement bus (file:// log): what only it does (its line format, byte
+offsets, torn, crashed, rotated and over-long lines, a log that is no regular file), and bus
+URL parsing.
+
+What every bus must do (order, wire bytes, where a source starts, models sharing the bus, one
+model per announcer, a waiting poll, an unreachable bus) runs on it from
+tests/contracts/test_bus_contract.py (its `file-log` parameter).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,6 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -15,20 +21,9 @@ import pytest
 from publisher.bus import BusError, open_announcer, open_source, parse_kafka_url
 from publisher.bus.file_log import FileLogAnnouncer, FileLogSource
 from schemas.announcement import Announcement
+from tests.contracts.test_bus_contract import announcement
 
 _T = TypeVar("_T")
-
-
-def announcement(model: str, version: int) -> Announcement:
-    return Announcement(
-        model=model,
-        version=version,
-        parent=version - 1 if version > 1 else None,
-        kind="full" if version == 1 else "delta",
-        manifest_key=f"{model}/manifests/{version:012d}-abc.json",
-        created_at=datetime(2026, 1, 1, tzinfo=UTC),
-        total_bytes=100 * version,
-    )
 
 
 def versions(messages: list[bytes]) -> list[tuple[str, int]]:
@@ -56,50 +51,16 @@ def test_round_trip_two_sources_see_every_message(tmp_path: Path) -> None:
     second.close()
 
 
-def test_latest_start_skips_what_was_already_there(tmp_path: Path) -> None:
+def test_a_byte_offset_start_resumes_exactly_there(tmp_path: Path) -> None:
     path = tmp_path / "a.log"
     announcer = FileLogAnnouncer(path, "m")
     announcer.announce(announcement("m", 1))
     source = FileLogSource(path, start="latest")
-    assert source.poll(0.0) == []
+    assert source.offset == path.stat().st_size
     announcer.announce(announcement("m", 2))
-    assert versions(source.poll(1.0)) == [("m", 2)]
-    # A given byte offset resumes exactly there.
     resumed = FileLogSource(path, start=0)
     assert versions(resumed.poll(0.0)) == [("m", 1), ("m", 2)]
     assert resumed.offset == path.stat().st_size
-
-
-def test_many_models_share_one_log(tmp_path: Path) -> None:
-    path = tmp_path / "a.log"
-    source = FileLogSource(path, start="earliest")
-    a, b = FileLogAnnouncer(path, "alpha"), FileLogAnnouncer(path, "beta")
-    a.announce(announcement("alpha", 1))
-    b.announce(announcement("beta", 1))
-    a.announce(announcement("alpha", 2))
-    assert versions(source.poll(1.0)) == [("alpha", 1), ("beta", 1), ("alpha", 2)]
-    with pytest.raises(BusError):
-        a.announce(announcement("beta", 2))  # an announcer speaks for its own model only
-
-
-def test_concurrent_writers_never_interleave(tmp_path: Path) -> None:
-    path = tmp_path / "a.log"
-    models = [f"m{i}" for i in range(4)]
-
-    def write(model: str) -> None:
-        announcer = FileLogAnnouncer(path, model)
-        for v in range(1, 26):
-            announcer.announce(announcement(model, v))
-
-    threads = [threading.Thread(target=write, args=(m,)) for m in models]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    got = versions(FileLogSource(path, start="earliest").poll(1.0))
-    assert len(got) == 100
-    for model in models:  # every model's versions in order, none lost or torn
-        assert [v for m, v in got if m == model] == list(range(1, 26))
 
 
 def test_torn_last_line_waits_until_complete(tmp_path: Path) -> None:
@@ -165,17 +126,6 @@ def test_announce_never_raises_when_the_log_cannot_be_written(tmp_path: Path) ->
     announcer.announce(announcement("m", 1))
     assert (announcer.sent, announcer.dropped) == (0, 1)
     assert FileLogSource(blocker / "a.log").poll(0.0) == []  # nor does reading it
-
-
-def test_poll_waits_for_a_message(tmp_path: Path) -> None:
-    path = tmp_path / "a.log"
-    source = FileLogSource(path, start="earliest")
-    timer = threading.Timer(0.2, lambda: FileLogAnnouncer(path, "m").announce(announcement("m", 1)))
-    timer.start()
-    try:
-        assert versions(source.poll(5.0)) == [("m", 1)]
-    finally:
-        timer.join()
 
 
 def test_bus_urls() -> None:
