@@ -38,7 +38,8 @@ class RowWiseOnCpuSharder(EmbeddingBagCollectionSharder):  # type: ignore[misc]
     data_parallel, table_wise, column_wise and table_column_wise, and adds row_wise only for
     "cuda" (and "mtia"), so the planner fails with `RuntimeError: No available sharding type and
     compute kernel combination ... compute device: cpu`. The fused CPU kernel trains row-wise
-    shards correctly (tests/unit/trainer/sharded: 2 ranks equal 1), so this sharder offers them.
+    shards correctly (tests/multiprocess/trainer/sharded: 2 ranks equal 1), so this sharder
+    offers them.
     """
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
