@@ -55,8 +55,9 @@ from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.served_loss import ScoredBatch
 from publisher.store import open_store
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import POLICIES, Plan, ServedLossCodecRule, make_policy
-from publisher.write.publishing import CheckpointPublisher, encode_table, reencoded_json
+from publisher.write.publishing import encode_table, reencoded_json
 from publisher.write.tracker import attach, find_embedding_tables
 from schemas.codec_names import CODECS
 from schemas.manifest import Position, ServedLoss, full_fp32_bytes

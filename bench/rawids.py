@@ -46,7 +46,7 @@ from publisher.read.live_model import LiveModel
 from publisher.read.sinks import dlrm_sink
 from publisher.state_dicts import module_tensors
 from publisher.store import FileStore
-from publisher.write.publishing import CheckpointPublisher
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.id_map_blob import IdEntries
 from schemas.manifest import Position

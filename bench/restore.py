@@ -32,7 +32,7 @@ from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import restore_plan
 from publisher.read.restore import restore_chain
 from publisher.store import FileStore
-from publisher.write.publishing import CheckpointPublisher
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.manifest import Position
 

@@ -34,8 +34,8 @@ from bench.sharded_run import job_publishers, on_ranks, row_wise, split_snapshot
 from publisher.cli import CommandError
 from publisher.read.restore import restore
 from publisher.store import FileStore
-from publisher.write.job_publishing import JobPublisher
-from publisher.write.publishing import CheckpointPublisher, PublishResult
+from publisher.write.job_publishing import CheckpointPublisher, JobPublisher
+from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.manifest import Manifest, Position
 

@@ -20,7 +20,8 @@ import torch
 from publisher.dlrm import DLRM, DLRMConfig, SparseBatch, SparseFeature, table_weight_names
 from publisher.state_dicts import module_tensors
 from publisher.store import ObjectStore
-from publisher.write.publishing import CheckpointPublisher, PublishResult
+from publisher.write.job_publishing import CheckpointPublisher
+from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.announcement import Announcement
 from schemas.manifest import Position

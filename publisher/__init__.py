@@ -26,18 +26,15 @@ if TYPE_CHECKING:
     from publisher.read.sinks import ModuleSink, TensorSink
     from publisher.read.subscriber import Subscriber
     from publisher.store import ObjectStore, StoreError, open_store
-    from publisher.write.publishing import (
-        BackgroundPublisher,
-        CheckpointPublisher,
-        PublishResult,
-    )
+    from publisher.write.job_publishing import CheckpointPublisher
+    from publisher.write.publishing import BackgroundPublisher, PublishResult
     from publisher.write.snapshot import Snapshot, TableRows
     from publisher.write.version_writer import VersionWriter
 
 _EXPORTS = {
     "BackgroundPublisher": "publisher.write.publishing",
     "Catalog": "publisher.read.catalog",
-    "CheckpointPublisher": "publisher.write.publishing",
+    "CheckpointPublisher": "publisher.write.job_publishing",
     "ModuleSink": "publisher.read.sinks",
     "NoVersionError": "publisher.read.catalog",
     "ObjectStore": "publisher.store",

@@ -85,6 +85,7 @@ from publisher.read.restore import RestoredState, restore
 from publisher.served_loss import KeptBatch, Score, ScoredBatch, ServedModel
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import (
     Policy,
     ServedLossCodecRule,
@@ -94,7 +95,6 @@ from publisher.write.policies import (
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
 from publisher.write.publishing import (
     BackgroundPublisher,
-    CheckpointPublisher,
     NonFinitePolicy,
     PublishResult,
     SnapshotPublisher,

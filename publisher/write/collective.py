@@ -152,3 +152,20 @@ class ThreadCollective:
                 )
             ex.rounds.pop(number, None)
             return [current.data[r] for r in range(ex.world_size)]
+
+
+class SoloCollective:
+    """The collective of a job of one: one process is a one-part job (its calls return at once,
+    its values as they are)."""
+
+    rank = 0
+    world_size = 1
+
+    def broadcast(self, value: JSONValue) -> JSONValue:
+        return value
+
+    def gather(self, value: JSONValue) -> list[JSONValue] | None:
+        return [value]
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        return [data]

@@ -43,14 +43,17 @@ from typing import Any
 from publisher.codecs import encode_rows
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig
 from publisher.read.catalog import VersionRef
+from publisher.served_loss import ServedModel
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.collective import (
     Collective,
     CollectiveError,
     JSONValue,
+    SoloCollective,
     ThreadCollective,
 )
+from publisher.write.policies import ServedLossCodecRule
 from publisher.write.priority import lower_this_thread
 from publisher.write.publishing import (
     NonFinitePolicy,
@@ -64,8 +67,8 @@ from publisher.write.row_transfer import (
     rows_from_bytes,
     rows_to_bytes,
 )
-from publisher.write.served_codec import ServedCodec
-from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot
+from publisher.write.served_codec import CodecChoice, ServedCodec
+from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from publisher.write.version_writer import (
     BlobsDraft,
     Reservation,
@@ -132,7 +135,15 @@ class JobPublisher:
     """Publishes one job's versions: `publish` is a collective call every rank makes.
 
     Rank 0 owns the `VersionWriter` (taken here: every rank learns if it could not be);
-    `announce` is called on rank 0 once a version is committed.
+    `announce` is called on rank 0 once a version is committed. A round: rank 0 reserves the
+    version; every rank checks its part is finite (all refuse together); rank 0 judges the
+    served loss and codec (publisher/write/served_codec.py) on every rank's rows; every rank
+    encodes and uploads its part; rank 0 commits them as one version.
+
+    One process is a one-part job (`CheckpointPublisher`: this class over a `SoloCollective`):
+    the same rounds, with nothing to exchange; its part is the version (the blobs keyed as one
+    writer's, no `position.ranks`), and a failure is raised as itself rather than as the
+    job's `RankFailedError`, so `BackgroundPublisher` can retry a store that is down.
     """
 
     def __init__(
@@ -155,7 +166,13 @@ class JobPublisher:
         self.rank = collective.rank
         self.announce = announce
         self.tunables = tunables
-        self.served = served if served is not None and served.judges else None
+        #: the judge of the served loss and codec (one that judges nothing when not given).
+        self.served = served or ServedCodec(encode_table, tunables=tunables)
+        #: one process (a `SoloCollective`): failures raised as themselves, nothing exchanged,
+        #: its version a single writer's. (A job of one rank stays a job: `position.ranks`.)
+        self.solo = isinstance(collective, SoloCollective)
+        #: one process's verdict, whose blobs its upload reuses.
+        self._judged: CodecChoice | None = None
         #: how long a rank waits for its own trainer's snapshot of the sequence rank 0 picked
         #: (JobBackgroundPublisher): a trainer that far behind the others has stopped.
         self.timeout_s = timeout_s
@@ -165,6 +182,9 @@ class JobPublisher:
         #: rank 0's reservation of the round in progress.
         self._reservation: Reservation | None = None
         failure: JSONValue = None
+        if self.solo:
+            self.writer = writer or VersionWriter(store, model, tunables=tunables)
+            return
         if self.rank == 0:
             try:
                 self.writer = writer or VersionWriter(store, model, tunables=tunables)
@@ -212,8 +232,10 @@ class JobPublisher:
         plan = _dict(self._call(lambda: self.collective.broadcast(self._reserve(snapshot))))
         if "error" in plan:
             raise RankFailedError(0, str(plan["error"]))
-        self._check_finite(snapshot if error is None else None)
+        largest = self._check_finite(snapshot if error is None else None)
+        judging = time.perf_counter()
         verdict = self._judge(snapshot if error is None else None)
+        judged_s = time.perf_counter() - judging  # encoding the version to measure it
         encoded_s = 0.0
         report: JSONValue
         try:
@@ -223,11 +245,15 @@ class JobPublisher:
             reservation = Reservation(
                 self.model, _int(plan["version"]), str(plan["token"]), None, None
             )
+            assert largest is not None
             codec = verdict.get("codec")
             report, encoded_s = self._upload(
-                snapshot, plan, reservation, None if codec is None else str(codec)
+                snapshot, plan, reservation, largest, None if codec is None else str(codec)
             )
+            encoded_s += judged_s
         except Exception as exc:  # every rank must take part in the rounds whatever failed
+            if self.solo:
+                raise
             log.exception("rank %d: its part of the version failed", self.rank)
             report = {"error": _describe(exc)}
         reports = self._call(lambda: self.collective.gather(report))
@@ -240,7 +266,7 @@ class JobPublisher:
             raise RankFailedError(_int(outcome["rank"]), str(outcome["error"]))
         manifest = Manifest.from_json(str(outcome["manifest"]).encode())
         ref = VersionRef(manifest, str(outcome["key"]))
-        if self.rank == 0 and self.served is not None:
+        if self.rank == 0:
             self.served.observe(ref.version, judged)
         if self.rank == 0 and self.announce is not None:
             try:
@@ -261,16 +287,20 @@ class JobPublisher:
             ),
         )
 
-    def _check_finite(self, snapshot: Snapshot | None) -> None:
+    def _check_finite(self, snapshot: Snapshot | None) -> dict[str, float] | None:
         """Every rank checks its snapshot before anything is written; NonFiniteSnapshotError on
         every rank alike when one holds NaN or inf (the reservation writes nothing, so the
         round ends there: the job stops, or holds the version back and folds it into the
-        next, as `JobBackgroundPublisher.on_non_finite` says)."""
+        next, as `JobBackgroundPublisher.on_non_finite` says). Returns each table's largest
+        magnitude (None without a snapshot)."""
         refused: JSONValue = None
+        largest = None
         if snapshot is not None:
             try:
-                snapshot.check_finite()
+                largest = snapshot.check_finite()
             except NonFiniteSnapshotError as exc:
+                if self.solo:
+                    raise
                 refused = str(exc)
         said = self._call(lambda: self.collective.gather(refused))
         first: JSONValue = None
@@ -282,6 +312,7 @@ class JobPublisher:
         if told is not None:
             found = _dict(told)
             raise NonFiniteSnapshotError(f"rank {found['rank']}: {found['error']}")
+        return largest
 
     def _judge(self, snapshot: Snapshot | None) -> dict[str, JSONValue]:
         """Rank 0's verdict on the round's version, the same on every rank: the codec every
@@ -289,8 +320,12 @@ class JobPublisher:
         served_codec.py), judged on the rows every rank sends it (publisher/write/
         row_transfer.py); {} when the job does not judge, or a rank has no rows to send (its
         upload then fails the round, saying why)."""
-        if self.served is None:
+        if not self.served.judges:
             return {}
+        if self.solo:
+            if snapshot is None:
+                return {}
+            return self._verdict(snapshot, snapshot.tables)
         data = b""
         try:
             if snapshot is not None:
@@ -305,15 +340,18 @@ class JobPublisher:
             assert parts is not None
             if snapshot is not None and all(parts):
                 try:
-                    verdict = self._verdict(snapshot, parts)
+                    rows = merge_rank_rows([rows_from_bytes(p) for p in parts])
+                    verdict = self._verdict(snapshot, rows)
                 except Exception:
                     log.exception("rank 0: the served loss of this version was not measured")
         return _dict(self._call(lambda: self.collective.broadcast(verdict)))
 
-    def _verdict(self, snapshot: Snapshot, parts: Sequence[bytes]) -> dict[str, JSONValue]:
-        assert self.served is not None
-        rows = merge_rank_rows([rows_from_bytes(p) for p in parts])
+    def _verdict(self, snapshot: Snapshot, rows: Sequence[TableRows]) -> dict[str, JSONValue]:
+        """What rank 0 judges the version's `rows` (the whole version's) cost as served, and
+        their codec; one process keeps the blobs the judge encoded for its upload."""
         choice = self.served.choose(snapshot, rows, largest_magnitudes(rows))
+        if self.solo:
+            self._judged = choice
         loss = choice.served_loss
         return {
             "codec": choice.codec,
@@ -333,6 +371,8 @@ class JobPublisher:
             reservation = self.writer.reserve()
             reservation.check_kind(snapshot.kind)
         except Exception as exc:
+            if self.solo:
+                raise
             return {"error": _describe(exc)}
         self._reservation = reservation
         return {
@@ -346,10 +386,12 @@ class JobPublisher:
         snapshot: Snapshot,
         plan: dict[str, JSONValue],
         reservation: Reservation,
+        largest: Mapping[str, float],
         codec: str | None = None,
     ) -> tuple[JSONValue, float]:
         """This rank's report of the round: its part, once durable, and its position; `codec`:
-        what rank 0's verdict gave every table (None: the snapshot's own)."""
+        what rank 0's verdict gave every table (None: the snapshot's own); `largest`: each
+        table's largest magnitude (the finite check's)."""
         started = time.perf_counter()
         mine = _header(snapshot)
         theirs = _dict(plan["header"])
@@ -361,22 +403,25 @@ class JobPublisher:
             )
         if self.rank != 0 and (snapshot.dense or snapshot.optimizer):
             raise JobMismatchError(f"rank {self.rank} sent dense state; rank 0 holds it")
-        largest = snapshot.check_finite()
         order = table_order(snapshot.model_config) or sorted(t.name for t in snapshot.tables)
         unknown = sorted({t.name for t in snapshot.tables} - set(order))
         if unknown:
             raise JobMismatchError(f"tables {unknown} are not the model's {list(order)}")
-        rows = snapshot.tables
-        if codec is not None:
-            rows = tuple(replace(t, codec=codec) for t in rows)
-        tables = [
-            encode_table(
-                t,
-                self.tunables,
-                encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name]),
-            )
-            for t in rows
-        ]
+        judged, self._judged = self._judged, None
+        if judged is not None:  # one process: the judge encoded the whole version already
+            tables = judged.tables
+        else:
+            rows = snapshot.tables
+            if codec is not None:
+                rows = tuple(replace(t, codec=codec) for t in rows)
+            tables = [
+                encode_table(
+                    t,
+                    self.tunables,
+                    encode_rows(t.codec, t.values, checked_finite=True, max_abs=largest[t.name]),
+                )
+                for t in rows
+            ]
         dense = encode_tensors(snapshot.dense) if snapshot.dense else None
         optimizer = (
             encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
@@ -391,14 +436,18 @@ class JobPublisher:
             optimizer_tensor_bytes=None if optimizer is None else tensor_bytes(optimizer),
         )
         encoded_s = time.perf_counter() - started
-        part = upload_part(
-            self.store,
-            reservation,
-            self.rank,
-            blobs,
-            tunables=self.tunables,
-            table_index={name: i for i, name in enumerate(order)},
-        )
+        if self.solo:  # one writer's blobs, keyed as VersionWriter.commit keys them
+            assert self.writer is not None
+            part = self.writer.upload(reservation, blobs)
+        else:
+            part = upload_part(
+                self.store,
+                reservation,
+                self.rank,
+                blobs,
+                tunables=self.tunables,
+                table_index={name: i for i, name in enumerate(order)},
+            )
         position = snapshot.position
         report: JSONValue = {
             "part": part.model_dump(mode="json"),
@@ -426,6 +475,8 @@ class JobPublisher:
         try:
             ref = self._commit_parts(reports, snapshot, served_loss)
         except Exception as exc:
+            if self.solo:
+                raise
             log.exception("rank 0: committing the job's version failed")
             return {"rank": 0, "error": _describe(exc)}
         return {"key": ref.key, "manifest": ref.manifest.to_json().decode()}
@@ -433,7 +484,19 @@ class JobPublisher:
     def _commit_parts(
         self, reports: list[JSONValue], snapshot: Snapshot, served_loss: ServedLoss | None
     ) -> VersionRef:
-        assert self.writer is not None
+        assert self.writer is not None and self._reservation is not None
+        if self.solo:  # the version is the one part, as one writer commits it
+            part = WrittenPart.model_validate(_dict(reports[0])["part"])
+            header = VersionHeader(
+                kind=snapshot.kind,
+                relative_to=snapshot.relative_to,
+                policy=snapshot.policy,
+                position=snapshot.position,
+                model_config=snapshot.model_config,
+                metrics=snapshot.metrics,
+                served_loss=served_loss,
+            )
+            return self.writer.commit_parts(self._reservation, header, [part])
         parts: list[WrittenPart] = []
         ranks: list[RankPosition] = []
         for rank, sent in enumerate(reports):
@@ -467,6 +530,49 @@ class JobPublisher:
         """Release the job's lease (rank 0); the other ranks hold nothing."""
         if self.writer is not None:
             self.writer.close()
+
+
+class CheckpointPublisher(JobPublisher):
+    """One process's publisher: a one-part job (`JobPublisher` over a `SoloCollective`).
+
+    `publish` encodes, commits and announces one snapshot and returns the committed version;
+    NonFiniteSnapshotError (nothing written) when the snapshot holds NaN or inf. With
+    `measure_served_loss`, each version's manifest records what quantization costs it as a
+    server holds it (publisher/served_loss.py), scored on the samples its snapshot carries: on
+    the built-in DLRM rebuilt from the snapshot's `model_config`, or as `served_model` says
+    (any model: its served copy and `score`). With `codec_rule` (`--codec auto`), that
+    measurement picks the codec of every table of the next version, whatever codec the
+    snapshot names.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        model: str,
+        *,
+        announce: Callable[[Announcement], None] | None = None,
+        writer: VersionWriter | None = None,
+        tunables: Tunables = DEFAULT_TUNABLES,
+        measure_served_loss: bool = False,
+        codec_rule: ServedLossCodecRule | None = None,
+        served_model: ServedModel | None = None,
+    ) -> None:
+        served = ServedCodec(
+            encode_table,
+            measure_served_loss=measure_served_loss,
+            codec_rule=codec_rule,
+            served_model=served_model,
+            tunables=tunables,
+        )
+        super().__init__(
+            store,
+            model,
+            SoloCollective(),
+            announce=announce,
+            tunables=tunables,
+            writer=writer,
+            served=served,
+        )
 
 
 class JobBackgroundPublisher(PublisherWorker):

@@ -144,7 +144,7 @@ def _serve(conn: Connection) -> None:
     import torch
 
     from publisher.store import open_store
-    from publisher.write.publishing import CheckpointPublisher
+    from publisher.write.job_publishing import CheckpointPublisher
 
     config: ProcessPublisherConfig = conn.recv()
     # Before any thread starts, so that every thread of this process inherits it.

@@ -1,14 +1,15 @@
-"""Turn snapshots into committed, announced versions: in the caller's thread or in the background.
+"""Snapshots published in the background, and what a published version is and cost.
 
     publisher = CheckpointPublisher(store, "movielens", announce=bus.announce)
     background = BackgroundPublisher(publisher)
     background.submit(snapshot)      # returns at once; folded into a waiting one if busy
     background.wait()                # re-raises a background failure
 
-`CheckpointPublisher.publish` runs the paper's stages two and three: quantize + encode every
-table (schemas/delta_blob.py), then commit (version_writer.py), then announce. A snapshot that
-holds NaN or inf anywhere is refused before any of that (`Snapshot.check_finite`): a version is
-what servers serve and trainers resume from.
+The publisher (publisher/write/job_publishing.py: `JobPublisher`, and `CheckpointPublisher`,
+one process as a one-part job) runs the paper's stages two and three: quantize + encode every
+table (`encode_table`, schemas/delta_blob.py), then commit (version_writer.py), then announce.
+A snapshot that holds NaN or inf anywhere is refused before any of that
+(`Snapshot.check_finite`): a version is what servers serve and trainers resume from.
 """
 
 from __future__ import annotations
@@ -25,20 +26,15 @@ import numpy as np
 
 from publisher.codecs import QuantizedRows, codec_of, encode_rows
 from publisher.read.catalog import VersionRef
-from publisher.served_loss import ServedModel
-from publisher.store import ObjectStore, StoreError
+from publisher.store import StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
-from publisher.write.policies import ServedLossCodecRule
 from publisher.write.priority import lower_this_thread
-from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
-from publisher.write.version_writer import TableBlob, VersionDraft, VersionWriter
-from schemas.announcement import Announcement
+from publisher.write.version_writer import TableBlob
 from schemas.delta_blob import AuxEncoding, DeltaBlob, encode_delta_blob, round_to_bfloat16
 from schemas.errors import BadDataError, UnavailableError
 from schemas.id_map_blob import encode_id_entries
 from schemas.manifest import Manifest, ratio_to_full_fp32
-from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -184,98 +180,6 @@ class SnapshotPublisher(Protocol):
     def close(self) -> None:
         """Release the writer's lease and whatever else the publisher holds."""
         ...
-
-
-class CheckpointPublisher:
-    """Encodes, commits and announces snapshots of one model, one at a time.
-
-    With `measure_served_loss`, each version's manifest records what quantization costs it as
-    a server holds it (publisher/served_loss.py), scored on the samples its snapshot carries:
-    on the built-in DLRM rebuilt from the snapshot's `model_config`, or as `served_model` says
-    (any model: its served copy and `score`). With `codec_rule` (`--codec auto`), that
-    measurement picks the codec of every table of the next version, whatever codec the
-    snapshot names.
-    """
-
-    def __init__(
-        self,
-        store: ObjectStore,
-        model: str,
-        *,
-        announce: Callable[[Announcement], None] | None = None,
-        writer: VersionWriter | None = None,
-        tunables: Tunables = DEFAULT_TUNABLES,
-        measure_served_loss: bool = False,
-        codec_rule: ServedLossCodecRule | None = None,
-        served_model: ServedModel | None = None,
-    ) -> None:
-        self.store = store
-        self.model = model
-        self.tunables = tunables
-        self.writer = writer or VersionWriter(store, model, tunables=tunables)
-        self.announce = announce
-        #: the served-loss meter and `--codec auto`'s rule (publisher/write/served_codec.py).
-        self.served = ServedCodec(
-            encode_table,
-            measure_served_loss=measure_served_loss,
-            codec_rule=codec_rule,
-            served_model=served_model,
-            tunables=tunables,
-        )
-
-    def publish(self, snapshot: Snapshot) -> PublishResult:
-        """Encode, commit and announce one snapshot; return the committed version.
-
-        NonFiniteSnapshotError (nothing written) when the snapshot holds NaN or inf.
-        """
-        started = time.perf_counter()
-        largest = snapshot.check_finite()
-        choice = self.served.choose(snapshot, snapshot.tables, largest)
-        dense = encode_tensors(snapshot.dense) if snapshot.dense else None
-        optimizer = (
-            encode_tensors(snapshot.optimizer, snapshot.optimizer_meta)
-            if snapshot.optimizer or snapshot.optimizer_meta
-            else None
-        )
-        encoded = time.perf_counter()
-        draft = VersionDraft(
-            kind=snapshot.kind,
-            relative_to=snapshot.relative_to,
-            policy=snapshot.policy,
-            position=snapshot.position,
-            tables=choice.tables,
-            dense=dense,
-            optimizer=optimizer,
-            dense_tensor_bytes=None if dense is None else tensor_bytes(dense),
-            optimizer_tensor_bytes=None if optimizer is None else tensor_bytes(optimizer),
-            model_config=snapshot.model_config,
-            metrics=snapshot.metrics,
-            served_loss=choice.served_loss,
-        )
-        ref = self.writer.commit(draft)
-        committed = time.perf_counter()
-        self.served.observe(ref.version, choice.served_loss)
-        if self.announce is not None:
-            # The version is committed whatever happens here: subscribers reconcile from HEAD.
-            try:
-                self.announce(Announcement.of(ref.manifest, ref.key))
-            except Exception:
-                log.exception(
-                    "announcing version %d failed; subscribers will poll HEAD", ref.version
-                )
-        return PublishResult(
-            ref=ref,
-            encode_s=encoded - started,
-            commit_s=committed - encoded,
-            merged=snapshot.merged,
-            taken_at=snapshot.taken_at,
-            sequence=snapshot.sequence,
-            measure_s=choice.measure_s,
-            reencoded=choice.reencoded,
-        )
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class PublisherWorker:
@@ -508,7 +412,6 @@ class BackgroundPublisher(PublisherWorker):
 
 __all__ = [
     "BackgroundPublisher",
-    "CheckpointPublisher",
     "NonFinitePolicy",
     "NonFiniteSnapshotError",
     "PublishResult",

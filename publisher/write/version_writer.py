@@ -327,15 +327,14 @@ class VersionWriter:
         """Write a draft as the next version and move HEAD to it."""
         reservation = self.reserve()
         reservation.check_kind(draft.kind)
-        part = upload_part(
-            self.store,
-            reservation,
-            None,
-            draft,
-            tunables=self.tunables,
-            hook=self._hook,
+        return self.commit_parts(reservation, draft, [self.upload(reservation, draft)])
+
+    def upload(self, reservation: Reservation, blobs: BlobsDraft) -> WrittenPart:
+        """Put a single writer's blobs of `reservation` (`upload_part` with this writer's
+        crash hook)."""
+        return upload_part(
+            self.store, reservation, None, blobs, tunables=self.tunables, hook=self._hook
         )
-        return self.commit_parts(reservation, draft, [part])
 
     def commit_parts(
         self,

@@ -12,7 +12,7 @@ import pytest
 
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import open_store
-from publisher.write.version_writer import VersionDraft, VersionWriter
+from publisher.write.version_writer import VersionWriter
 from schemas.manifest import Lease
 from schemas.store_keys import lease_key
 from tests.integration.test_s3_store import s3_environ
@@ -27,16 +27,16 @@ def test_a_lease_lost_mid_run_ends_in_one_line_on_s3(
 ) -> None:
     for name, value in s3_environ(services).items():
         monkeypatch.setenv(name, value)
-    commit = VersionWriter.commit
+    commit = VersionWriter.commit_parts
 
-    def commit_then_lose_the_lease(writer: VersionWriter, draft: VersionDraft) -> VersionRef:
-        ref = commit(writer, draft)
+    def commit_then_lose_the_lease(writer: VersionWriter, *args: Any, **kwargs: Any) -> VersionRef:
+        ref = commit(writer, *args, **kwargs)
         if ref.version == 1:  # another trainer took the expired lease while this one paused
             other = Lease(model=writer.model, owner="other-host:1", token="t", expires_at=1e12)
             writer.store.put(lease_key(writer.model), other.to_json())
         return ref
 
-    monkeypatch.setattr(VersionWriter, "commit", commit_then_lose_the_lease)
+    monkeypatch.setattr(VersionWriter, "commit_parts", commit_then_lose_the_lease)
     url = f"s3://{unique_name}/trainer"
     argv = ["train", "--data", "synthetic", "--table-cap", "400", "--embedding-dim", "8"]
     argv += ["--batch-size", "256", "--interval-samples", "2048", "--max-samples", "20480"]

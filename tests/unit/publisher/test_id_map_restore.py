@@ -18,7 +18,7 @@ from publisher.read.catalog import Catalog
 from publisher.read.id_map_rows import NewestIdEntries, read_id_entries
 from publisher.read.restore import RestoreError, restore
 from publisher.store import FileStore, IntegrityError
-from publisher.write.publishing import CheckpointPublisher
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.id_map_blob import IdEntries, IdMapBlobError, encode_id_entries
 from schemas.manifest import Position

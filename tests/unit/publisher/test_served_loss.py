@@ -20,8 +20,8 @@ from publisher.served_loss import (
     rows_carried,
 )
 from publisher.store import FileStore
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import ServedLossCodecRule
-from publisher.write.publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot
 from schemas.manifest import ServedLoss
 from tests.support import snapshot_of

@@ -26,7 +26,7 @@ from publisher.served_loss import (
     roc_auc,
 )
 from publisher.store import FileStore
-from publisher.write.publishing import CheckpointPublisher
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.snapshot import Snapshot
 from publisher.write.tracker import LookupRecorder, find_embedding_tables
 from schemas.manifest import ServedLoss

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from publisher.store import FileStore
-from publisher.write.publishing import CheckpointPublisher, PublishResult
+from publisher.write.job_publishing import CheckpointPublisher
+from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.manifest import Position
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords

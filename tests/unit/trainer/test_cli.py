@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Iterator
 from importlib.machinery import ModuleSpec
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +24,7 @@ from publisher.dlrm import build_model
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.restore import restore
 from publisher.store import FileStore
-from publisher.write.version_writer import VersionDraft, VersionWriter
+from publisher.write.version_writer import VersionWriter
 from schemas.manifest import Lease
 from schemas.store_keys import lease_key
 from trainer.cli import main
@@ -212,16 +213,16 @@ def test_a_lease_lost_mid_run_ends_in_one_line(
 ) -> None:
     # This trainer pauses past its lease; another trainer takes the model over (as a writer does
     # with an expired lease) right after version 1. The next commit finds the lease gone.
-    commit = VersionWriter.commit
+    commit = VersionWriter.commit_parts
 
-    def commit_then_lose_the_lease(writer: VersionWriter, draft: VersionDraft) -> VersionRef:
-        ref = commit(writer, draft)
+    def commit_then_lose_the_lease(writer: VersionWriter, *args: Any, **kwargs: Any) -> VersionRef:
+        ref = commit(writer, *args, **kwargs)
         if ref.version == 1:
             other = Lease(model=writer.model, owner="other-host:1", token="t", expires_at=1e12)
             writer.store.put(lease_key(writer.model), other.to_json())
         return ref
 
-    monkeypatch.setattr(VersionWriter, "commit", commit_then_lose_the_lease)
+    monkeypatch.setattr(VersionWriter, "commit_parts", commit_then_lose_the_lease)
     store = f"file://{tmp_path}"
     status, out, err = run(
         capsys, *SYNTHETIC, "--store", store, "--max-samples", "20480", "--json", "--no-progress"

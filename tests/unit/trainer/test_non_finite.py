@@ -22,7 +22,7 @@ from publisher.codecs import OutOfRangeRowsError
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import FileStore
-from publisher.write.publishing import CheckpointPublisher
+from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
 from schemas.manifest import Position
 from trainer.checkpointer import IncrementalCheckpointer
