@@ -485,33 +485,24 @@ class JobPublisher:
         self, reports: list[JSONValue], snapshot: Snapshot, served_loss: ServedLoss | None
     ) -> VersionRef:
         assert self.writer is not None and self._reservation is not None
-        if self.solo:  # the version is the one part, as one writer commits it
-            part = WrittenPart.model_validate(_dict(reports[0])["part"])
-            header = VersionHeader(
-                kind=snapshot.kind,
-                relative_to=snapshot.relative_to,
-                policy=snapshot.policy,
-                position=snapshot.position,
-                model_config=snapshot.model_config,
-                metrics=snapshot.metrics,
-                served_loss=served_loss,
-            )
-            return self.writer.commit_parts(self._reservation, header, [part])
         parts: list[WrittenPart] = []
         ranks: list[RankPosition] = []
         for rank, sent in enumerate(reports):
             report = _dict(sent)
             part = WrittenPart.model_validate(report["part"])
-            if part.rank != rank:
+            if part.rank != (None if self.solo else rank):
                 raise JobMismatchError(f"rank {rank} reported the part of rank {part.rank}")
             parts.append(part)
             ranks.append(RankPosition.model_validate({"rank": rank, **_dict(report["position"])}))
-        position = Position(
-            step=snapshot.position.step,
-            samples_seen=sum(r.samples_seen for r in ranks),
-            reader=job_reader([r.reader for r in ranks]),
-            ranks=tuple(ranks),
-        )
+        # one process: the version is its one part, as one writer commits it (no ranks)
+        position = snapshot.position
+        if not self.solo:
+            position = Position(
+                step=snapshot.position.step,
+                samples_seen=sum(r.samples_seen for r in ranks),
+                reader=job_reader([r.reader for r in ranks]),
+                ranks=tuple(ranks),
+            )
         header = VersionHeader(
             kind=snapshot.kind,
             relative_to=snapshot.relative_to,
@@ -521,9 +512,10 @@ class JobPublisher:
             metrics=snapshot.metrics,
             served_loss=served_loss,
         )
+        if self.solo:
+            return self.writer.commit_parts(self._reservation, header, parts)
         names = sorted({t.name for p in parts for t in p.tables})
         order = table_order(snapshot.model_config) or names
-        assert self._reservation is not None
         return self.writer.commit_parts(self._reservation, header, parts, order)
 
     def close(self) -> None:

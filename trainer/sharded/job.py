@@ -72,7 +72,8 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
     if args.sparse_optimizer != "rowwise-adagrad":
         raise CommandError(
             f"--sparse-optimizer {args.sparse_optimizer}: a sharded job (--nproc) trains its "
-            "tables with TorchRec's fused row-wise Adagrad only (rowwise-adagrad)"
+            "tables with TorchRec's fused row-wise Adagrad only (rowwise-adagrad): its "
+            "checkpoints capture that optimizer's one accumulator column per row"
         )
     if args.codec == "auto" and args.served_loss_samples == 0:
         raise CommandError(
@@ -80,7 +81,11 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
             "--served-loss-samples N > 0, or a codec"
         )
     if args.publish_in != "thread":
-        raise CommandError("--publish-in process: a sharded job (--nproc) publishes in threads")
+        raise CommandError(
+            "--publish-in process: a sharded job (--nproc) publishes in threads: its publishing "
+            "rounds are collectives on the rank's process group, which a child process does "
+            "not join"
+        )
     if is_live(args.data) and args.id_space != "hash":
         raise CommandError(
             f"--id-space {args.id_space}: a dynamic id space's map belongs to one process, and "
@@ -363,6 +368,9 @@ def _report(
         "rank0_loss": round(report.loss, 6),
         "stopped": report.stopped,
         "non_finite_skipped": checkpointer.non_finite_skipped,
+        # rank 0's records: its stall per checkpoint, and what each version wrote (cli.py's
+        # one-process report has the same list)
+        "checkpoints": [r.to_json() for r in checkpointer.records],
         **live,
     }
     if args.json:
