@@ -67,7 +67,8 @@ from publisher.state_dicts import module_tensors
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.collective import Collective
-from publisher.write.job_publishing import JobBackgroundPublisher, JobPublisher, table_order
+from publisher.write.job_publishing import JobPublisher, table_order
+from publisher.write.job_worker import JobBackgroundPublisher
 from publisher.write.policies import Plan, Policy, auto_codec_rule, make_policy
 from publisher.write.publishing import NonFinitePolicy, PublishResult, encode_table
 from publisher.write.served_codec import ServedCodec

@@ -24,12 +24,12 @@ from publisher.read.restore import restore
 from publisher.store import FileStore, NotFoundError, ObjectStore
 from publisher.write.job_publishing import (
     CollectiveError,
-    JobBackgroundPublisher,
     JobMismatchError,
     JobPublisher,
     RankFailedError,
     ThreadCollective,
 )
+from publisher.write.job_worker import JobBackgroundPublisher
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot
 from publisher.write.version_writer import PartsError
