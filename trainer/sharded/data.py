@@ -141,15 +141,25 @@ def keyed_features(
 
 def scored_batch(batch: RankBatch) -> ScoredBatch:
     """The real samples of a rank's batch (the padding after them left out) as the DLRM's kept
-    batch (publisher/served_loss.py): what rank 0 scores each version on as served."""
+    batch (publisher/served_loss.py): what rank 0 scores each version on as served. Numpy views
+    of the batch's tensors, no copy (a step's batch is built afresh and never changed), read
+    from the KeyedJaggedTensor's flat values and lengths: one slice per feature."""
     n = int((batch.weights > 0).sum())
+    kjt = batch.features
+    values, lengths = kjt.values().cpu(), kjt.lengths().cpu()
+    local = int(batch.labels.shape[0])
     sparse = {}
-    for name, jagged in batch.features.to_dict().items():
-        offsets = jagged.offsets().cpu()
-        values = jagged.values().cpu()[: int(offsets[n])]
-        sparse[name] = (values.numpy().copy(), offsets[:n].numpy().copy())
+    start = 0
+    for k, name in enumerate(kjt.keys()):
+        mine = lengths[k * local : k * local + n]
+        offsets = torch.zeros(n, dtype=torch.int64)
+        if n > 1:
+            offsets[1:] = torch.cumsum(mine[:-1], 0)
+        taken = int(mine.sum())
+        sparse[name] = (values[start : start + taken].numpy(), offsets.numpy())
+        start += int(lengths[k * local : (k + 1) * local].sum())
     return ScoredBatch(
-        dense=batch.dense[:n].detach().cpu().numpy().copy(),
+        dense=batch.dense[:n].detach().cpu().numpy(),
         sparse=sparse,
-        labels=batch.labels[:n].detach().cpu().numpy().copy(),
+        labels=batch.labels[:n].detach().cpu().numpy(),
     )

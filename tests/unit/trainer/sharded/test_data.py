@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from publisher.dlrm import SparseBatch
-from trainer.sharded.data import BatchSplitError, check_batch_size, rank_slice
+from trainer.sharded.data import (
+    BatchSplitError,
+    check_batch_size,
+    padded_batch,
+    rank_slice,
+    scored_batch,
+)
 from trainer.streams.base import Batch
 
 
@@ -58,3 +64,23 @@ def test_a_global_batch_the_ranks_cannot_share_evenly_is_refused() -> None:
     check_batch_size(64, 2)
     with pytest.raises(BatchSplitError, match=r"--batch-size 63 .* multiple of 2 \(e.g. 62\)"):
         check_batch_size(63, 2)
+
+
+def test_a_ranks_kept_batch_is_its_real_samples_with_their_bags() -> None:
+    batch = Batch(
+        dense=torch.arange(6, dtype=torch.float32).reshape(3, 2),
+        sparse={
+            "a": SparseBatch(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 3])),
+            "b": SparseBatch(torch.tensor([7, 8, 9]), torch.tensor([0, 1, 2])),
+        },
+        labels=torch.tensor([1.0, 0.0, 1.0]),
+        offset=0,
+    )
+    kept = scored_batch(padded_batch(batch, 5, 3, ["a", "b"], 2))  # 2 padding samples
+    assert kept.size == 3
+    assert {k: (v.tolist(), o.tolist()) for k, (v, o) in kept.sparse.items()} == {
+        "a": ([1, 2, 3, 4], [0, 1, 3]),
+        "b": ([7, 8, 9], [0, 1, 2]),
+    }
+    assert kept.labels.tolist() == [1.0, 0.0, 1.0]
+    assert kept.dense.tolist() == batch.dense.tolist()
