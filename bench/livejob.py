@@ -10,7 +10,7 @@ first `--samples` ratings are replayed into a fresh topic of `--partitions` part
 
 - 1 process: `checknrun train --data kafka://.../TOPIC --id-space hash --count-features ''`;
 - N ranks: the same with `--nproc N --sharding row_wise` (each rank reads its partitions,
-  trainer/sharded/live_steps.py).
+  trainer/sharded/step_votes.py).
 
 Both arms train in a hashed id space without count features (all a sharded job can), tables of
 the sizes part `live` uses, the same global batch, and publish to a file store at the end only
