@@ -459,10 +459,12 @@ def test_auto_commits_no_version_over_its_budget_and_says_which_it_encoded_again
     argv = _with(SYNTHETIC, codec="auto", served_loss_budget=str(budget))
     argv += ["--publish-in", publish_in]
     store = f"file://{tmp_path}"
-    status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "6144", "--json")
+    # enough versions that one loses AUC at its first codec (a version's paired difference is
+    # noise around a small loss: one full may gain, and process mode folds a backlog)
+    status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "16384", "--json")
     assert status == 0
     published = [r for r in json.loads(out)["checkpoints"] if r["version"] is not None]
-    assert any(r["reencoded"] for r in published)
+    assert any(r["reencoded"] for r in published), published
     for r in published:
         assert r["served_loss"]["auc_rel_loss"] <= budget or r["codec"] == "fp32"
         assert all(x["auc_rel_loss"] > budget for x in r["reencoded"])
