@@ -5,7 +5,8 @@ one tier, so the four together are the whole suite (`bash scripts/test.sh`, CI):
 
     tier         what it holds                                             needs
     quick        in-process tests: no marker below                         nothing
-    slow         `slow` or `multiprocess` (spawned ranks, a CLI process)   nothing
+    slow         `slow` or `multiprocess` (spawned ranks, a CLI process,   nothing
+                 the publisher's child process: `publish_in="process"`)
     integration  `integration`: the shared Kafka broker and MinIO server   scripts/services.sh
     system       `faults`, `compose`, `e2e`: own services, Docker, whole   their own
                  programs run end to end
@@ -72,6 +73,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         for name in DIRECTORY_MARKERS.get(top, ()):
             item.add_marker(name)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("publish_in") == "process":
+            item.add_marker("multiprocess")  # the publisher runs in a child process
 
 
 @pytest.fixture(scope="session")

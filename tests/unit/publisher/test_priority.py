@@ -85,6 +85,7 @@ def test_the_worker_and_its_upload_pool_run_at_the_set_nice(tmp_path: Path, nice
     assert [r.ref.version for r in background.results] == [1, 2]
 
 
+@pytest.mark.multiprocess  # the publisher runs in a child process
 def test_a_publisher_process_runs_below_its_parent(tmp_path: Path) -> None:
     mine = priority.this_thread_nice()
     assert mine is not None

