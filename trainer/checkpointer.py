@@ -89,7 +89,6 @@ from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import (
     Policy,
     ServedLossCodecRule,
-    auto_codec_rule,
     make_policy,
 )
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
@@ -110,10 +109,10 @@ from publisher.write.tracker import (
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
 from schemas.manifest import Position
+from trainer.auto_codec import resolve_auto_codec
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
-from trainer.options import DEFAULT_SCORED_SAMPLES
 from trainer.recent_samples import RecentSamples
 from trainer.resume import load_restored
 from trainer.snapshot_capture import SnapshotCapture
@@ -229,18 +228,12 @@ class IncrementalCheckpointer:
         if not self.tables:
             raise CheckpointError(f"{type(model).__name__} has no nn.Embedding / nn.EmbeddingBag")
         self.table_rows = {name: int(t.num_embeddings) for name, t in self.tables.items()}
-        if codec == "auto":
-            if codec_rule is not None:
-                raise CheckpointError("codec='auto' builds its own codec_rule: give one of them")
-            codec_rule = auto_codec_rule(expected_restores, served_loss_budget)
-            codec = codec_rule.codec  # the floor, where it starts
-            if served_loss_samples is None:
-                served_loss_samples = DEFAULT_SCORED_SAMPLES
-        elif served_loss_budget is not None or expected_restores is not None:
-            raise CheckpointError(
-                "served_loss_budget and expected_restores choose codec='auto''s codecs; "
-                f"codec is {codec!r}"
-            )
+        if codec == "auto" and codec_rule is not None:
+            raise CheckpointError("codec='auto' builds its own codec_rule: give one of them")
+        codec, auto_rule, served_loss_samples = resolve_auto_codec(
+            codec, served_loss_samples, served_loss_budget, expected_restores
+        )
+        codec_rule = auto_rule or codec_rule
         self.codecs = _codecs(codec, self.tables)
         if isinstance(policy, Policy):
             self.policy = policy

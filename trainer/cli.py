@@ -37,7 +37,6 @@ from publisher.bus import BusError
 from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
 from publisher.dlrm import DLRM
 from publisher.read.catalog import Catalog, NoVersionError
-from publisher.write.policies import codec_for_expected_restores
 from publisher.write.snapshot import NonFiniteSnapshotError
 from schemas.errors import BadDataError
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
@@ -52,6 +51,7 @@ from trainer.online import (
 from trainer.options import (
     DEFAULT_INTERVAL_SAMPLES,
     add_train_args,
+    check_codec_options,
     default_embedding_dim,
     default_model_name,
     human_bytes,
@@ -99,13 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
     auto = args.codec == "auto"
-    if auto:
-        if args.served_loss_samples == 0:
-            raise CommandError(
-                "--codec auto chooses from the served loss it measures: give "
-                "--served-loss-samples N > 0, or a codec"
-            )
-        codec_for_expected_restores(args.expected_restores)  # refused before the stream opens
+    check_codec_options(args)  # before the stream opens
     model_name = args.model or default_model_name(args.data)
     interval_samples = args.interval_samples
     if interval_samples is None and args.interval_seconds is None:

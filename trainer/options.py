@@ -26,7 +26,12 @@ from pathlib import Path
 
 from publisher.cli import CommandError, add_store_args, positive_int
 from publisher.id_map import ID_SPACES
-from publisher.write.policies import DEFAULT_EXPECTED_RESTORES, POLICIES, SERVED_LOSS_BUDGET
+from publisher.write.policies import (
+    DEFAULT_EXPECTED_RESTORES,
+    POLICIES,
+    SERVED_LOSS_BUDGET,
+    codec_for_expected_restores,
+)
 from schemas.codec_names import CODECS
 from trainer.sharded import SHARDINGS
 
@@ -278,6 +283,19 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop once every partition is read up to where it ended when training started",
     )
+
+
+def check_codec_options(args: argparse.Namespace) -> None:
+    """Refuse, before any stream opens or rank starts, `--codec auto` without samples to
+    measure on, and expected restores the bit rule cannot take (one process and N ranks)."""
+    if args.codec != "auto":
+        return
+    if args.served_loss_samples == 0:
+        raise CommandError(
+            "--codec auto chooses from the served loss it measures: give "
+            "--served-loss-samples N > 0, or a codec"
+        )
+    codec_for_expected_restores(args.expected_restores)
 
 
 def default_embedding_dim(data: str) -> int:

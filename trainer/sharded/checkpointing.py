@@ -69,7 +69,7 @@ from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.collective import Collective
 from publisher.write.job_publishing import JobPublisher, table_order
 from publisher.write.job_worker import JobBackgroundPublisher
-from publisher.write.policies import Plan, Policy, auto_codec_rule, make_policy
+from publisher.write.policies import Plan, Policy, make_policy
 from publisher.write.publishing import NonFinitePolicy, PublishResult, encode_table
 from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import Snapshot, TableRows
@@ -77,10 +77,10 @@ from publisher.write.tracker import RowIds
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
 from schemas.manifest import Position
+from trainer.auto_codec import resolve_auto_codec
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
-from trainer.options import DEFAULT_SCORED_SAMPLES
 from trainer.recent_samples import RecentSamples
 from trainer.sharded.data import RankBatch, scored_batch
 from trainer.sharded.dirty_rows import ShardDirtyRows
@@ -190,21 +190,14 @@ class ShardedCheckpointer:
                 shards now, so no stop of a full copied in chunks pays page faults (or pinning,
                 on a GPU) for them (the first full would allocate them; the pool keeps them).
         """
-        codec_rule = None
-        if codec == "auto":
-            codec_rule = auto_codec_rule(expected_restores, served_loss_budget)
-            codec = codec_rule.codec  # the floor, where it starts
-            if served_loss_samples is None:
-                served_loss_samples = DEFAULT_SCORED_SAMPLES
-            if not served_loss_samples:
-                raise CheckpointError(
-                    "codec='auto' chooses from the served loss it measures: give "
-                    "served_loss_samples > 0, or a codec"
-                )
-        elif served_loss_budget is not None or expected_restores is not None:
+        resolved, codec_rule, served_loss_samples = resolve_auto_codec(
+            codec, served_loss_samples, served_loss_budget, expected_restores
+        )
+        codec = str(resolved)  # one codec for every table
+        if codec_rule is not None and not served_loss_samples:
             raise CheckpointError(
-                "served_loss_budget and expected_restores choose codec='auto''s codecs; "
-                f"codec is {codec!r}"
+                "codec='auto' chooses from the served loss it measures: give "
+                "served_loss_samples > 0, or a codec"
             )
         if codec not in CODECS:
             raise CheckpointError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")

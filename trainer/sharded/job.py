@@ -38,6 +38,7 @@ from trainer.online import DLRMSettings, dense_optimizer, dlrm_config
 from trainer.options import (
     DEFAULT_COUNT_FEATURES,
     DEFAULT_INTERVAL_SAMPLES,
+    check_codec_options,
     default_embedding_dim,
     default_model_name,
     human_bytes,
@@ -75,11 +76,7 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
             "tables with TorchRec's fused row-wise Adagrad only (rowwise-adagrad): its "
             "checkpoints capture that optimizer's one accumulator column per row"
         )
-    if args.codec == "auto" and args.served_loss_samples == 0:
-        raise CommandError(
-            "--codec auto chooses from the served loss it measures: give "
-            "--served-loss-samples N > 0, or a codec"
-        )
+    check_codec_options(args)
     if args.publish_in != "thread":
         raise CommandError(
             "--publish-in process: a sharded job (--nproc) publishes in threads: its publishing "
