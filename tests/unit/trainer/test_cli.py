@@ -471,7 +471,7 @@ def test_auto_commits_no_version_over_its_budget_and_says_which_it_encoded_again
         assert r["served_loss"]["auc_rel_loss"] <= budget or r["codec"] == "fp32"
         assert all(x["auc_rel_loss"] > budget for x in r["reencoded"])
         assert r["codec"] not in {x["codec"] for x in r["reencoded"]}
-    status, _, err = run(capsys, *argv, "--store", f"{store}/b", "--max-samples", "6144")
+    status, _, err = run(capsys, *argv, "--store", f"{store}/b", "--max-samples", "16384")
     assert status == 0 and ": encoded again)" in err  # each published version's line
 
 
