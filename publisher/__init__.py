@@ -26,13 +26,14 @@ if TYPE_CHECKING:
     from publisher.read.sinks import ModuleSink, TensorSink
     from publisher.read.subscriber import Subscriber
     from publisher.store import ObjectStore, StoreError, open_store
+    from publisher.write.background import BackgroundPublisher
     from publisher.write.job_publishing import CheckpointPublisher
-    from publisher.write.publishing import BackgroundPublisher, PublishResult
+    from publisher.write.publishing import PublishResult
     from publisher.write.snapshot import Snapshot, TableRows
     from publisher.write.version_writer import VersionWriter
 
 _EXPORTS = {
-    "BackgroundPublisher": "publisher.write.publishing",
+    "BackgroundPublisher": "publisher.write.background",
     "Catalog": "publisher.read.catalog",
     "CheckpointPublisher": "publisher.write.job_publishing",
     "ModuleSink": "publisher.read.sinks",

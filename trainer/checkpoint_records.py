@@ -10,6 +10,7 @@ earlier unpublished one as merged into the same version.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,25 @@ class CheckpointRecord:
             taken_at=snapshot.taken_at,
             metrics=snapshot.metrics,
         )
+
+    def stopped(
+        self,
+        started: float,
+        started_cpu: float,
+        breakdown_ms: Mapping[str, float],
+        pauses_ms: Sequence[float] = (),
+    ) -> None:
+        """Fill in the stall of the stop that began at `started` (`time.perf_counter()`) and
+        `started_cpu` (`time.thread_time()`) and ends now: where it went (`breakdown_ms`), and
+        the stops before it (`pauses_ms`, a full copied in chunks: each is a stop of its own,
+        so `stall_ms` is the longest)."""
+        self.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
+        self.stall_ms = max([(time.perf_counter() - started) * 1e3, *pauses_ms])
+        self.pauses_ms = list(pauses_ms)
+        self.stall_breakdown_ms = dict(breakdown_ms)
+        if pauses_ms:
+            self.stall_breakdown_ms.setdefault("chunk_pauses", sum(pauses_ms))
+            self.stall_breakdown_ms.setdefault("longest_chunk_pause", max(pauses_ms))
 
     @property
     def published(self) -> bool:

@@ -85,6 +85,7 @@ from publisher.read.restore import RestoredState, restore
 from publisher.served_loss import KeptBatch, Score, ScoredBatch, ServedModel
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.background import BackgroundPublisher
 from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import (
     Policy,
@@ -93,7 +94,6 @@ from publisher.write.policies import (
 )
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
 from publisher.write.publishing import (
-    BackgroundPublisher,
     NonFinitePolicy,
     PublishResult,
     SnapshotPublisher,
@@ -519,16 +519,10 @@ class IncrementalCheckpointer:
         self.ledger.add(record)
         handoff = time.perf_counter()
         self.background.submit(replace(taken.snapshot, scored=self.recent_samples.take()))
-        started, breakdown, pauses = taken.started, taken.breakdown_ms, taken.pauses_ms
-        started_cpu = taken.started_cpu
+        started, started_cpu, pauses = taken.started, taken.started_cpu, taken.pauses_ms
+        breakdown = {**taken.breakdown_ms, "handoff": (time.perf_counter() - handoff) * 1e3}
         del taken  # the publisher owns the copies now (buffers recycle on release)
-        done = time.perf_counter()
-        record.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
-        # The longest single stop: a chunked full's chunks are stops of their own.
-        record.stall_ms = max([(done - started) * 1e3, *pauses])
-        record.pauses_ms = list(pauses)
-        # "handoff" includes merging into a pending snapshot
-        record.stall_breakdown_ms = {**breakdown, "handoff": (done - handoff) * 1e3}
+        record.stopped(started, started_cpu, breakdown, pauses)
         self.clock.restart()
         self.ledger.settle(self.background.results)
         return record

@@ -25,9 +25,10 @@ with HEAD left where it was (the blobs already put are orphans for `checknrun gc
 a `CollectiveError` (a rank did not answer: dead, or stuck past the collective's timeout) a
 rank may still be writing, so the publisher refuses to go on and rank 0 stops the job.
 
-`JobBackgroundPublisher` runs the rounds on a background thread, like `BackgroundPublisher`:
-rank 0 picks the newest snapshot sequence it has, and the others fold theirs up to it, so each
-version holds the same training step on every rank.
+`BackgroundPublisher` (publisher/write/background.py) runs the rounds on a background thread at
+any world size: rank 0 picks the newest snapshot sequence it has, and the others fold theirs up
+to it, so each version holds the same training step on every rank; a round that failed because
+the store was unreachable (`RankFailedError.retryable`, the same on every rank) is tried again.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from publisher.write.version_writer import (
     upload_part,
 )
 from schemas.announcement import Announcement
-from schemas.errors import BadDataError, CheckNRunError
+from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 from schemas.manifest import Manifest, Position, RankPosition, ServedLoss
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
@@ -85,10 +86,22 @@ class RankFailedError(CheckNRunError):
     """A rank of the job failed its part of a version (or rank 0 its commit): nothing was
     committed. Every rank raises it, naming the same rank and error."""
 
-    def __init__(self, rank: int, error: str) -> None:
+    def __init__(self, rank: int, error: str, retryable: bool = False) -> None:
         super().__init__(f"rank {rank} failed: {error}; nothing was committed")
         self.rank = rank
         self.error = error
+        #: the rank could not reach the store: the same round may be tried again.
+        self.retryable = retryable
+
+
+def retryable(exc: BaseException) -> bool:
+    """True for a round that failed because the store (or broker) could not be reached: the
+    same snapshot may be published again. A rank that did not answer is not: the job stops."""
+    if isinstance(exc, CollectiveError):
+        return False
+    if isinstance(exc, RankFailedError):
+        return exc.retryable
+    return isinstance(exc, UnavailableError | ConnectionError | TimeoutError)
 
 
 class JobMismatchError(BadDataError):
@@ -170,7 +183,7 @@ class JobPublisher:
         #: one process's verdict, whose blobs its upload reuses.
         self._judged: CodecChoice | None = None
         #: how long a rank waits for its own trainer's snapshot of the sequence rank 0 picked
-        #: (JobBackgroundPublisher): a trainer that far behind the others has stopped.
+        #: (BackgroundPublisher): a trainer that far behind the others has stopped.
         self.timeout_s = timeout_s
         self.writer: VersionWriter | None = None
         #: the CollectiveError that ended the job's publishing, re-raised by every later call.
@@ -206,7 +219,7 @@ class JobPublisher:
 
     def next_sequence(self, sequence: int | None) -> int | None:
         """Rank 0's `sequence` on every rank (the others pass None): which snapshot the next
-        round publishes, None when there are no more rounds (JobBackgroundPublisher)."""
+        round publishes, None when there are no more rounds (BackgroundPublisher)."""
         told = self._call(lambda: self.collective.broadcast(sequence if self.rank == 0 else None))
         return None if told is None else _int(told)
 
@@ -227,7 +240,7 @@ class JobPublisher:
         started = time.perf_counter()
         plan = _dict(self._call(lambda: self.collective.broadcast(self._reserve(snapshot))))
         if "error" in plan:
-            raise RankFailedError(0, str(plan["error"]))
+            raise RankFailedError(0, str(plan["error"]), plan.get("retry") is True)
         largest = self._check_finite(snapshot if error is None else None)
         judging = time.perf_counter()
         verdict = self._judge(snapshot if error is None else None)
@@ -251,7 +264,7 @@ class JobPublisher:
             if self.solo:
                 raise
             log.exception("rank %d: its part of the version failed", self.rank)
-            report = {"error": _describe(exc)}
+            report = {"error": _describe(exc), "retry": retryable(exc)}
         reports = self._call(lambda: self.collective.gather(report))
         served_loss = verdict.get("served_loss")
         judged = None if served_loss is None else ServedLoss.model_validate(served_loss)
@@ -259,7 +272,9 @@ class JobPublisher:
             self._call(lambda: self.collective.broadcast(self._commit(reports, snapshot, judged)))
         )
         if "error" in outcome:
-            raise RankFailedError(_int(outcome["rank"]), str(outcome["error"]))
+            raise RankFailedError(
+                _int(outcome["rank"]), str(outcome["error"]), outcome.get("retry") is True
+            )
         manifest = Manifest.from_json(str(outcome["manifest"]).encode())
         ref = VersionRef(manifest, str(outcome["key"]))
         if self.rank == 0:
@@ -287,7 +302,7 @@ class JobPublisher:
         """Every rank checks its snapshot before anything is written; NonFiniteSnapshotError on
         every rank alike when one holds NaN or inf (the reservation writes nothing, so the
         round ends there: the job stops, or holds the version back and folds it into the
-        next, as `JobBackgroundPublisher.on_non_finite` says). Returns each table's largest
+        next, as `BackgroundPublisher.on_non_finite` says). Returns each table's largest
         magnitude (None without a snapshot)."""
         refused: JSONValue = None
         largest = None
@@ -369,7 +384,7 @@ class JobPublisher:
         except Exception as exc:
             if self.solo:
                 raise
-            return {"error": _describe(exc)}
+            return {"error": _describe(exc), "retry": retryable(exc)}
         self._reservation = reservation
         return {
             "version": reservation.version,
@@ -466,7 +481,7 @@ class JobPublisher:
         assert reports is not None and self.writer is not None
         for rank, report in enumerate(reports):
             if "error" in _dict(report):
-                return {"rank": rank, "error": _dict(report)["error"]}
+                return {"rank": rank, **_dict(report)}
         assert snapshot is not None  # rank 0's own report would be an error otherwise
         try:
             ref = self._commit_parts(reports, snapshot, served_loss)
@@ -474,7 +489,7 @@ class JobPublisher:
             if self.solo:
                 raise
             log.exception("rank 0: committing the job's version failed")
-            return {"rank": 0, "error": _describe(exc)}
+            return {"rank": 0, "error": _describe(exc), "retry": retryable(exc)}
         return {"key": ref.key, "manifest": ref.manifest.to_json().decode()}
 
     def _commit_parts(
@@ -598,6 +613,7 @@ __all__ = [
     "JobPublisher",
     "RankFailedError",
     "ThreadCollective",
+    "retryable",
     "table_order",
 ]
 

@@ -31,7 +31,7 @@ version's `samples_seen`. The stall, on the training thread of each rank:
   column), into `TableRows` with `row_range` (None for a table held whole;
   trainer/sharded/host_copies.py); rank 0 also copies the dense parameters and the dense
   optimizer state (trainer/sharded/optimizer_state.py, the one-process trainer's layout);
-- the `Snapshot` handed to the `JobBackgroundPublisher` (publisher/write/job_publishing.py),
+- the `Snapshot` handed to the `BackgroundPublisher` (publisher/write/background.py),
   which writes every rank's blobs in parallel and commits one version for the job.
 
 A full baseline copies every row of the rank's shards, seconds for a rank holding a few GB, and
@@ -62,18 +62,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from publisher.model_factory import ModelFactory
 from publisher.read.catalog import Catalog, NoVersionError
+from publisher.served_loss import KeptBatch, Score, ServedModel
 from publisher.state_dicts import module_tensors
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
+from publisher.write.background import BackgroundPublisher
 from publisher.write.collective import Collective
 from publisher.write.job_publishing import JobPublisher, table_order
-from publisher.write.job_worker import JobBackgroundPublisher
 from publisher.write.policies import Plan, Policy, make_policy
 from publisher.write.publishing import NonFinitePolicy, PublishResult, encode_table
 from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import Snapshot, TableRows
-from publisher.write.tracker import RowIds
+from publisher.write.tracker import RowIds, find_embedding_tables
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
 from schemas.manifest import Position
@@ -155,6 +157,8 @@ class ShardedCheckpointer:
         timeout_s: float = 60.0,
         preallocate: bool = True,
         on_non_finite: NonFinitePolicy = "stop",
+        score: Score | None = None,
+        model_factory: ModelFactory | None = None,
     ) -> None:
         """
         Args:
@@ -189,6 +193,12 @@ class ShardedCheckpointer:
             preallocate: allocate and touch the host buffers of one full copy of this rank's
                 shards now, so no stop of a full copied in chunks pays page faults (or pinning,
                 on a GPU) for them (the first full would allocate them; the pool keeps them).
+            score, model_factory: how rank 0 measures the served loss of a model other than
+                the built-in DLRM (which is rebuilt from `model_config`), as for
+                `IncrementalCheckpointer`: `model_factory(model_config)` builds an unsharded
+                module of the trained architecture (rank 0's served copy: a sharded model
+                cannot be copied), `score(module, inputs)` gives the logits (B,) of the
+                batches given to `keep_scored(inputs, labels)`.
         """
         resolved, codec_rule, served_loss_samples = resolve_auto_codec(
             codec, served_loss_samples, served_loss_budget, expected_restores
@@ -243,10 +253,15 @@ class ShardedCheckpointer:
         #: rank 0's window of its recent samples, scored as served at every version.
         self.recent_samples = RecentSamples((served_loss_samples or 0) if self.rank == 0 else 0)
         self.codec_rule = codec_rule
+        #: a user's model: its batches are kept as `score` takes them, not as RankBatches.
+        self._keeps_inputs = score is not None
         served = ServedCodec(
             encode_table,
             measure_served_loss=bool(served_loss_samples),
             codec_rule=codec_rule,
+            served_model=self._served_model(
+                score, model_factory, bool(served_loss_samples), collective
+            ),
             tunables=tunables,
         )
         self.publisher = JobPublisher(
@@ -258,7 +273,7 @@ class ShardedCheckpointer:
             timeout_s=timeout_s,
             served=served,
         )
-        self.background = JobBackgroundPublisher(
+        self.background = BackgroundPublisher(
             self.publisher, on_published=self._published, on_non_finite=on_non_finite
         )
         self._closed = False
@@ -276,12 +291,79 @@ class ShardedCheckpointer:
             rank_samples = share + (extra if self.rank == 0 else 0)
         self.rank_samples += rank_samples
 
-    def keep_scored(self, batch: RankBatch) -> None:
+    def keep_scored(self, batch: RankBatch | Any, labels: torch.Tensor | None = None) -> None:
         """Keep this rank's samples of a step just scored (rank 0's, with `served_loss_samples`)
         in the window every version's served loss is measured on; call it before the step's
-        `maybe_checkpoint`."""
-        if self.recent_samples.capacity:
+        `maybe_checkpoint`. The built-in DLRM's: the step's `RankBatch`; a user's model's:
+        `(inputs, labels)` as `score` takes the inputs (copied to the CPU)."""
+        if not self.recent_samples.capacity:
+            return
+        if not self._keeps_inputs:
+            if labels is not None or not isinstance(batch, RankBatch):
+                raise CheckpointError(
+                    "keep_scored(inputs, labels) needs score= (a model other than the DLRM); "
+                    "the DLRM's kept batch is its RankBatch"
+                )
             self.recent_samples.add(scored_batch(batch))
+            return
+        if not isinstance(labels, torch.Tensor):
+            raise CheckpointError("keep_scored(inputs, labels): labels must be a tensor (B,)")
+        self.recent_samples.add(KeptBatch.of(batch, labels))
+
+    def _served_model(
+        self,
+        score: Score | None,
+        factory: ModelFactory | None,
+        measuring: bool,
+        collective: Collective,
+    ) -> ServedModel | None:
+        """Rank 0's served copy and score of a user's model (None: the DLRM, rebuilt from its
+        config; or not measuring, or not rank 0); CheckpointError for what cannot be measured,
+        on every rank alike."""
+        if not measuring:
+            return None
+        if score is None and factory is None:
+            if table_order(self.model_config) is None:
+                raise CheckpointError(
+                    "measuring the served loss of a model other than the built-in DLRM needs "
+                    "score=fn(module, inputs) -> logits (B,) and model_factory=fn(model_config)"
+                    " -> an unsharded module of the trained architecture; or "
+                    "served_loss_samples=0 and a codec other than 'auto'"
+                )
+            return None
+        if score is None or factory is None:
+            raise CheckpointError(
+                "a sharded model's served loss needs both score= and model_factory= (rank 0 "
+                "scores an unsharded copy: a sharded model cannot be copied)"
+            )
+        # Rank 0 builds the copy and says whether it is the trained architecture: every rank
+        # learns it (one broadcast), so a refusal is every rank's, not a hang of the others.
+        served: nn.Module | None = None
+        wrong: str | None = None
+        if self.rank == 0:
+            try:
+                built: object = factory(self.model_config)
+            except Exception as exc:
+                built = exc
+            if isinstance(built, Exception):
+                wrong = f"model_factory failed: {type(built).__name__}: {built}"
+            elif not isinstance(built, nn.Module):
+                wrong = f"model_factory returned a {type(built).__name__}, not a module"
+            else:
+                theirs = {n: tuple(t.weight.shape) for n, t in find_embedding_tables(built).items()}
+                ours = {n: (t.rows, t.dim) for n, t in self.tables.items()}
+                if theirs != ours:
+                    wrong = (
+                        f"model_factory built tables {theirs}, the trained model has {ours}: it "
+                        "must build the trained architecture, unsharded"
+                    )
+                served = built
+        told = collective.broadcast(wrong)
+        if told is not None:
+            raise CheckpointError(str(told))
+        if served is None:
+            return None
+        return ServedModel(score, copy=served)
 
     @property
     def records(self) -> list[CheckpointRecord]:
@@ -468,20 +550,12 @@ class ShardedCheckpointer:
         record = CheckpointRecord.of(snapshot, planned.job_rows, self.table_rows)
         self.ledger.add(record)
         self.background.submit(snapshot)
-        done = time.perf_counter()
-        started, started_cpu = stop
-        # The longest single stop: a chunked full's chunks are stops of their own.
-        record.stall_ms = max([(done - started) * 1e3, *pauses_ms])
-        record.stall_cpu_ms = (time.thread_time() - started_cpu) * 1e3
-        record.stall_breakdown_ms = {
+        breakdown = {
             "dirty_rows_and_plan": planned.plan_s * 1e3,  # a chunked full's: at its first stop
             "copy": (copied - copy_started) * 1e3,
-            "handoff": (done - copied) * 1e3,
+            "handoff": (time.perf_counter() - copied) * 1e3,
         }
-        if pauses_ms:
-            record.stall_breakdown_ms["chunk_pauses"] = sum(pauses_ms)
-            record.stall_breakdown_ms["longest_chunk_pause"] = max(pauses_ms)
-        record.pauses_ms = list(pauses_ms)
+        record.stopped(*stop, breakdown, pauses_ms)
         self.clock.restart()
         self.ledger.settle(self._results)
         return record

@@ -206,3 +206,99 @@ def test_a_sharded_user_model_publishes_and_restores_on_one_rank_and_in_one_proc
                 np.testing.assert_array_equal(copy.values(name).numpy(), job[f"table/{name}"])
             for key, value in copy.dense.items():
                 np.testing.assert_array_equal(value.numpy(), job[f"dense/{key}"])
+
+
+def _score(module: nn.Module, inputs: tuple[object, object]) -> torch.Tensor:
+    out: torch.Tensor = module(*inputs)
+    return out
+
+
+def _unsharded(config: object) -> UserRanker:
+    return UserRanker()
+
+
+def _head_only(config: object) -> nn.Module:
+    return UserRanker().head
+
+
+def _sharded_auto(rank: int, world: int, root: str) -> None:
+    from trainer.sharded.checkpointing import ShardedCheckpointer
+    from trainer.sharded.collective import TorchCollective
+
+    job = sharded_ranker(world)
+    with ShardedCheckpointer(
+        job.model,
+        job.dense_optimizer,
+        store=FileStore(Path(root)),
+        model_name=MODEL,
+        collective=TorchCollective.new(timeout_s=60.0),
+        sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
+        policy="consecutive",
+        codec="auto",
+        served_loss_samples=4 * BATCH,
+        interval_samples=2 * world * BATCH,
+        score=_score,
+        model_factory=_unsharded,
+    ) as ckpt:
+        for step in range(SHARDED_STEPS):
+            bags, sequence, labels, _ = batch(10 * step + rank)
+            logits = job.model(bags, sequence)
+            ckpt.keep_scored((bags, sequence), labels)  # scored before it trains the model
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+            job.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            job.dense_optimizer.step()
+            ckpt.step(world * BATCH, BATCH)
+            if ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is not None:
+                ckpt.flush()
+
+
+def test_a_sharded_user_models_served_loss_is_measured_by_rank_0_and_picks_the_codec(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_sharded_auto, 2, str(tmp_path))
+    versions = Catalog(FileStore(tmp_path), MODEL).versions()
+    assert [v.manifest.kind for v in versions] == ["full", "delta", "delta"]
+    for version in versions[1:]:  # a full's loss needs a served copy that held every row
+        loss = version.manifest.served_loss
+        # scored on rank 0's samples of the interval (2 steps), on every rank's rows
+        assert loss is not None and loss.samples == 2 * BATCH, version.version
+        assert 0.0 < loss.auc_fp32 <= 1.0 and loss.logloss_served > 0.0
+
+
+def _refused(rank: int, world: int, root: str, kwargs: dict[str, object]) -> None:
+    from trainer.errors import CheckpointError
+    from trainer.sharded.checkpointing import ShardedCheckpointer
+    from trainer.sharded.collective import TorchCollective
+
+    job = sharded_ranker(world)
+    with pytest.raises(CheckpointError, match=str(kwargs.pop("match"))):
+        ShardedCheckpointer(
+            job.model,
+            job.dense_optimizer,
+            store=FileStore(Path(root)),
+            model_name=MODEL,
+            collective=TorchCollective.new(timeout_s=60.0),
+            sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"codec": "auto", "match": "needs score="},
+        {"codec": "auto", "score": _score, "match": "both score= and model_factory="},
+        {
+            "served_loss_samples": 8,
+            "score": _score,
+            "model_factory": _head_only,
+            "match": "model_factory built tables",
+        },
+    ],
+    ids=["nothing-to-score-with", "no-factory", "not-the-architecture"],
+)
+def test_what_a_sharded_job_cannot_measure_is_refused_on_every_rank(
+    tmp_path: Path, kwargs: dict[str, object]
+) -> None:
+    run_ranks(_refused, 2, str(tmp_path), kwargs)

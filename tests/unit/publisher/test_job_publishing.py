@@ -22,14 +22,15 @@ from bench.synthetic_run import SyntheticRun, small_config
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.store import FileStore, NotFoundError, ObjectStore
+from publisher.write.background import BackgroundPublisher
 from publisher.write.job_publishing import (
     CollectiveError,
     JobMismatchError,
     JobPublisher,
     RankFailedError,
     ThreadCollective,
+    retryable,
 )
-from publisher.write.job_worker import JobBackgroundPublisher
 from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot
 from publisher.write.version_writer import PartsError
@@ -168,6 +169,48 @@ def test_a_rank_failing_its_upload_fails_the_version_on_every_rank(tmp_path: Pat
             publisher.close()
 
 
+class _DownStore(FileStore):
+    """A store that rank 1 cannot reach for its first `down` puts."""
+
+    down = 3
+
+    def put(self, key: str, data: bytes) -> str:
+        if self.down and "/r0001/" in key:
+            self.down -= 1
+            raise UnavailableError(f"connection refused writing {key}")
+        return super().put(key, data)
+
+
+def test_a_store_down_for_one_rank_is_retried_by_every_rank(tmp_path: Path) -> None:
+    run = _run(tmp_path, "single")
+    store = _DownStore(tmp_path / "job")
+    publishers = job_publishers(store, "m", 2)
+    parts = [split_snapshot(s, row_wise(TABLE_ROWS, 2), 2) for s in _snapshots(run, 2)]
+    published: list[list[PublishResult]] = [[], []]
+
+    def rank(r: int) -> None:
+        background = BackgroundPublisher(
+            publishers[r], on_published=published[r].append, retry_initial_s=0.01
+        )
+        for part in parts:
+            background.submit(part[r])
+        background.close()
+
+    for error in on_ranks(2, rank):
+        assert error is None
+    assert store.down == 0  # the failed rounds were retried, not given up
+    versions = [[(p.ref.version, p.sequence) for p in ranks] for ranks in published]
+    assert versions[0] == versions[1] and versions[0][-1][1] == 2
+    _assert_same_state(store, run.store, versions[0][-1][0], single_version=2)
+
+
+def test_a_lost_store_is_retryable_and_a_silent_rank_is_not() -> None:
+    assert retryable(RankFailedError(1, "UnavailableError: refused", retryable=True))
+    assert not retryable(RankFailedError(1, "OSError: disk full"))
+    assert retryable(UnavailableError("refused")) and retryable(ConnectionError())
+    assert not retryable(CollectiveError("ranks [1] did not report"))
+
+
 def test_a_rank_that_never_answers_times_out_and_commits_nothing(tmp_path: Path) -> None:
     run = _run(tmp_path, "single")
     store = FileStore(tmp_path / "job")
@@ -261,7 +304,7 @@ def test_skip_holds_a_non_finite_version_back_on_every_rank_and_folds_it_into_th
     skipped = [0, 0]
 
     def rank(r: int) -> None:
-        background = JobBackgroundPublisher(
+        background = BackgroundPublisher(
             publishers[r], on_published=published[r].append, on_non_finite="skip"
         )
         for part in parts:
@@ -321,7 +364,7 @@ def test_background_ranks_at_different_speeds_publish_the_same_sequence(tmp_path
     published: list[list[PublishResult]] = [[], []]
 
     def rank(r: int) -> None:
-        background = JobBackgroundPublisher(publishers[r], on_published=published[r].append)
+        background = BackgroundPublisher(publishers[r], on_published=published[r].append)
         for i, part in enumerate(parts):
             background.submit(part[r])
             time.sleep(0.002 if r == 0 else 0.05 * (i % 2))  # rank 1 lags behind
@@ -351,7 +394,7 @@ def test_a_rank_without_the_picked_snapshot_fails_the_round_on_every_rank(
     parts = split_snapshot(first, row_wise(TABLE_ROWS, 2), 2)
 
     def rank(r: int) -> BaseException | None:
-        background = JobBackgroundPublisher(publishers[r])
+        background = BackgroundPublisher(publishers[r])
         if r == 0:
             background.submit(parts[0])
             with pytest.raises(RankFailedError) as failed:

@@ -13,10 +13,11 @@ import pytest
 from publisher.store import FileStore
 from publisher.tunables import DEFAULT_TUNABLES
 from publisher.write import priority
+from publisher.write.background import BackgroundPublisher
 from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import make_policy
 from publisher.write.process_publisher import ProcessPublisher, ProcessPublisherConfig
-from publisher.write.publishing import BackgroundPublisher, PublishResult
+from publisher.write.publishing import PublishResult
 from publisher.write.snapshot import Snapshot
 from tests.unit.publisher.test_restore import TABLES, FakeTraining
 

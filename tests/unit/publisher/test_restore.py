@@ -29,9 +29,9 @@ from publisher.read.restore import (
     restore_chain,
 )
 from publisher.store import FileStore, IntegrityError
+from publisher.write.background import BackgroundPublisher
 from publisher.write.job_publishing import CheckpointPublisher
 from publisher.write.policies import make_policy
-from publisher.write.publishing import BackgroundPublisher
 from publisher.write.snapshot import Snapshot, TableRows
 from schemas.codec_names import CODECS
 from schemas.delta_blob import round_to_bfloat16
