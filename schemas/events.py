@@ -26,6 +26,9 @@ from schemas.strict_json import StrictDecoder
 
 MAX_EVENT_BYTES = 64 * 1024
 MAX_BAG_IDS = 256
+#: how far ahead of the reader's and the stream's clocks a trainer lets an event's `ts` run by
+#: default (section 8.1: `--max-event-lead-s`); producers' clocks drift by seconds, not minutes.
+MAX_EVENT_LEAD_S = 300.0
 #: section 8.2's reasons, in the order the checks run.
 BAD_REASONS = (
     "oversized",

@@ -15,10 +15,11 @@ Dynamic map (the default), docs/FORMAT.md section 7:
   missing id, the occurrence trains UNKNOWN_ROW with prior count 0. The occurrences counted
   towards admission are kept for at most `max_pending` ids (the oldest are forgotten) and are
   not part of a checkpoint: after a resume an id not yet admitted starts counting again.
-- ids whose newest event is older than `evict_after_s` of EVENT time (the newest event time
-  seen) are evicted, checked every eighth of that span; when an id needs a row and none is
-  free, the least recently seen ids (by `last_seen`) that this batch does not use are evicted,
-  1/64 of the table at a time so that a full table does not scan its rows on every batch.
+- ids whose newest event is older than `evict_after_s` of EVENT time (the stream clock, never
+  moved by one event: trainer/event_clock.py) are evicted, checked every eighth of that span;
+  when an id needs a row and none is free, the least recently seen ids (by `last_seen`) that
+  this batch does not use are evicted, 1/64 of the table at a time so that a full table does
+  not scan its rows on every batch.
 - an evicted row is freed in the map and handed to `reset_rows` (trainer/row_reset.py: the
   row's weights and optimizer state are re-initialised and the row is marked dirty), so its
   old values never leak into the id that gets it next and the next version carries it.
@@ -37,13 +38,14 @@ import numpy as np
 import numpy.typing as npt
 
 from publisher.id_map import UNKNOWN_ROW, IdMap, hashed_rows
+from trainer.event_clock import DEFAULT_MAX_LEAD_S
 
 log = logging.getLogger(__name__)
 
 Rows = npt.NDArray[np.int64]
 #: share of a full table evicted at once (its least recently seen ids).
 EVICT_SHARE = 64
-#: time-based eviction runs each time the newest event time moves by this share of the span.
+#: time-based eviction runs each time the stream clock moves by this share of the span.
 SWEEP_SHARE = 8
 
 
@@ -54,6 +56,9 @@ class IdSpacePolicy:
     admit_after: int = 1
     evict_after_s: float | None = None
     max_pending: int = 1_000_000
+    #: how far an event's time may run ahead of the reader's and the stream's clocks
+    #: (docs/FORMAT.md section 8.1).
+    max_event_lead_s: float = DEFAULT_MAX_LEAD_S
 
     def __post_init__(self) -> None:
         if self.admit_after < 1:
@@ -62,6 +67,8 @@ class IdSpacePolicy:
             raise ValueError(f"evict_after_s must be > 0, got {self.evict_after_s}")
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if not self.max_event_lead_s >= 0:
+            raise ValueError(f"max_event_lead_s must be >= 0, got {self.max_event_lead_s}")
 
 
 @dataclass(frozen=True)
@@ -163,11 +170,16 @@ class IdSpace:
         ts: npt.NDArray[np.float64],
         *,
         prior: bool = True,
+        now: float | None = None,
     ) -> MappedIds:
         """Rows (and, with `prior`, prior counts) of the occurrences `numbers` (-1: no id) at
-        event times `ts`; counts them in the map (see the module docstring)."""
-        if len(ts):
-            self._watermark = max(self._watermark, float(ts.max()))
+        event times `ts`; counts them in the map (see the module docstring). `now`: the stream
+        clock eviction is judged against (trainer/event_clock.py; None: the batch's median
+        event time), never the newest event's, which one hostile event could set."""
+        if now is None and len(ts):
+            now = float(np.median(ts))
+        if now is not None:
+            self._watermark = max(self._watermark, now)
         hashed = self.id_map.hashed
         if not hashed and self.policy.evict_after_s is not None:
             self._sweep()

@@ -77,12 +77,18 @@ def open_live_stream(
     spec = live_spec(args)
     if args.evict_after_s is not None and not args.evict_after_s > 0:
         raise CommandError(f"--evict-after-s must be > 0, got {args.evict_after_s}")
+    if not args.max_event_lead_s >= 0:
+        raise CommandError(f"--max-event-lead-s must be >= 0, got {args.max_event_lead_s}")
     source = EventSource.parse(args.data)
     return KafkaEventStream(
         source if partitions is None else replace(source, partitions=partitions),
         spec,
         table_rows(spec, args.id_capacity),
-        IdSpacePolicy(admit_after=args.admit_after, evict_after_s=args.evict_after_s),
+        IdSpacePolicy(
+            admit_after=args.admit_after,
+            evict_after_s=args.evict_after_s,
+            max_event_lead_s=args.max_event_lead_s,
+        ),
         stop_event=stop_event,
         stop_at_end=args.stop_at_end,
     )

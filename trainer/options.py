@@ -33,6 +33,7 @@ from publisher.write.policies import (
     codec_for_expected_restores,
 )
 from schemas.codec_names import CODECS
+from schemas.events import MAX_EVENT_LEAD_S
 from trainer.sharded import SHARDINGS
 
 #: the built-in streams `--data` names (anything else is a file or a live topic).
@@ -277,6 +278,13 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evict ids unseen for this many seconds of event time (default: only when a "
         "table is full, the least recently seen)",
+    )
+    g.add_argument(
+        "--max-event-lead-s",
+        type=float,
+        default=MAX_EVENT_LEAD_S,
+        help="an event's time is lowered to at most this far ahead of the reader's clock and "
+        "of the stream's (the median of its recent events) (default %(default)s)",
     )
     g.add_argument(
         "--stop-at-end",

@@ -398,3 +398,36 @@ def _is_bad(value: bytes) -> bool:
     except EventError:
         return True
     return False
+
+
+def test_hostile_event_times_neither_evict_the_stream_nor_keep_rows(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    """Events at 1e300 and 3 days ahead (docs/FORMAT.md 8.1) among 2,000 real ones of a day:
+    with a day's eviction span, no real id is evicted and the hostile times are lowered to the
+    reader's clock, counted in the manifest."""
+    rng = random.Random(5)
+    create_topic(services, unique_name, 1)
+    events = [good_event(i, rng) for i in range(2000)]
+    now = time.time()
+    hostile = [
+        (b"h", encode_event(ts=ts, label=1.0, ids={"user": f"h{j}", "item": 1, "genres": []}))
+        for j, ts in enumerate([1e300, now + 3 * 86_400.0] * 10)
+    ]
+    for j, event in enumerate(hostile):
+        events.insert(100 * (j + 1), event)
+    produce(services, unique_name, events)
+    command = train_command(
+        services, unique_name, tmp_path, "--stop-at-end", "--interval-samples", "512"
+    )
+    report = run([*command, "--evict-after-s", "86400"])
+    assert report["stream"]["id_evictions"] == 0  # the real ids span 2,000 s of one day
+    final = versions(tmp_path, "live")[-1].manifest
+    assert final.metrics["event_time_clamped"] == 20
+    users = restored(tmp_path, final.version).id_maps["embeddings.user"]
+    real = {parse_event(value, FIELDS).ids[0] for _, value in events} - {f"h{j}" for j in range(20)}
+    assert len(real) == 150 and all(users.row_of(str(user)) is not None for user in real)
+    # no hostile id's recency runs past the reader's clock by more than the lead
+    late = time.time() + 300.0
+    rows = [users.row_of(f"h{j}") for j in range(20)]
+    assert all(row is not None and users.last_seen[row] <= late for row in rows)

@@ -34,6 +34,7 @@ from publisher.live_features import LiveSpec
 from publisher.state_dicts import OptimizerStateLayout
 from publisher.write.tracker import DirtyRowTracker, EmbeddingModule
 from schemas.events import BadEventCounts, EventFields
+from trainer.event_clock import EventClock
 from trainer.id_space import IdSpace, IdSpacePolicy
 from trainer.row_reset import RowReset
 from trainer.streams.base import Batch, DataError, InteractionStream, fingerprint_of
@@ -75,6 +76,8 @@ class KafkaEventStream(InteractionStream):
             for name, rows in self.table_rows.items()
         }
         policy = policy or IdSpacePolicy()
+        #: each event's time bounded, and the stream clock (docs/FORMAT.md section 8.1).
+        self.clock = EventClock(policy.max_event_lead_s)
         self.id_spaces = {
             f.name: IdSpace(self.id_maps[TABLE_PREFIX + f.name], policy) for f in spec.features
         }
@@ -166,6 +169,7 @@ class KafkaEventStream(InteractionStream):
             "ids_held": float(held),
             "id_admissions": float(self.admissions),
             "id_evictions": float(self.evictions),
+            "event_time_clamped": float(self.clock.clamped),
         }
         if self.spec.id_space == "hash":
             out["hash_collided_rows"] = float(sum(s.collided_rows for s in self.id_spaces.values()))
@@ -180,6 +184,7 @@ class KafkaEventStream(InteractionStream):
         self.bad = BadEventCounts.from_metrics(metrics)
         self._resumed_admissions = int(metrics.get("id_admissions", 0.0))
         self._resumed_evictions = int(metrics.get("id_evictions", 0.0))
+        self.clock.clamped = int(metrics.get("event_time_clamped", 0.0))
         for space in self.id_spaces.values():
             space.sync()
 
@@ -300,7 +305,8 @@ class KafkaEventStream(InteractionStream):
     def _batch(self, raw: RawEvents, offset: int) -> Batch:
         """Map the raw ids (counting them) and compute the dense inputs."""
         n = raw.n
-        ts = raw.ts
+        ts = self.clock.bound(raw.ts)
+        now = self.clock.now
         if raw.epoch != self._epoch:  # the reader's numbering started over
             self._epoch = raw.epoch
             for space in self.id_spaces.values():
@@ -311,13 +317,13 @@ class KafkaEventStream(InteractionStream):
         for name, (keys, numbers) in zip(self.fields.singles, raw.singles, strict=True):
             space = self.id_spaces[name]
             space.learn(keys)
-            mapped = space.map(numbers, ts, prior=name in self._counted)
+            mapped = space.map(numbers, ts, prior=name in self._counted, now=now)
             sparse[name] = SparseBatch(torch.from_numpy(mapped.rows), single_offsets)
             prior[name] = mapped.prior
         for name, (keys, numbers, splits) in zip(self.fields.bags, raw.bags, strict=True):
             space = self.id_spaces[name]
             space.learn(keys)
-            mapped = space.map(numbers, np.repeat(ts, np.diff(splits)), prior=False)
+            mapped = space.map(numbers, np.repeat(ts, np.diff(splits)), prior=False, now=now)
             sparse[name] = SparseBatch(
                 torch.from_numpy(mapped.rows), torch.from_numpy(splits[:-1].copy())
             )
