@@ -520,7 +520,7 @@ class JobPublisher:
             policy=snapshot.policy,
             position=position,
             model_config=snapshot.model_config,
-            metrics=snapshot.metrics,
+            metrics=_version_metrics(snapshot),
             served_loss=served_loss,
         )
         if self.solo:
@@ -576,6 +576,14 @@ class CheckpointPublisher(JobPublisher):
             writer=writer,
             served=served,
         )
+
+
+def _version_metrics(snapshot: Snapshot) -> dict[str, float]:
+    """The manifest's metrics: the snapshot's, with `snapshots` when it folds several (its
+    window metrics are then the newest one's; docs/FORMAT.md section 3)."""
+    if snapshot.merged <= 1:
+        return dict(snapshot.metrics)
+    return {**snapshot.metrics, "snapshots": float(snapshot.merged)}
 
 
 def _int(value: JSONValue) -> int:
