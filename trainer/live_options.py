@@ -77,6 +77,8 @@ def open_live_stream(
     spec = live_spec(args)
     if args.evict_after_s is not None and not args.evict_after_s > 0:
         raise CommandError(f"--evict-after-s must be > 0, got {args.evict_after_s}")
+    if args.from_topic_start and not getattr(args, "resume", False):
+        raise CommandError("--from-topic-start goes with --resume (on a recreated topic)")
     if not args.max_event_lead_s >= 0:
         raise CommandError(f"--max-event-lead-s must be >= 0, got {args.max_event_lead_s}")
     source = EventSource.parse(args.data)
@@ -91,4 +93,5 @@ def open_live_stream(
         ),
         stop_event=stop_event,
         stop_at_end=args.stop_at_end,
+        from_topic_start=args.from_topic_start,
     )

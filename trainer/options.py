@@ -287,6 +287,12 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         "of the stream's (the median of its recent events) (default %(default)s)",
     )
     g.add_argument(
+        "--from-topic-start",
+        action="store_true",
+        help="with --resume on a topic deleted and created again since the checkpoint: train "
+        "the new topic from its start (refused otherwise: it would train records twice)",
+    )
+    g.add_argument(
         "--stop-at-end",
         action="store_true",
         help="stop once every partition is read up to where it ended when training started",

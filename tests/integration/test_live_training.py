@@ -431,3 +431,53 @@ def test_hostile_event_times_neither_evict_the_stream_nor_keep_rows(
     late = time.time() + 300.0
     rows = [users.row_of(f"h{j}") for j in range(20)]
     assert all(row is not None and users.last_seen[row] <= late for row in rows)
+
+
+def _recreate_topic(services: Services, topic: str) -> None:
+    """Delete the topic and create it again under its name (a new topic id)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    for future in admin.delete_topics([topic]).values():
+        future.result(timeout=30)
+    deadline = time.monotonic() + 60
+    while True:  # the broker refuses the name while the old topic is being deleted
+        try:
+            create_topic(services, topic, 1)
+            return
+        except KafkaException:
+            assert time.monotonic() < deadline, "the topic could not be created again"
+            time.sleep(0.5)
+
+
+def test_a_resume_on_a_recreated_topic_is_refused_or_reads_the_new_one_from_its_start(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    rng = random.Random(7)
+    create_topic(services, unique_name, 1)
+    produce(services, unique_name, [good_event(i, rng) for i in range(600)])
+    command = train_command(
+        services, unique_name, tmp_path, "--stop-at-end", "--interval-samples", "256"
+    )
+    run(command)
+    first = versions(tmp_path, "live")[-1].manifest
+    old_id = first.position.reader["topic_id"]
+    assert first.position.reader["offsets"] == {"0": 600}
+    _recreate_topic(services, unique_name)
+    produce(services, unique_name, [good_event(i, rng) for i in range(1000)])
+    # the new topic holds more records than the checkpoint's offset: by offsets alone it
+    # would resume at 600 and skip the new topic's first 600 records
+    refused = subprocess.run(
+        [*command, "--resume"], cwd=REPO, capture_output=True, text=True, timeout=240, env=_env()
+    )
+    assert refused.returncode != 0
+    assert "was deleted and created again" in refused.stderr, refused.stderr[-2000:]
+    assert "--from-topic-start" in refused.stderr
+    assert versions(tmp_path, "live")[-1].manifest.version == first.version  # nothing written
+    report = run([*command, "--resume", "--from-topic-start"])
+    assert report["samples"] == 1000
+    last = versions(tmp_path, "live")[-1].manifest
+    assert last.position.reader["offsets"] == {"0": 1000}
+    assert last.position.reader["topic_id"] not in (None, old_id)
+    assert last.position.samples_seen == 1600  # the old topic's 600, then the new one's 1000

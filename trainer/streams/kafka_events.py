@@ -21,6 +21,7 @@ has no single offset.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,11 +40,18 @@ from trainer.id_space import IdSpace, IdSpacePolicy
 from trainer.row_reset import RowReset
 from trainer.streams.base import Batch, DataError, InteractionStream, fingerprint_of
 from trainer.streams.event_columns import RawEvents
-from trainer.streams.kafka_reader import EventSource, KafkaReader, ReaderConfig
+from trainer.streams.kafka_reader import EventSource, KafkaReader, ReaderConfig, topic_id
+
+log = logging.getLogger(__name__)
 
 Reader = Mapping[str, int | str | dict[str, int]]
 #: how often a stream waiting for records checks whether it should stop.
 POLL_S = 0.2
+
+
+class TopicRecreatedError(DataError):
+    """A resume on a topic deleted and created again since the checkpoint (or
+    `--from-topic-start` on the same one): its offsets name records the topic no longer has."""
 
 
 class KafkaEventStream(InteractionStream):
@@ -60,6 +68,7 @@ class KafkaEventStream(InteractionStream):
         *,
         stop_event: threading.Event | None = None,
         stop_at_end: bool = False,
+        from_topic_start: bool = False,
     ) -> None:
         """`table_rows`: rows of each feature's table; `stop_event` ends the batches while
         they wait for records; `stop_at_end`: end once every partition is read up to where it
@@ -98,6 +107,10 @@ class KafkaEventStream(InteractionStream):
         self._batch_size = 0
         self._epoch = 0
         self._counted = frozenset(spec.count_features)
+        #: `--from-topic-start`: a resume on a recreated topic reads the new one from its start.
+        self.from_topic_start = from_topic_start
+        self._topic_id: str | None = None
+        self._topic_id_read = False
         self._fingerprint = fingerprint_of(
             "kafka", address.topic, spec.to_json(), sorted(self.table_rows.items())
         )
@@ -122,13 +135,23 @@ class KafkaEventStream(InteractionStream):
         return self._fingerprint
 
     def reader_state(self, offset: int) -> dict[str, int | str | dict[str, int]]:
-        """Where the model stops in the topic: the next record not trained, per partition."""
-        return {
+        """Where the model stops in the topic: the next record not trained, per partition (and
+        the topic's id, when the broker gives it: docs/FORMAT.md section 8.3)."""
+        state: dict[str, int | str | dict[str, int]] = {
             "source": self.source,
             "topic": self.address.topic,
             "fingerprint": self.fingerprint,
             "offsets": {str(p): o for p, o in sorted(self._position.items())},
         }
+        if self._topic_id is not None:
+            state["topic_id"] = self._topic_id
+        return state
+
+    def _read_topic_id(self) -> None:
+        """Ask the broker for the topic's id once (before the reader starts, or a resume)."""
+        if not self._topic_id_read:
+            self._topic_id = topic_id(self.address)
+            self._topic_id_read = True
 
     def resume_offset(self, reader: Reader) -> int:
         """Continue at a checkpoint's per-partition offsets; the samples of this run count
@@ -146,6 +169,31 @@ class KafkaEventStream(InteractionStream):
             isinstance(o, int) and o >= 0 and p.isdigit() for p, o in offsets.items()
         ):
             raise DataError(f"checkpoint reader offsets {offsets!r} are not partition -> int >= 0")
+        was = reader.get("topic_id")
+        if was is not None or self.from_topic_start:
+            self._read_topic_id()
+        recreated = was is not None and self._topic_id is not None and was != self._topic_id
+        if recreated and not self.from_topic_start:
+            raise TopicRecreatedError(
+                f"topic {self.address.topic!r} was deleted and created again since the "
+                f"checkpoint (its id was {was}, now {self._topic_id}): the checkpoint's offsets "
+                "name records of the old topic. To go on training from the checkpoint on the "
+                "new topic's records from its start, pass --from-topic-start"
+            )
+        if self.from_topic_start and not recreated:
+            unknown = was is None or self._topic_id is None
+            raise TopicRecreatedError(
+                f"--from-topic-start: topic {self.address.topic!r} is the one the checkpoint "
+                f"read{' (or its id is unknown)' if unknown else ''}: reading it from its start "
+                "would train its records twice"
+            )
+        if recreated:
+            log.warning(
+                "topic %r was recreated since the checkpoint: reading the new one from its start",
+                self.address.topic,
+            )
+            self._position = {}
+            return 0
         self._position = {int(p): int(o) for p, o in offsets.items()}
         return 0
 
@@ -212,6 +260,7 @@ class KafkaEventStream(InteractionStream):
         opens it if this was not called; it closes it when it ends."""
         if self._reader is not None:
             return
+        self._read_topic_id()
         config = ReaderConfig(self.address, self.fields, batch_size, starts=dict(self._position))
         self._reader = KafkaReader(config)
         self._batch_size = batch_size

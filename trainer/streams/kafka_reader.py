@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 #: how long the broker may take to answer a metadata or offsets request.
 METADATA_TIMEOUT_S = 10.0
+#: librdkafka's codes for a topic the broker does not know (KafkaError.UNKNOWN_TOPIC_OR_PART,
+#: KafkaError._UNKNOWN_TOPIC).
+_UNKNOWN_TOPIC = (3, -188)
 
 
 class EventStreamError(BadDataError):
@@ -179,6 +182,39 @@ def topic_partitions(source: EventSource) -> tuple[int, ...]:
         return tuple(_partitions(consumer, source))
     finally:
         consumer.close()
+
+
+def topic_id(source: EventSource) -> str | None:
+    """The topic's id (KIP-516: a topic deleted and created again under its name gets a new
+    one), asked of the broker from this process; None when the broker does not say (then a
+    recreated topic is noticed only by its offsets). EventStreamError for a missing topic."""
+    from confluent_kafka import KafkaException, TopicCollection
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(
+        {
+            "bootstrap.servers": source.servers,
+            "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
+        }
+    )
+    try:
+        futures = admin.describe_topics(
+            TopicCollection([source.topic]), request_timeout=METADATA_TIMEOUT_S
+        )
+        described = futures[source.topic].result(timeout=METADATA_TIMEOUT_S)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else None
+        if getattr(error, "code", lambda: None)() in _UNKNOWN_TOPIC:
+            raise EventStreamError(
+                f"topic {source.topic!r} does not exist on {source.servers}"
+            ) from None
+        log.warning("the id of topic %r is unknown (%s): not checked", source.topic, exc)
+        return None
+    except Exception as exc:  # a broker or client without KIP-516 descriptions
+        log.warning("the id of topic %r is unknown (%s): not checked", source.topic, exc)
+        return None
+    found = getattr(described, "topic_id", None)
+    return None if found is None else str(found)
 
 
 def _partitions(consumer: Any, source: EventSource) -> list[int]:

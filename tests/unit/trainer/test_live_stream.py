@@ -15,7 +15,7 @@ from trainer.live_options import live_spec, table_rows
 from trainer.options import add_live_args
 from trainer.streams.base import DataError
 from trainer.streams.event_columns import RawEventsBuilder
-from trainer.streams.kafka_events import KafkaEventStream
+from trainer.streams.kafka_events import KafkaEventStream, TopicRecreatedError
 from trainer.streams.kafka_reader import EventSource, EventStreamError
 
 SPEC = LiveSpec(
@@ -69,6 +69,33 @@ def test_reader_position_round_trip_and_refusals() -> None:
         EventSource.parse("kafka://h:1/events"), SPEC, {"user": 8, "item": 8, "genres": 5}
     )
     assert other.fingerprint != s.fingerprint
+
+
+def _known_topic(s: KafkaEventStream, topic_id: str) -> KafkaEventStream:
+    s._topic_id, s._topic_id_read = topic_id, True  # what the broker would say
+    return s
+
+
+def test_a_resume_on_a_recreated_topic_is_refused_unless_asked_to_read_it_from_its_start() -> None:
+    s = _known_topic(stream(), "new-id")
+    checkpoint = {**s.reader_state(0), "offsets": {"0": 5}, "topic_id": "old-id"}
+    assert s.reader_state(0)["topic_id"] == "new-id"
+    with pytest.raises(TopicRecreatedError, match="--from-topic-start") as refused:
+        s.resume_offset(checkpoint)
+    assert isinstance(refused.value, DataError) and "old-id" in str(refused.value)
+    fresh = _known_topic(stream(), "new-id")
+    fresh.from_topic_start = True
+    assert fresh.resume_offset(checkpoint) == 0
+    assert fresh.reader_state(0)["offsets"] == {}  # every partition from its start
+    same = _known_topic(stream(), "old-id")
+    same.from_topic_start = True
+    with pytest.raises(TopicRecreatedError, match="twice"):
+        same.resume_offset(checkpoint)
+    # the same topic resumes at its offsets; a checkpoint without an id (older) is not checked
+    assert _known_topic(stream(), "old-id").resume_offset(checkpoint) == 0
+    older = stream()
+    assert older.resume_offset({**older.reader_state(0), "offsets": {"0": 5}}) == 0
+    assert not older._topic_id_read  # no broker asked
 
 
 def test_a_parsed_batch_becomes_rows_and_dense_inputs() -> None:
