@@ -481,3 +481,43 @@ def test_a_resume_on_a_recreated_topic_is_refused_or_reads_the_new_one_from_its_
     assert last.position.reader["offsets"] == {"0": 1000}
     assert last.position.reader["topic_id"] not in (None, old_id)
     assert last.position.samples_seen == 1600  # the old topic's 600, then the new one's 1000
+
+
+def test_a_partition_added_while_training_is_read_from_its_start(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewPartitions
+
+    rng = random.Random(11)
+    create_topic(services, unique_name, 1)
+    produce(services, unique_name, [good_event(i, rng) for i in range(300)])
+    command = train_command(
+        services, unique_name, tmp_path, "--max-samples", "600", "--interval-samples", "128"
+    )
+    process = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not versions(tmp_path, "live"):  # the first partition is being trained
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+        for future in admin.create_partitions([NewPartitions(unique_name, 2)]).values():
+            future.result(timeout=30)
+        producer = Producer({"bootstrap.servers": services.kafka_bootstrap})
+        for i in range(300):
+            key, value = good_event(300 + i, rng)
+            producer.produce(unique_name, value, key, partition=1)
+        assert producer.flush(30) == 0
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    assert "partition 1 was added" in stderr
+    final = versions(tmp_path, "live")[-1].manifest
+    assert final.position.reader["offsets"] == {"0": 300, "1": 300}
+    assert final.position.samples_seen == 600
+    assert final.metrics["consumer_lag"] == 0.0

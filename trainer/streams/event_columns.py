@@ -179,6 +179,11 @@ class RawEventsBuilder:
         """Records added so far, good and bad."""
         return len(self._ts) + len(self._bad)
 
+    def start_partition(self, partition: int, offset: int) -> None:
+        """A partition read from `offset` on (added to the topic while reading): the next batch
+        says where it stands even before a record of it arrives."""
+        self._ends.setdefault(partition, offset)
+
     def add(self, value: bytes | None, partition: int, offset: int) -> None:
         """Parse one record; a bad one is counted by reason (its offset is consumed all the
         same)."""

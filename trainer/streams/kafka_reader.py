@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 #: how long the broker may take to answer a metadata or offsets request.
 METADATA_TIMEOUT_S = 10.0
+#: how often a reader asks the broker whether partitions were added to its topic.
+PARTITION_CHECK_S = 5.0
 #: librdkafka's codes for a topic the broker does not know (KafkaError.UNKNOWN_TOPIC_OR_PART,
 #: KafkaError._UNKNOWN_TOPIC).
 _UNKNOWN_TOPIC = (3, -188)
@@ -332,7 +334,12 @@ def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) ->
                 highwater[p] = high
         conn.send(("batch", builder.take(highwater)))
 
+    unread: set[int] = set()  # partitions added that this reader was not told to read
+    check_at = time.monotonic() + PARTITION_CHECK_S
     while True:
+        if time.monotonic() >= check_at:
+            _watch_partitions(consumer, config, partitions, builder, unread)
+            check_at = time.monotonic() + PARTITION_CHECK_S
         if conn.poll():  # nothing is sent after the config: the parent closed its end
             return
         if os.getppid() != parent:  # the trainer died (SIGKILL): nothing will read this
@@ -363,6 +370,51 @@ def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) ->
             and (len(messages) < want or time.monotonic() - first_at >= config.linger_s)
         ):
             send()
+
+
+def _watch_partitions(
+    consumer: Any,
+    config: ReaderConfig,
+    partitions: list[int],
+    builder: RawEventsBuilder,
+    unread: set[int],
+) -> None:
+    """Pick up partitions added to the topic while reading it (from their start, so each of
+    their records is trained once), when the reader reads every partition; a reader of some
+    (named in the URL, or one rank's share of a job) says loudly which it leaves unread."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    topic = config.source.topic
+    try:
+        metadata = consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
+    except KafkaException:
+        return  # the broker is away: the consume loop says so
+    found = metadata.topics.get(topic)
+    if found is None or found.error is not None:
+        return
+    added = sorted(set(found.partitions) - set(partitions))
+    if config.source.partitions is not None:
+        for p in added:
+            if p not in unread:
+                log.warning(
+                    "partition %d was added to %r while reading; this reader reads partitions "
+                    "%s only, so its events are not trained: restart to read it",
+                    p,
+                    topic,
+                    sorted(partitions),
+                )
+                unread.add(p)
+        return
+    for p in added:
+        low, _ = consumer.get_watermark_offsets(
+            TopicPartition(topic, p), timeout=METADATA_TIMEOUT_S
+        )
+        consumer.incremental_assign([TopicPartition(topic, p, low)])
+        builder.start_partition(p, low)
+        partitions.append(p)
+        log.warning(
+            "partition %d was added to %r while reading: reading it from its start", p, topic
+        )
 
 
 def _picklable(exc: BaseException) -> BaseException:
