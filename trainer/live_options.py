@@ -79,6 +79,8 @@ def open_live_stream(
         raise CommandError(f"--evict-after-s must be > 0, got {args.evict_after_s}")
     if args.from_topic_start and not getattr(args, "resume", False):
         raise CommandError("--from-topic-start goes with --resume (on a recreated topic)")
+    if not args.max_batch_wait_ms >= 0:
+        raise CommandError(f"--max-batch-wait-ms must be >= 0, got {args.max_batch_wait_ms}")
     if not args.max_event_lead_s >= 0:
         raise CommandError(f"--max-event-lead-s must be >= 0, got {args.max_event_lead_s}")
     source = EventSource.parse(args.data)
@@ -94,4 +96,5 @@ def open_live_stream(
         stop_event=stop_event,
         stop_at_end=args.stop_at_end,
         from_topic_start=args.from_topic_start,
+        max_batch_wait_s=args.max_batch_wait_ms / 1000.0,
     )

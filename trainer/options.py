@@ -287,6 +287,14 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         "of the stream's (the median of its recent events) (default %(default)s)",
     )
     g.add_argument(
+        "--max-batch-wait-ms",
+        type=float,
+        default=1000.0,
+        help="train a batch when it holds --batch-size events, or once its first event waited "
+        "this long (default %(default)s): the same events make the same batches at any arrival "
+        "rate above batch-size per wait",
+    )
+    g.add_argument(
         "--from-topic-start",
         action="store_true",
         help="with --resume on a topic deleted and created again since the checkpoint: train "

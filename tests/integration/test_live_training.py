@@ -521,3 +521,50 @@ def test_a_partition_added_while_training_is_read_from_its_start(
     assert final.position.reader["offsets"] == {"0": 300, "1": 300}
     assert final.position.samples_seen == 600
     assert final.metrics["consumer_lag"] == 0.0
+
+
+def test_the_same_events_give_the_same_model_at_two_arrival_rates(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    """Batches are full unless the stream stays quieter than --max-batch-wait-ms: a backlog and
+    a trickle of the same 640 events train the same 10 steps, to the same model."""
+    rng = random.Random(13)
+    events = [good_event(i, rng) for i in range(640)]
+    models = []
+    for arm, rate in (("backlog", None), ("trickle", 400.0)):
+        topic = f"{unique_name}-{arm}"
+        create_topic(services, topic, 1)
+        store = tmp_path / arm
+        command = train_command(
+            services,
+            topic,
+            store,
+            "--max-samples",
+            "640",
+            "--max-batch-wait-ms",
+            "5000",
+            "--codec",
+            "fp32",
+        )
+        if rate is None:
+            produce(services, topic, events)
+            report = run(command)
+        else:
+            process = subprocess.Popen(
+                command,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=_env(),
+            )
+            for start in range(0, len(events), 8):  # 8 events every 20 ms
+                produce(services, topic, events[start : start + 8])
+                time.sleep(8 / rate)
+            stdout, stderr = process.communicate(timeout=120)
+            assert process.returncode == 0, stderr[-3000:]
+            report = json.loads(stdout)
+        assert report["steps"] == 10, (arm, report["steps"])
+        models.append(restored(store, versions(store, "live")[-1].version))
+    for name, table in models[0].tables.items():
+        np.testing.assert_array_equal(models[1].tables[name].weights, table.weights, name)

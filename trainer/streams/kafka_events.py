@@ -40,7 +40,13 @@ from trainer.id_space import IdSpace, IdSpacePolicy
 from trainer.row_reset import RowReset
 from trainer.streams.base import Batch, DataError, InteractionStream, fingerprint_of
 from trainer.streams.event_columns import RawEvents
-from trainer.streams.kafka_reader import EventSource, KafkaReader, ReaderConfig, topic_id
+from trainer.streams.kafka_reader import (
+    MAX_BATCH_WAIT_S,
+    EventSource,
+    KafkaReader,
+    ReaderConfig,
+    topic_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,7 @@ class KafkaEventStream(InteractionStream):
         stop_event: threading.Event | None = None,
         stop_at_end: bool = False,
         from_topic_start: bool = False,
+        max_batch_wait_s: float = MAX_BATCH_WAIT_S,
     ) -> None:
         """`table_rows`: rows of each feature's table; `stop_event` ends the batches while
         they wait for records; `stop_at_end`: end once every partition is read up to where it
@@ -109,6 +116,8 @@ class KafkaEventStream(InteractionStream):
         self._counted = frozenset(spec.count_features)
         #: `--from-topic-start`: a resume on a recreated topic reads the new one from its start.
         self.from_topic_start = from_topic_start
+        #: a partial batch is trained only once its first event waited this long.
+        self.max_batch_wait_s = max_batch_wait_s
         self._topic_id: str | None = None
         self._topic_id_read = False
         self._fingerprint = fingerprint_of(
@@ -261,7 +270,13 @@ class KafkaEventStream(InteractionStream):
         if self._reader is not None:
             return
         self._read_topic_id()
-        config = ReaderConfig(self.address, self.fields, batch_size, starts=dict(self._position))
+        config = ReaderConfig(
+            self.address,
+            self.fields,
+            batch_size,
+            starts=dict(self._position),
+            max_batch_wait_s=self.max_batch_wait_s,
+        )
         self._reader = KafkaReader(config)
         self._batch_size = batch_size
         self._epoch = 0

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 #: how long the broker may take to answer a metadata or offsets request.
 METADATA_TIMEOUT_S = 10.0
+#: the default `--max-batch-wait-ms`, in seconds.
+MAX_BATCH_WAIT_S = 1.0
 #: how often a reader asks the broker whether partitions were added to its topic.
 PARTITION_CHECK_S = 5.0
 #: librdkafka's codes for a topic the broker does not know (KafkaError.UNKNOWN_TOPIC_OR_PART,
@@ -114,8 +116,10 @@ class ReaderConfig:
     batch_size: int
     #: partition -> offset of the next record to read (a resume); others start at the beginning.
     starts: dict[int, int] = field(default_factory=dict)
-    #: a batch with fewer events is handed over once its first record is this old.
-    linger_s: float = 0.05
+    #: a batch is handed over full, or once its first record waited this long (a quiet
+    #: stream), so the same events make the same batches at any arrival rate faster than
+    #: `batch_size` per wait (`--max-batch-wait-ms`).
+    max_batch_wait_s: float = MAX_BATCH_WAIT_S
     client_id: str = "checknrun-trainer"
 
 
@@ -344,7 +348,9 @@ def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) ->
             return
         if os.getppid() != parent:  # the trainer died (SIGKILL): nothing will read this
             return
-        wait = config.linger_s if builder.records else 0.2
+        wait = 0.2
+        if builder.records:
+            wait = max(0.0, min(wait, first_at + config.max_batch_wait_s - time.monotonic()))
         want = size - builder.n
         messages = consumer.consume(num_messages=want, timeout=wait)
         if messages and not builder.records:
@@ -362,12 +368,11 @@ def _pump(conn: Connection, consumer: Any, config: ReaderConfig, parent: int) ->
                 raise EventStreamError(f"reading {topic!r}: {error}")
             log.log(logging.DEBUG if failing else logging.WARNING, "Kafka: %s", error)
             failing = True
-        # At most `want` records came, so the batch is full only now. Fewer than asked for:
-        # the topic is drained for now, so a live stream trains what it has rather than
-        # waiting for a full batch.
+        # At most `want` records came, so the batch is full only now; a partial one goes once
+        # its first record waited `max_batch_wait_s` (not when the topic is drained for now,
+        # which would make the batches follow the arrival rate).
         if builder.n >= size or (
-            builder.records
-            and (len(messages) < want or time.monotonic() - first_at >= config.linger_s)
+            builder.records and time.monotonic() - first_at >= config.max_batch_wait_s
         ):
             send()
 
