@@ -135,7 +135,9 @@ engine_pid() {
   [[ -f $ENGINE_PIDFILE ]] || return 1
   pid=$(<"$ENGINE_PIDFILE")
   [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/cmdline ]] || return 1
-  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "--data-root $ENGINE_DIR/data" || return 1
+  local cmdline  # read whole: `tr | grep -q` under pipefail can fail on SIGPIPE
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  [[ $cmdline == *"--data-root $ENGINE_DIR/data"* ]] || return 1
   echo "$pid"
 }
 

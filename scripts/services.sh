@@ -141,7 +141,11 @@ running_pid() {
   stat=${stat##*) }
   [[ ${stat%% *} != Z ]] || return 1
   # After a reboot the pid may belong to some other program; ours name the run dir.
-  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$DIR" || return 1
+  # Read whole, then matched: `tr | grep -q` under pipefail fails when grep exits before tr
+  # has written (SIGPIPE), and a live service was once reported dead that way.
+  local cmdline
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+  [[ $cmdline == *"$DIR"* ]] || return 1
   echo "$pid"
 }
 
