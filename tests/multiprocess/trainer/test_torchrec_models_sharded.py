@@ -5,6 +5,7 @@ one unsharded process, bit for bit."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -29,6 +30,9 @@ from tests.unit.trainer.test_torchrec_models import (
 )
 
 pytest.importorskip("torchrec")
+
+if TYPE_CHECKING:
+    from trainer.sharded.checkpointing import ShardedCheckpointer as ShardedCheckpointerType
 
 SPARSE_LR, EPS = 0.05, 1e-8
 #: the user table split by rows over the ranks, the others held whole by one rank each.
@@ -82,31 +86,44 @@ def sharded_ranker(world: int) -> Job:
     return Job(model, torch.optim.Adam(dense_parameters(model), lr=0.01))
 
 
-def _sharded_train_and_publish(rank: int, world: int, root: str) -> None:
+def _checkpointer(job: Job, root: str, **options: object) -> ShardedCheckpointerType:
+    """The tests' ShardedCheckpointer of `job` (the ranks' collective, the fused optimizer's
+    hyper-parameters) with `options`."""
     from trainer.sharded.checkpointing import ShardedCheckpointer
     from trainer.sharded.collective import TorchCollective
 
-    job = sharded_ranker(world)
-    with ShardedCheckpointer(
+    return ShardedCheckpointer(
         job.model,
         job.dense_optimizer,
         store=FileStore(Path(root)),
         model_name=MODEL,
         collective=TorchCollective.new(timeout_s=60.0),
         sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
-        policy="consecutive",
-        codec="fp32",
-        interval_samples=2 * world * BATCH,
-    ) as ckpt:
-        for step in range(SHARDED_STEPS):
-            bags, sequence, labels, _ = batch(10 * step + rank)
-            loss = nn.functional.binary_cross_entropy_with_logits(job.model(bags, sequence), labels)
-            job.dense_optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # the fused optimizer steps the tables here
-            job.dense_optimizer.step()
-            ckpt.step(world * BATCH, BATCH)
-            if ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is not None:
-                ckpt.flush()  # one version per checkpoint
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def _train(job: Job, ckpt: ShardedCheckpointerType, rank: int, world: int) -> None:
+    """SHARDED_STEPS steps of this rank's batches, each scored, kept (for a served loss) and
+    trained on; one version per checkpoint."""
+    for step in range(SHARDED_STEPS):
+        bags, sequence, labels, _ = batch(10 * step + rank)
+        logits = job.model(bags, sequence)
+        ckpt.keep_scored((bags, sequence), labels)  # scored before it trains the model
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        job.dense_optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the fused optimizer steps the tables here
+        job.dense_optimizer.step()
+        ckpt.step(world * BATCH, BATCH)
+        if ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is not None:
+            ckpt.flush()  # one version per checkpoint
+
+
+def _sharded_train_and_publish(rank: int, world: int, root: str) -> None:
+    job = sharded_ranker(world)
+    options = {"policy": "consecutive", "codec": "fp32", "interval_samples": 2 * world * BATCH}
+    with _checkpointer(job, root, **options) as ckpt:
+        _train(job, ckpt, rank, world)
     assert [r.kind for r in ckpt.records] == ["full", "delta", "delta"]
     np.savez(Path(root) / f"rank{rank}.npz", **sharded_state(job))
 
@@ -222,17 +239,10 @@ def _head_only(config: object) -> nn.Module:
 
 
 def _sharded_auto(rank: int, world: int, root: str) -> None:
-    from trainer.sharded.checkpointing import ShardedCheckpointer
-    from trainer.sharded.collective import TorchCollective
-
     job = sharded_ranker(world)
-    with ShardedCheckpointer(
-        job.model,
-        job.dense_optimizer,
-        store=FileStore(Path(root)),
-        model_name=MODEL,
-        collective=TorchCollective.new(timeout_s=60.0),
-        sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
+    with _checkpointer(
+        job,
+        root,
         policy="consecutive",
         codec="auto",
         served_loss_samples=4 * BATCH,
@@ -240,17 +250,7 @@ def _sharded_auto(rank: int, world: int, root: str) -> None:
         score=_score,
         model_factory=_unsharded,
     ) as ckpt:
-        for step in range(SHARDED_STEPS):
-            bags, sequence, labels, _ = batch(10 * step + rank)
-            logits = job.model(bags, sequence)
-            ckpt.keep_scored((bags, sequence), labels)  # scored before it trains the model
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
-            job.dense_optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            job.dense_optimizer.step()
-            ckpt.step(world * BATCH, BATCH)
-            if ckpt.maybe_checkpoint(reader={"offset": (step + 1) * BATCH}) is not None:
-                ckpt.flush()
+        _train(job, ckpt, rank, world)
 
 
 def test_a_sharded_user_models_served_loss_is_measured_by_rank_0_and_picks_the_codec(
@@ -268,20 +268,10 @@ def test_a_sharded_user_models_served_loss_is_measured_by_rank_0_and_picks_the_c
 
 def _refused(rank: int, world: int, root: str, kwargs: dict[str, object]) -> None:
     from trainer.errors import CheckpointError
-    from trainer.sharded.checkpointing import ShardedCheckpointer
-    from trainer.sharded.collective import TorchCollective
 
     job = sharded_ranker(world)
     with pytest.raises(CheckpointError, match=str(kwargs.pop("match"))):
-        ShardedCheckpointer(
-            job.model,
-            job.dense_optimizer,
-            store=FileStore(Path(root)),
-            model_name=MODEL,
-            collective=TorchCollective.new(timeout_s=60.0),
-            sparse_hyper={"lr": SPARSE_LR, "eps": EPS},
-            **kwargs,  # type: ignore[arg-type]
-        )
+        _checkpointer(job, root, **kwargs)
 
 
 @pytest.mark.parametrize(
