@@ -699,19 +699,30 @@ def _check_by_reference(fn: Callable[..., Any], what: str) -> None:
         )
 
 
+def served_copy_mismatch(served: object, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why the module `model_factory` built is not of the trained architecture, whose tables
+    have `shapes` (None: it is); one process's check and a sharded job's rank 0's."""
+    if not isinstance(served, nn.Module):
+        return f"model_factory returned a {type(served).__name__}, not a module"
+    theirs = {name: tuple(t.weight.shape) for name, t in find_embedding_tables(served).items()}
+    if theirs != dict(shapes):
+        return (
+            f"model_factory built tables {theirs}, the trained model has {dict(shapes)}: it "
+            "must build the trained architecture"
+        )
+    return None
+
+
 def _check_served_copy(
     served: object, model: nn.Module, tables: Mapping[str, EmbeddingModule]
 ) -> None:
     """The module `model_factory` built must be a new module of the trained architecture."""
-    if not isinstance(served, nn.Module):
-        raise CheckpointError(f"model_factory returned a {type(served).__name__}, not a module")
-    theirs = {name: tuple(t.weight.shape) for name, t in find_embedding_tables(served).items()}
-    ours = {name: tuple(t.weight.shape) for name, t in tables.items()}
-    if theirs != ours:
-        raise CheckpointError(
-            f"model_factory built tables {theirs}, the trained model has {ours}: it must "
-            "build the trained architecture"
-        )
+    wrong = served_copy_mismatch(
+        served, {name: tuple(t.weight.shape) for name, t in tables.items()}
+    )
+    if wrong is not None:
+        raise CheckpointError(wrong)
+    assert isinstance(served, nn.Module)
     trained = {id(p) for p in model.parameters()}
     if any(id(p) in trained for p in served.parameters()):
         raise CheckpointError(

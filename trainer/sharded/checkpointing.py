@@ -75,13 +75,14 @@ from publisher.write.policies import Plan, Policy, make_policy
 from publisher.write.publishing import NonFinitePolicy, PublishResult, encode_table
 from publisher.write.served_codec import ServedCodec
 from publisher.write.snapshot import Snapshot, TableRows
-from publisher.write.tracker import RowIds, find_embedding_tables
+from publisher.write.tracker import RowIds
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
 from schemas.manifest import Position
 from trainer.auto_codec import resolve_auto_codec
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
+from trainer.checkpointer import served_copy_mismatch
 from trainer.errors import CheckpointError
 from trainer.recent_samples import RecentSamples
 from trainer.sharded.data import RankBatch, scored_batch
@@ -347,17 +348,12 @@ class ShardedCheckpointer:
                 built = exc
             if isinstance(built, Exception):
                 wrong = f"model_factory failed: {type(built).__name__}: {built}"
-            elif not isinstance(built, nn.Module):
-                wrong = f"model_factory returned a {type(built).__name__}, not a module"
             else:
-                theirs = {n: tuple(t.weight.shape) for n, t in find_embedding_tables(built).items()}
-                ours = {n: (t.rows, t.dim) for n, t in self.tables.items()}
-                if theirs != ours:
-                    wrong = (
-                        f"model_factory built tables {theirs}, the trained model has {ours}: it "
-                        "must build the trained architecture, unsharded"
-                    )
-                served = built
+                shapes = {n: (t.rows, t.dim) for n, t in self.tables.items()}
+                wrong = served_copy_mismatch(built, shapes)
+                if wrong is None:
+                    assert isinstance(built, nn.Module)
+                    served = built
         told = collective.broadcast(wrong)
         if told is not None:
             raise CheckpointError(str(told))
