@@ -53,16 +53,20 @@ def canonical_key(value: object) -> str:
         raise IdMapError(str(exc)) from exc
 
 
-def hashed_rows(keys: Iterable[str], rows: int) -> npt.NDArray[np.int64]:
-    """Rows of `keys` in a hashed table of `rows` rows: blake2b-64 of the UTF-8 key, mod rows.
+def key_hashes(keys: Iterable[str]) -> npt.NDArray[np.uint64]:
+    """blake2b-64 of each UTF-8 key (the digest read as a little-endian u64).
 
     Stable across processes and Python versions (unlike `hash()`), so trainer and servers agree.
     """
     out = [
-        int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little") % rows
-        for k in keys
+        int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little") for k in keys
     ]
-    return np.asarray(out, dtype=np.int64)
+    return np.asarray(out, dtype=np.uint64)
+
+
+def hashed_rows(keys: Iterable[str], rows: int) -> npt.NDArray[np.int64]:
+    """Rows of `keys` in a hashed table of `rows` rows: `key_hashes` mod rows."""
+    return (key_hashes(keys) % np.uint64(rows)).astype(np.int64)
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,9 @@ class PredictResponse(BaseModel):
     unknown_ids: dict[str, int] | None = Field(
         default=None,
         description="a model trained from raw events: per feature, the ids of this request "
-        "the served version does not know, each served by row 0 (the unknown row of a dynamic "
-        "id space; always 0 in a hashed one). Absent for a model of encoded ids.",
+        "the served version does not know and the examples that sent no id of a single-valued "
+        "feature, each served by row 0 (the unknown row of a dynamic id space; in a hashed one "
+        "only the missing ones count). Absent for a model of encoded ids.",
     )
 
 

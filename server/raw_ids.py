@@ -8,7 +8,8 @@ knows, never an encoded index or a derived feature:
 
 - a single-valued feature: one raw id, a JSON string or integer as in the events (`42` and
   `"42"` are one id, docs/FORMAT.md section 7); null or absent: no id, which the model reads as
-  row 0 (in a dynamic id space, the unknown row), as the trainer does for an event without it;
+  row 0 (in a dynamic id space, the unknown row), as the trainer does for an event without it,
+  and which is counted in `unknown_ids` like an id the served version does not know;
 - a bag feature: a list of raw ids (null or absent: an empty bag, which embeds to zeros);
 - `ts`: optional unix seconds (UTC), finite and >= 0; null or absent: the request time.
 
@@ -59,7 +60,8 @@ class MappedExamples:
     """Model input for a batch of raw examples, and what mapping their ids found."""
 
     batch: FeatureBatch
-    #: ids sent per feature, and of them those the served version does not know (row 0).
+    #: ids sent per feature; those the served version does not know (row 0), with the
+    #: examples that sent none of a single-valued feature (row 0 too).
     ids: dict[str, int]
     unknown_ids: dict[str, int]
 
@@ -93,8 +95,10 @@ class RawExamples:
                     torch.from_numpy(rows), torch.from_numpy(offsets)
                 )
                 continue
-            # One row per example: no id (absent or null) reads row 0, as in training.
+            # One row per example: no id (absent or null) reads row 0, as in training, and is
+            # counted with the unknown ids.
             present = feature.lengths == 1
+            unknown[feature.name] += n - len(rows)
             values = np.full(n, UNKNOWN_ROW, dtype=np.int64)
             values[present] = rows
             sparse[feature.name] = SparseBatch(

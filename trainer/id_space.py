@@ -12,14 +12,25 @@ occurrence: the `*_prior_log` input, publisher/live_features.py), and counts the
 
 Dynamic map (the default), docs/FORMAT.md section 7:
 - an id gets a row at its `admit_after`-th occurrence (1: the first); until then, and for a
-  missing id, the occurrence trains UNKNOWN_ROW with prior count 0. The occurrences counted
-  towards admission are kept for at most `max_pending` ids (the oldest are forgotten) and are
-  not part of a checkpoint: after a resume an id not yet admitted starts counting again.
+  missing id, the occurrence trains UNKNOWN_ROW with prior count 0. The occurrences of ids
+  without a row are counted in a `FrequencySketch` (trainer/admission.py: a count-min sketch of
+  fixed memory, `sketch_bytes`, however many ids a stream invents), not part of a checkpoint:
+  after a resume an id not yet admitted starts counting again.
+- cold start (`cold_start`, the default): the occurrence at which an id is admitted still
+  trains UNKNOWN_ROW (and counts on the id's new row, so the next one has prior count 1), so
+  the unknown row is trained by exactly the events a server scores with it: those of an id
+  seen for the first time. The id's own row trains from its next occurrence.
 - ids whose newest event is older than `evict_after_s` of EVENT time (the stream clock, never
-  moved by one event: trainer/event_clock.py) are evicted, checked every eighth of that span;
-  when an id needs a row and none is free, the least recently seen ids (by `last_seen`) that
-  this batch does not use are evicted, 1/64 of the table at a time so that a full table does
-  not scan its rows on every batch.
+  moved by one event: trainer/event_clock.py) are evicted, checked every eighth of that span.
+- a full table admits an id only if it is seen more often than the row it would take (TinyLFU
+  admission): the victim is, of the 1/64 of the table least recently seen (by `last_seen`) and
+  not used by this batch, the id with the fewest recent occurrences (counted per row, halved
+  with the sketch); the new id is admitted if its sketch estimate beats that count and 1 (an
+  id seen once lately never takes a held row), else its occurrences train UNKNOWN_ROW and
+  count as `refused`. So a flood of one-off ids cannot take
+  the rows of ids seen again and again, and a new id seen repeatedly still gets in. The recent
+  counts are not checkpointed either: a resume starts them at the rows' counts (capped at 255),
+  so a resumed run may admit differently from an uninterrupted one once its table is full.
 - an evicted row is freed in the map and handed to `reset_rows` (trainer/row_reset.py: the
   row's weights and optimizer state are re-initialised and the row is marked dirty), so its
   old values never leak into the id that gets it next and the next version carries it.
@@ -37,7 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from publisher.id_map import UNKNOWN_ROW, IdMap, hashed_rows
+from publisher.id_map import UNKNOWN_ROW, IdMap, hashed_rows, key_hashes
+from trainer.admission import FrequencySketch
 from trainer.event_clock import DEFAULT_MAX_LEAD_S
 
 log = logging.getLogger(__name__)
@@ -47,6 +59,7 @@ Rows = npt.NDArray[np.int64]
 EVICT_SHARE = 64
 #: time-based eviction runs each time the stream clock moves by this share of the span.
 SWEEP_SHARE = 8
+ADMISSIONS = ("frequency", "recency")
 
 
 @dataclass(frozen=True)
@@ -55,7 +68,11 @@ class IdSpacePolicy:
 
     admit_after: int = 1
     evict_after_s: float | None = None
-    max_pending: int = 1_000_000
+    #: the admitting occurrence trains the unknown row (the module docstring).
+    cold_start: bool = True
+    #: who gets a full table's row: "frequency" (an id seen more often than the victim, the
+    #: module docstring) or "recency" (any new id: the least recently seen id makes way).
+    admission: str = "frequency"
     #: how far an event's time may run ahead of the reader's and the stream's clocks
     #: (docs/FORMAT.md section 8.1).
     max_event_lead_s: float = DEFAULT_MAX_LEAD_S
@@ -65,8 +82,8 @@ class IdSpacePolicy:
             raise ValueError(f"admit_after must be >= 1, got {self.admit_after}")
         if self.evict_after_s is not None and not self.evict_after_s > 0:
             raise ValueError(f"evict_after_s must be > 0, got {self.evict_after_s}")
-        if self.max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if not self.max_event_lead_s >= 0:
             raise ValueError(f"max_event_lead_s must be >= 0, got {self.max_event_lead_s}")
 
@@ -94,15 +111,27 @@ class IdSpace:
         policy: IdSpacePolicy = IdSpacePolicy(),
         *,
         reset_rows: Callable[[Rows], None] | None = None,
+        mark_rows: Callable[[Rows], None] | None = None,
     ) -> None:
         self.id_map = id_map
         self.policy = policy
         self.reset_rows = reset_rows
+        #: marks rows dirty: those given to an id (its map entry changed; with cold start the
+        #: batch may not look the row up).
+        self.mark_rows = mark_rows
         self.admitted = 0
         self.evicted = 0
         self.collided_rows = 0
         self.collision_events = 0
-        self._pending: dict[str, int] = {}
+        #: occurrences that found the table full and lost to its victim (trained UNKNOWN_ROW).
+        self.refused = 0
+        #: occurrences of ids without a row; None in hash mode.
+        self.sketch = None if id_map.hashed else FrequencySketch.for_capacity(id_map.capacity)
+        #: per row: occurrences of its id lately (halved with the sketch).
+        self._recent = np.zeros(0 if id_map.hashed else id_map.rows, dtype=np.int64)
+        #: the next victims of a full table (lowest recent count last) and their last_seen then.
+        self._victims: list[int] = []
+        self._victim_seen: dict[int, float] = {}
         self._watermark = 0.0
         self._next_sweep = 0.0
         hashed = id_map.hashed
@@ -115,6 +144,7 @@ class IdSpace:
         self._keys: list[str] = []
         self._number_rows = np.zeros(0, dtype=np.int64)
         self._foreign = np.zeros(0, dtype=np.bool_)
+        self._hashes = np.zeros(0, dtype=np.uint64)
         self._row_numbers = np.full(id_map.rows, -1, dtype=np.int64)
         self.sync()
 
@@ -127,7 +157,8 @@ class IdSpace:
             self._held[UNKNOWN_ROW] = False
             self._held[free] = False
             self._free = free[::-1].tolist()  # a stack: the lowest row is handed out first
-            self._pending.clear()
+            self._recent[:] = np.where(self._held, np.minimum(self.id_map.counts, 255), 0)
+            self._victims, self._victim_seen = [], {}
         keys = self._keys
         self.renumber()
         self.learn(keys)
@@ -142,6 +173,7 @@ class IdSpace:
         self._keys = []
         self._number_rows = np.zeros(0, dtype=np.int64)
         self._foreign = np.zeros(0, dtype=np.bool_)
+        self._hashes = np.zeros(0, dtype=np.uint64)
         self._row_numbers[:] = -1
 
     def learn(self, keys: Sequence[str]) -> None:
@@ -162,6 +194,7 @@ class IdSpace:
             rows = self.id_map.lookup(keys)
             known = np.flatnonzero(rows != UNKNOWN_ROW)
             self._row_numbers[rows[known]] = first + known
+            self._hashes = np.concatenate([self._hashes, key_hashes(keys)])
         self._number_rows = np.concatenate([self._number_rows, rows])
 
     def map(
@@ -198,62 +231,111 @@ class IdSpace:
             if unknown.any():
                 new = np.flatnonzero(unknown & present)
                 if len(new):
-                    self._admit(numbers, new, rows)
-        return MappedIds(rows, self._count(rows, present, ts, prior))
+                    self._admit(numbers, new, rows, ts)
+        mapped = MappedIds(rows, self._count(rows, present, ts, prior))
+        if self.sketch is not None and self.sketch.tick(int(np.count_nonzero(present))):
+            self._recent >>= 1
+        return mapped
 
     # --- dynamic map ------------------------------------------------------------------------
 
-    def _admit(self, numbers: npt.NDArray[np.int32], new: Rows, rows: Rows) -> None:
-        """Give rows to the ids of the occurrences `new` that reach admission in this batch,
-        and point their occurrences from that one on at their row."""
+    def _admit(
+        self, numbers: npt.NDArray[np.int32], new: Rows, rows: Rows, ts: npt.NDArray[np.float64]
+    ) -> None:
+        """Give rows to the ids of the occurrences `new` that reach admission in this batch
+        (and win their row, if the table is full), and point their occurrences at their row:
+        from the admitting one on, or with `cold_start` from the one after it."""
+        assert self.sketch is not None
         need = self.policy.admit_after
+        cold = self.policy.cold_start
         occ = new[np.argsort(numbers[new], kind="stable")]  # grouped by id, in batch order
         owners = numbers[occ]
+        estimates = self.sketch.add(self._hashes[owners])  # per occurrence, after this batch
         starts = np.flatnonzero(_group_starts(owners))
         ends = np.append(starts[1:], len(occ))
         in_use = np.zeros(self.id_map.rows, dtype=np.bool_)
         in_use[rows] = True
+        reset: list[int] = []
+        given: list[int] = []
+        counts, last_seen = self.id_map.counts, self.id_map.last_seen
         for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
-            number = int(owners[lo])
-            key = self._keys[number]
-            seen_before = self._pending.get(key, 0)
+            estimate = int(estimates[lo])
+            seen_before = max(0, estimate - (hi - lo))
             first = max(0, need - 1 - seen_before)  # the occurrence that is admitted
             if first >= hi - lo:
-                self._remember(key, seen_before + hi - lo)
                 continue
-            row = self._take_row(in_use)
-            if row is None:  # every row is used by this batch: stay pending
-                self._remember(key, seen_before + hi - lo)
+            row = self._take_row(in_use, estimate, reset)
+            if row is None:  # every row is used by this batch, or the victim won
+                self.refused += hi - lo - first
                 continue
-            self._pending.pop(key, None)
-            self.id_map.assign(key, row)
+            number = int(owners[lo])
+            self.id_map.assign(self._keys[number], row)
             self._held[row] = True
             self._number_rows[number] = row
             self._row_numbers[row] = number
             in_use[row] = True
             self.admitted += 1
+            given.append(row)
+            self._recent[row] = seen_before + first + 1
+            if cold:  # the admitting occurrence trains the unknown row, but counts here
+                admitting = int(occ[lo + first])
+                counts[row], last_seen[row] = 1, ts[admitting]
+                first += 1
+            else:
+                self._recent[row] -= 1  # `_count` counts the admitting occurrence
             rows[occ[lo + first : hi]] = row
+        if reset and self.reset_rows is not None:
+            self.reset_rows(np.sort(np.asarray(reset, dtype=np.int64)))
+        if given and self.mark_rows is not None:
+            self.mark_rows(np.sort(np.asarray(given, dtype=np.int64)))
 
-    def _remember(self, key: str, seen: int) -> None:
-        pending = self._pending
-        pending.pop(key, None)
-        pending[key] = seen  # newest last: the oldest is forgotten first
-        while len(pending) > self.policy.max_pending:
-            del pending[next(iter(pending))]
+    def _take_row(
+        self, in_use: npt.NDArray[np.bool_], estimate: int, reset: list[int]
+    ) -> int | None:
+        """A row for an id seen `estimate` times lately: a free one, or the victim's if the id
+        beats it (the victim is released, its row appended to `reset`); None if none."""
+        if self._free:
+            return self._free.pop()
+        victim = self._victim(in_use)
+        if victim is None:
+            return None
+        if self.policy.admission == "frequency" and estimate <= max(1, self._recent[victim]):
+            return None
+        self._victims.pop()
+        self._release(np.asarray([victim], dtype=np.int64))
+        self._free.pop()
+        reset.append(victim)
+        return victim
 
-    def _take_row(self, in_use: npt.NDArray[np.bool_]) -> int | None:
-        if not self._free:
-            self._evict_least_recent(in_use)
-        return self._free.pop() if self._free else None
-
-    def _evict_least_recent(self, in_use: npt.NDArray[np.bool_]) -> None:
-        candidates = np.flatnonzero(self._held & ~in_use)
-        if not len(candidates):
-            return
-        n = min(len(candidates), max(1, self.id_map.capacity // EVICT_SHARE))
-        if n < len(candidates):
-            candidates = candidates[np.argpartition(self.id_map.last_seen[candidates], n - 1)[:n]]
-        self._evict(candidates)
+    def _victim(self, in_use: npt.NDArray[np.bool_]) -> int | None:
+        """The row a full table gives up next (the module docstring), not used by this batch
+        and not seen since it was chosen; None if every held row is in use."""
+        held, last_seen = self._held, self.id_map.last_seen
+        for attempt in range(2):
+            victims, seen = self._victims, self._victim_seen
+            while victims:
+                row = victims[-1]
+                if held[row] and not in_use[row] and last_seen[row] == seen[row]:
+                    return row
+                victims.pop()
+            if attempt:
+                return None
+            candidates = np.flatnonzero(held & ~in_use)
+            if not len(candidates):
+                return None
+            n = min(len(candidates), max(1, self.id_map.capacity // EVICT_SHARE))
+            if n < len(candidates):
+                candidates = candidates[np.argpartition(last_seen[candidates], n - 1)[:n]]
+            # Popped from the end: the fewest recent occurrences, then the least recently seen
+            # (by recency alone under "recency" admission).
+            if self.policy.admission == "frequency":
+                order = np.lexsort((last_seen[candidates], self._recent[candidates]))[::-1]
+            else:
+                order = np.argsort(last_seen[candidates], kind="stable")[::-1]
+            chosen = candidates[order]
+            self._victims = chosen.tolist()
+            self._victim_seen = dict(zip(self._victims, last_seen[chosen].tolist(), strict=True))
+        return None
 
     def _sweep(self) -> None:
         """Evict the ids unseen for `evict_after_s` of event time (every eighth of it)."""
@@ -267,16 +349,21 @@ class IdSpace:
 
     def _evict(self, rows: Rows) -> None:
         rows = np.sort(rows)
+        self._release(rows)
+        if self.reset_rows is not None:
+            self.reset_rows(rows)
+
+    def _release(self, rows: Rows) -> None:
+        """Free `rows` in the map and the numbering (sorted rows; their reset is the caller's)."""
         for row in rows.tolist():
             self.id_map.release(row)
         self._held[rows] = False
+        self._recent[rows] = 0
         numbered = self._row_numbers[rows]
         self._number_rows[numbered[numbered >= 0]] = UNKNOWN_ROW
         self._row_numbers[rows] = -1
         self._free.extend(rows[::-1].tolist())
         self.evicted += len(rows)
-        if self.reset_rows is not None:
-            self.reset_rows(rows)
 
     # --- hash mode --------------------------------------------------------------------------
 
@@ -325,6 +412,8 @@ class IdSpace:
             else:
                 prior[counted] = counts[r] + rank
         np.add.at(counts, r, 1)  # numpy >= 2: as fast as a bincount for a batch
+        if not self.id_map.hashed:
+            np.add.at(self._recent, r, 1)
         np.maximum.at(self.id_map.last_seen, r, t)
         return prior
 

@@ -92,6 +92,7 @@ def open_live_stream(
             admit_after=args.admit_after,
             evict_after_s=args.evict_after_s,
             max_event_lead_s=args.max_event_lead_s,
+            cold_start=args.cold_start == "unknown-row",
         ),
         stop_event=stop_event,
         stop_at_end=args.stop_at_end,

@@ -277,7 +277,14 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="evict ids unseen for this many seconds of event time (default: only when a "
-        "table is full, the least recently seen)",
+        "table is full: a rarely seen one, for a new id seen more often)",
+    )
+    g.add_argument(
+        "--cold-start",
+        choices=("unknown-row", "off"),
+        default="unknown-row",
+        help="unknown-row (default): an id's admitting event trains the unknown row, which "
+        "servers score never-seen ids with; off: it trains the id's new row",
     )
     g.add_argument(
         "--max-event-lead-s",

@@ -33,6 +33,11 @@ class RowReset:
         self.layout = layout
         self.tracker = tracker
 
+    def mark(self, rows: npt.NDArray[np.int64]) -> None:
+        """Mark `rows` dirty only (rows given to new ids: their map entries changed)."""
+        if self.tracker is not None:
+            self.tracker.mark(self.table, torch.from_numpy(np.ascontiguousarray(rows, np.int64)))
+
     def __call__(self, rows: npt.NDArray[np.int64]) -> None:
         index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         init_embedding_rows(self.weight.data, index)

@@ -8,8 +8,11 @@ once, in the batch where it first appears; afterwards only its number travels. T
 thread keeps number -> row in an array, so a batch of known ids maps with numpy alone: no string
 crosses the pipe or is looked up in a dict (measured on MovieLens events: sending each batch's
 distinct keys as text cost the training thread ~2.7 us an event to unpickle and look up,
-numbers ~1.8 us all told). When a feature has numbered MAX_KEYS keys the numbering starts over
-(`epoch` + 1), which bounds the memory of both sides.
+numbers ~1.8 us all told). When a feature has numbered MAX_KEYS keys, or keys of MAX_KEY_CHARS
+characters in all, the numbering starts over (`epoch` + 1), which bounds the memory both sides
+spend on ids, however many never-seen ids a stream sends (`checknrun bench admission`: about
+1.1 KiB per 250-byte id on both sides together, so at most ~140 MiB a feature); the ids that
+hold rows are sent again as they next appear.
 
     RawEvents (one batch)
     +-----------------+--------------------------------------------------------------+
@@ -39,7 +42,8 @@ from schemas.events import MAX_BAG_IDS, EventError, EventFields, event_bag, even
 
 Keys = list[str]
 #: keys a feature numbers before its numbering starts over.
-MAX_KEYS = 1 << 22
+MAX_KEYS = 1 << 20
+MAX_KEY_CHARS = 1 << 25
 
 
 @dataclass
@@ -103,7 +107,7 @@ class RawEvents:
 class _Column:
     """One feature's key numbering, its keys new in this batch and its occurrences."""
 
-    __slots__ = ("index", "inverse", "keys", "name", "numbered", "splits")
+    __slots__ = ("chars", "index", "inverse", "keys", "name", "numbered", "splits")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -111,6 +115,8 @@ class _Column:
         #: rule get in, so a hit needs no check (`42` and `"42"` are two entries, one number).
         self.index: dict[str | int, int] = {}
         self.numbered = 0
+        #: characters of the keys numbered (the other budget of a numbering).
+        self.chars = 0
         self.keys: Keys = []
         self.inverse: list[int] = []
         self.splits: list[int] = [0]
@@ -123,6 +129,7 @@ class _Column:
     def renumber(self) -> None:
         self.index = {}
         self.numbered = 0
+        self.chars = 0
 
     def number(self, value: Any) -> int:
         """The number of a raw id (-1 for None); EventError for a value that is not an id."""
@@ -140,6 +147,7 @@ class _Column:
             # numbered and never used, which costs a number and nothing else.
             found = self.index[key] = self.numbered
             self.numbered += 1
+            self.chars += len(key)
             self.keys.append(key)
         self.index[value] = found
         return found
@@ -251,7 +259,10 @@ class RawEventsBuilder:
             highwater=dict(highwater or {}),
             reader_cpu_s=time.process_time() - self._cpu_start,
         )
-        if any(c.numbered >= MAX_KEYS for c in (*self._singles, *self._bags)):
+        if any(
+            c.numbered >= MAX_KEYS or c.chars >= MAX_KEY_CHARS
+            for c in (*self._singles, *self._bags)
+        ):
             self.epoch += 1
             for column in (*self._singles, *self._bags):
                 column.renumber()

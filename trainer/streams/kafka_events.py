@@ -105,6 +105,7 @@ class KafkaEventStream(InteractionStream):
         self.bad = BadEventCounts()
         self._resumed_admissions = 0
         self._resumed_evictions = 0
+        self._resumed_refused = 0
         self.lag = 0
         #: CPU seconds the current reader process has used (as of its latest batch).
         self.reader_cpu_s = 0.0
@@ -216,6 +217,11 @@ class KafkaEventStream(InteractionStream):
         """Ids evicted from their row (cumulative)."""
         return self._resumed_evictions + sum(s.evicted for s in self.id_spaces.values())
 
+    @property
+    def refused(self) -> int:
+        """Occurrences refused a row by a full table (cumulative; trainer/id_space.py)."""
+        return self._resumed_refused + sum(s.refused for s in self.id_spaces.values())
+
     def metrics(self) -> dict[str, float]:
         """Bad events by reason, consumer lag and id-space counters (cumulative across resumes
         where a manifest carries them: see `restore_metrics`)."""
@@ -226,6 +232,7 @@ class KafkaEventStream(InteractionStream):
             "ids_held": float(held),
             "id_admissions": float(self.admissions),
             "id_evictions": float(self.evictions),
+            "id_refused": float(self.refused),
             "event_time_clamped": float(self.clock.clamped),
         }
         if self.spec.id_space == "hash":
@@ -241,6 +248,7 @@ class KafkaEventStream(InteractionStream):
         self.bad = BadEventCounts.from_metrics(metrics)
         self._resumed_admissions = int(metrics.get("id_admissions", 0.0))
         self._resumed_evictions = int(metrics.get("id_evictions", 0.0))
+        self._resumed_refused = int(metrics.get("id_refused", 0.0))
         self.clock.clamped = int(metrics.get("event_time_clamped", 0.0))
         for space in self.id_spaces.values():
             space.sync()
@@ -259,7 +267,8 @@ class KafkaEventStream(InteractionStream):
         layout = OptimizerStateLayout(optimizers, weights)
         for feature, space in self.id_spaces.items():
             table = TABLE_PREFIX + feature
-            space.reset_rows = RowReset(table, weights[table], layout, tracker)
+            reset = RowReset(table, weights[table], layout, tracker)
+            space.reset_rows, space.mark_rows = reset, reset.mark
 
     # --- batches -----------------------------------------------------------------------------
 

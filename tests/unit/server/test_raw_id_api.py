@@ -105,11 +105,12 @@ def test_raw_ids_are_mapped_and_unknown_ones_reported(served: RawServed) -> None
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["version"] == 1
-    assert body["unknown_ids"] == {"user": 1, "item": 0, "genres": 1}
+    # the stranger and the example without a user both read the unknown row
+    assert body["unknown_ids"] == {"user": 2, "item": 0, "genres": 1}
     np.testing.assert_allclose(body["scores"][:1], served.run.scores(asked[:1]), atol=1e-6)
     metrics = served.client.get("/metrics").text.splitlines()
     assert 'checknrun_server_raw_ids_total{feature="user"} 2.0' in metrics
-    assert 'checknrun_server_unknown_ids_total{feature="user"} 1.0' in metrics
+    assert 'checknrun_server_unknown_ids_total{feature="user"} 2.0' in metrics
     assert 'checknrun_server_unknown_ids_total{feature="genres"} 1.0' in metrics
 
 

@@ -83,9 +83,10 @@ def test_ids_map_through_the_version_maps_and_unknown_ids_take_row_0() -> None:
     assert sparse["item"].values.tolist() == [2, UNKNOWN_ROW, UNKNOWN_ROW]
     assert sparse["genres"].values.tolist() == [1, UNKNOWN_ROW, 1]
     assert sparse["genres"].offsets.tolist() == [0, 3, 3]
-    # Absent ids are not ids: only the ones sent and not known are counted.
+    # Absent ids are not ids sent, but a missing single id reads the unknown row, so it is
+    # counted with the ids the version does not know (an empty bag reads nothing).
     assert mapped.ids == {"user": 2, "item": 2, "genres": 3}
-    assert mapped.unknown_ids == {"user": 0, "item": 1, "genres": 1}
+    assert mapped.unknown_ids == {"user": 1, "item": 2, "genres": 1}
     # The dense inputs are the trainer's rule on the request's times and the maps' counts.
     expected = SPEC.dense(
         np.array([86_400.0, NOW, NOW]),
@@ -114,7 +115,7 @@ def test_a_hashed_space_maps_every_id_and_counts_per_row() -> None:
     ).to_batch(maps)
     assert mapped.batch.sparse["user"].values.tolist() == [row]
     assert mapped.batch.sparse["genres"].values.tolist() == hashed_rows(["a", "b"], 16).tolist()
-    assert mapped.unknown_ids == {"user": 0, "item": 0, "genres": 0}
+    assert mapped.unknown_ids == {"user": 0, "item": 1, "genres": 0}  # no item: row 0
     expected = spec.dense(np.zeros(1), {"user": np.array([20])})
     np.testing.assert_array_equal(mapped.batch.dense.numpy(), expected)
 

@@ -1,6 +1,8 @@
 """The id space: which row each occurrence trains, its prior count, admission after N
-occurrences, eviction by event time and by LRU when full (evicted rows handed to reset_rows,
-never a row this batch uses), and hash mode with its collision counts."""
+occurrences, cold start (the admitting occurrence trains the unknown row), eviction by event
+time and, when full, of a victim a new id must out-count (TinyLFU: evicted rows handed to
+reset_rows, never a row this batch uses; a flood of one-off ids refused), and hash mode with its
+collision counts. Most tests pin the row mechanics with cold start off (`ROWS`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import pytest
 
 from publisher.id_map import UNKNOWN_ROW, IdMap, hashed_rows
 from trainer.id_space import IdSpace, IdSpacePolicy
+
+#: the row mechanics without cold start: an id trains its row from its admitting occurrence.
+ROWS = IdSpacePolicy(cold_start=False)
 
 
 class Feed:
@@ -33,7 +38,7 @@ class Feed:
 
 
 def test_first_occurrences_get_rows_and_priors_count_within_the_batch() -> None:
-    space = IdSpace(IdMap(10))
+    space = IdSpace(IdMap(10), ROWS)
     feed = Feed(space)
     rows, prior = feed(["a", "b", "a", None, "a"], ts=[1.0, 2.0, 3.0, 4.0, 5.0])
     assert rows == [1, 2, 1, UNKNOWN_ROW, 1]
@@ -48,7 +53,7 @@ def test_first_occurrences_get_rows_and_priors_count_within_the_batch() -> None:
 
 
 def test_admission_after_n_occurrences_across_batches() -> None:
-    space = IdSpace(IdMap(10), IdSpacePolicy(admit_after=3))
+    space = IdSpace(IdMap(10), IdSpacePolicy(admit_after=3, cold_start=False))
     feed = Feed(space)
     assert feed(["a", "b"]) == ([0, 0], [0, 0])
     rows, prior = feed(["a", "a", "a"])
@@ -59,30 +64,72 @@ def test_admission_after_n_occurrences_across_batches() -> None:
     assert space.id_map.key_of(2) == "b"
 
 
-def test_pending_counts_are_bounded() -> None:
-    space = IdSpace(IdMap(10), IdSpacePolicy(admit_after=2, max_pending=2))
+def test_cold_start_trains_the_unknown_row_with_each_ids_first_occurrence() -> None:
+    space = IdSpace(IdMap(10))
     feed = Feed(space)
-    feed(["a", "b", "c"])  # `a` is forgotten: only 2 pending ids are kept
-    assert feed(["a", "c"])[0] == [0, 1]
+    rows, prior = feed(["a", "b", "a", None, "a"], ts=[1.0, 2.0, 3.0, 4.0, 5.0])
+    assert rows == [UNKNOWN_ROW, UNKNOWN_ROW, 1, UNKNOWN_ROW, 1]
+    assert prior == [0, 0, 1, 0, 2]  # the admitting occurrence counts on the new row
+    m = space.id_map
+    assert m.counts[1] == 3 and m.counts[2] == 1 and m.last_seen[2] == 2.0
+    assert feed(["b"], ts=6.0) == ([2], [1])
+    # admission after 2: the second occurrence admits and still trains the unknown row
+    space = IdSpace(IdMap(10), IdSpacePolicy(admit_after=2))
+    feed = Feed(space)
+    assert feed(["a"])[0] == [UNKNOWN_ROW]
+    assert feed(["a", "a"]) == ([UNKNOWN_ROW, 1], [0, 1])
+
+
+def test_pending_ids_cost_the_sketch_only() -> None:
+    space = IdSpace(IdMap(1000), IdSpacePolicy(admit_after=3))
+    assert space.sketch is not None
+    before = space.sketch.nbytes
+    feed = Feed(space)
+    feed([f"x{i}" for i in range(5000)])  # 5,000 one-off ids: none admitted
+    assert space.held == 0 and space.sketch.nbytes == before == 6 * 4096
 
 
 def test_full_table_evicts_the_least_recently_seen_not_in_this_batch() -> None:
     reset: list[list[int]] = []
-    space = IdSpace(IdMap(4), reset_rows=lambda rows: reset.append(rows.tolist()))
+    space = IdSpace(IdMap(4), ROWS, reset_rows=lambda rows: reset.append(rows.tolist()))
     feed = Feed(space)
     feed(["a"], ts=1.0)
     feed(["b"], ts=2.0)
-    feed(["c"], ts=3.0)  # rows 1..3 held: a (1), b (2), c (3)
-    rows, _ = feed(["a", "d"], ts=4.0)  # `a` is older but used now: `b` goes
+    feed(["c"], ts=3.0)  # rows 1..3 held: a (1), b (2), c (3), each seen once
+    rows, _ = feed(["a", "d", "d"], ts=4.0)  # `a` is older but used now: `b` goes
     assert reset == [[2]]
-    assert rows == [1, 2]
+    assert rows == [1, 2, 2]
     m = space.id_map
-    assert m.row_of("b") is None and m.row_of("d") == 2 and m.counts[2] == 1
-    assert space.evicted == 1
+    assert m.row_of("b") is None and m.row_of("d") == 2 and m.counts[2] == 2
+    assert space.evicted == 1 and space.refused == 0
+
+
+def test_a_full_table_admits_an_id_only_if_it_out_counts_the_victim() -> None:
+    space = IdSpace(IdMap(4), ROWS)
+    feed = Feed(space)
+    feed(["a", "a", "b", "b", "c", "c"], ts=1.0)  # full: each held id seen twice
+    assert feed(["x"], ts=2.0)[0] == [UNKNOWN_ROW]  # seen once: refused
+    assert feed(["y", "z"], ts=2.0)[0] == [UNKNOWN_ROW] * 2
+    assert space.refused == 3 and space.evicted == 0
+    rows, _ = feed(["x", "x"], ts=3.0)  # now 3 times: beats a's 2 (the oldest of the fewest)
+    assert rows == [1, 1] and space.id_map.row_of("a") is None and space.evicted == 1
+
+
+def test_a_flood_of_one_off_ids_leaves_the_real_ids_their_rows() -> None:
+    rng = np.random.default_rng(0)
+    space = IdSpace(IdMap(2001))
+    feed = Feed(space)
+    real = [f"u{i}" for i in range(1000)]
+    for step in range(200):  # each real id about twice per 10 batches, ten one-off ids per real
+        batch = rng.choice(real, 100).tolist() + [f"flood{step}-{i}" for i in range(1000)]
+        feed(batch, ts=float(step))
+    kept = sum(space.id_map.row_of(k) is not None for k in real)
+    assert kept >= 0.99 * len(real)
+    assert space.refused > 100_000 and space.held == 2000
 
 
 def test_a_batch_that_needs_more_rows_than_it_leaves_keeps_the_rest_unknown() -> None:
-    space = IdSpace(IdMap(3))
+    space = IdSpace(IdMap(3), ROWS)
     feed = Feed(space)
     rows, _ = feed(["a", "b", "c"])
     assert rows == [1, 2, UNKNOWN_ROW]
@@ -92,7 +139,9 @@ def test_a_batch_that_needs_more_rows_than_it_leaves_keeps_the_rest_unknown() ->
 def test_ids_unseen_for_the_span_of_event_time_are_evicted() -> None:
     reset: list[list[int]] = []
     space = IdSpace(
-        IdMap(10), IdSpacePolicy(evict_after_s=100.0), reset_rows=lambda r: reset.append(r.tolist())
+        IdMap(10),
+        IdSpacePolicy(evict_after_s=100.0, cold_start=False),
+        reset_rows=lambda r: reset.append(r.tolist()),
     )
     feed = Feed(space)
     feed(["a", "b"], ts=0.0)
@@ -104,7 +153,7 @@ def test_ids_unseen_for_the_span_of_event_time_are_evicted() -> None:
 
 
 def test_sync_rereads_a_loaded_map() -> None:
-    space = IdSpace(IdMap(4))
+    space = IdSpace(IdMap(4), ROWS)
     feed = Feed(space)
     space.id_map.assign("x", 1)
     space.id_map.assign("y", 3)
@@ -113,12 +162,12 @@ def test_sync_rereads_a_loaded_map() -> None:
 
 
 def test_numbers_follow_evictions_and_a_renumbering() -> None:
-    space = IdSpace(IdMap(3))
+    space = IdSpace(IdMap(3), ROWS)
     feed = Feed(space)
     feed(["a", "b"], ts=1.0)
     feed(["a"], ts=2.0)
-    assert feed(["c"], ts=3.0)[0] == [2]  # `b` (row 2) evicted: its number now maps nowhere
-    assert feed(["b", "a"], ts=4.0)[0] == [2, 1]  # `b` is admitted again, `c` evicted
+    assert feed(["c", "c"], ts=3.0)[0] == [2, 2]  # `b` (row 2) evicted: its number maps nowhere
+    assert feed(["b", "b", "b", "a"], ts=4.0)[0] == [2, 2, 2, 1]  # `b` back in, `c` evicted
     space.renumber()
     feed.numbers.clear()
     assert feed(["a", "b", "q"], ts=5.0)[0] == [1, 2, 0]

@@ -107,9 +107,10 @@ def test_a_parsed_batch_becomes_rows_and_dense_inputs() -> None:
         )
         builder.add(value, partition=0, offset=i)
     batch = s._batch(builder.take(), offset=0)
-    assert batch.sparse["user"].values.tolist() == [1, 2, 1]
-    assert batch.sparse["item"].values.tolist() == [1, 1, 1]
-    assert batch.sparse["genres"].values.tolist() == [1, 1, 1]
+    # cold start: each id's first event trains the unknown row (0), the later ones its row
+    assert batch.sparse["user"].values.tolist() == [0, 0, 1]
+    assert batch.sparse["item"].values.tolist() == [0, 1, 1]
+    assert batch.sparse["genres"].values.tolist() == [0, 1, 1]
     assert batch.sparse["genres"].offsets.tolist() == [0, 0, 1]
     assert batch.labels.tolist() == [0.0, 1.0, 0.0]
     prior = {"user": np.array([0, 0, 1])}
