@@ -14,11 +14,12 @@ occurrence, and only the occurrences after it reach the count-min sketch (`DEPTH
 one-byte counters). So one-off ids, the bulk of a flood, fill only the doorkeeper and leave the
 sketch's counters to the ids that come back; an estimate is 1 (doorkeeper) + the sketch's.
 Neither ever under-counts an id; both over-count when other ids share all of its bits or
-counters: a one-off id reads 2 or more with the doorkeeper's false-positive rate (about 2% at
-`capacity x 10` distinct ids). Sketch updates are conservative (only the counters at an id's
-minimum move). Counters saturate at 255; every `sample_size` occurrences (`tick`) the
-doorkeeper is cleared and the counters halved, the id space's recent counts with them, so the
-estimates are of recent frequency: an id popular last week does not keep its claim forever.
+counters: a one-off id reads 2 or more with the doorkeeper's false-positive rate (2.7% once
+`capacity x 10` distinct ids have passed, measured at 100,000 rows). Sketch updates are
+conservative (only the counters at an id's minimum move). Counters saturate at 255; every
+`sample_size` occurrences (`tick`) the doorkeeper is cleared and the counters halved, the id
+space's recent counts with them, so the estimates are of recent frequency: an id popular last
+week does not keep its claim forever.
 
 Hashes are blake2b-64 of the key (publisher/id_map.py `key_hashes`), never Python's `hash()`,
 which is seeded per process: admission, and so training, must not depend on the process.
@@ -35,9 +36,8 @@ Hashes = npt.NDArray[np.uint64]
 DEPTH = 4
 #: counters per sketch row for each row of table capacity (rounded up to a power of two).
 WIDTH_PER_ROW = 4
-#: doorkeeper bits per sketch counter, and bits an id sets.
+#: doorkeeper bits per sketch counter (an id sets one bit per `_DOOR_MULTIPLIERS`).
 DOOR_BITS_PER_COUNTER = 16
-DOOR_HASHES = 3
 MIN_WIDTH_LOG2 = 10
 MAX_WIDTH_LOG2 = 24
 #: odd 64-bit multipliers, one per sketch row (multiplicative hashing of the key's hash).

@@ -14,7 +14,7 @@ Dynamic map (the default), docs/FORMAT.md section 7:
 - an id gets a row at its `admit_after`-th occurrence (1: the first); until then, and for a
   missing id, the occurrence trains UNKNOWN_ROW with prior count 0. The occurrences of ids
   without a row are counted in a `FrequencySketch` (trainer/admission.py: a count-min sketch of
-  fixed memory, `sketch_bytes`, however many ids a stream invents), not part of a checkpoint:
+  fixed memory, `nbytes`, however many ids a stream invents), not part of a checkpoint:
   after a resume an id not yet admitted starts counting again.
 - cold start (`cold_start`, the default): the occurrence at which an id is admitted still
   trains UNKNOWN_ROW (and counts on the id's new row, so the next one has prior count 1), so
@@ -27,8 +27,8 @@ Dynamic map (the default), docs/FORMAT.md section 7:
   not used by this batch, the id with the fewest recent occurrences (counted per row, halved
   with the sketch); the new id is admitted if its sketch estimate beats that count and 1 (an
   id seen once lately never takes a held row), else its occurrences train UNKNOWN_ROW and
-  count as `refused`. So a flood of one-off ids cannot take
-  the rows of ids seen again and again, and a new id seen repeatedly still gets in. The recent
+  count as `refused`. So a flood of one-off ids cannot take the rows of ids seen again and
+  again, and a new id seen repeatedly still gets in. The recent
   counts are not checkpointed either: a resume starts them at the rows' counts (capped at 255),
   so a resumed run may admit differently from an uninterrupted one once its table is full.
 - an evicted row is freed in the map and handed to `reset_rows` (trainer/row_reset.py: the
@@ -144,7 +144,6 @@ class IdSpace:
         self._keys: list[str] = []
         self._number_rows = np.zeros(0, dtype=np.int64)
         self._foreign = np.zeros(0, dtype=np.bool_)
-        self._hashes = np.zeros(0, dtype=np.uint64)
         self._row_numbers = np.full(id_map.rows, -1, dtype=np.int64)
         self.sync()
 
@@ -173,7 +172,6 @@ class IdSpace:
         self._keys = []
         self._number_rows = np.zeros(0, dtype=np.int64)
         self._foreign = np.zeros(0, dtype=np.bool_)
-        self._hashes = np.zeros(0, dtype=np.uint64)
         self._row_numbers[:] = -1
 
     def learn(self, keys: Sequence[str]) -> None:
@@ -194,7 +192,6 @@ class IdSpace:
             rows = self.id_map.lookup(keys)
             known = np.flatnonzero(rows != UNKNOWN_ROW)
             self._row_numbers[rows[known]] = first + known
-            self._hashes = np.concatenate([self._hashes, key_hashes(keys)])
         self._number_rows = np.concatenate([self._number_rows, rows])
 
     def map(
@@ -250,9 +247,11 @@ class IdSpace:
         cold = self.policy.cold_start
         occ = new[np.argsort(numbers[new], kind="stable")]  # grouped by id, in batch order
         owners = numbers[occ]
-        estimates = self.sketch.add(self._hashes[owners])  # per occurrence, after this batch
         starts = np.flatnonzero(_group_starts(owners))
         ends = np.append(starts[1:], len(occ))
+        # Only ids without a row are hashed: one key per id of the batch, repeated per occurrence.
+        hashes = key_hashes([self._keys[n] for n in owners[starts].tolist()])
+        estimates = self.sketch.add(np.repeat(hashes, ends - starts))  # after this batch
         in_use = np.zeros(self.id_map.rows, dtype=np.bool_)
         in_use[rows] = True
         reset: list[int] = []
@@ -276,13 +275,12 @@ class IdSpace:
             in_use[row] = True
             self.admitted += 1
             given.append(row)
-            self._recent[row] = seen_before + first + 1
+            # Occurrences until now; without cold start `_count` counts the admitting one.
+            self._recent[row] = seen_before + first + int(cold)
             if cold:  # the admitting occurrence trains the unknown row, but counts here
                 admitting = int(occ[lo + first])
                 counts[row], last_seen[row] = 1, ts[admitting]
                 first += 1
-            else:
-                self._recent[row] -= 1  # `_count` counts the admitting occurrence
             rows[occ[lo + first : hi]] = row
         if reset and self.reset_rows is not None:
             self.reset_rows(np.sort(np.asarray(reset, dtype=np.int64)))

@@ -11,7 +11,7 @@ distinct keys as text cost the training thread ~2.7 us an event to unpickle and 
 numbers ~1.8 us all told). When a feature has numbered MAX_KEYS keys, or keys of MAX_KEY_CHARS
 characters in all, the numbering starts over (`epoch` + 1), which bounds the memory both sides
 spend on ids, however many never-seen ids a stream sends (`checknrun bench admission`: about
-1.1 KiB per 250-byte id on both sides together, so at most ~140 MiB a feature); the ids that
+680 B per 250-byte id on both sides together, so at most ~90 MiB a feature); the ids that
 hold rows are sent again as they next appear.
 
     RawEvents (one batch)
