@@ -47,6 +47,7 @@ PARTS = {
     "live": "training from a Kafka event stream next to the file trainer (needs Kafka)",
     "idspace": "MovieLens through Kafka: dynamic vs hashed id spaces, a new id's freshness",
     "admission": "cold start's calibration, a flood of one-off ids, memory of ids without a row",
+    "dense": "the events' numeric fields as model inputs (--dense-features) next to ids only",
     "livejob": "a live topic trained by a sharded job of N ranks next to one process (Kafka)",
     "servedloss": "what measuring each version's served loss costs training, and what it says",
     "shards": "a job of N ranks publishing row-range shards next to one writer; their restore",

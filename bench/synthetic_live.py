@@ -11,6 +11,7 @@ admission and eviction policy (trainer/id_space.py) is richer; here the tests ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +148,7 @@ class SyntheticLiveRun:
 
     def inputs(self, events: Sequence[Event]) -> _Inputs:
         """The model inputs of `events` by the trainer's rule: ids through the maps (no id or
-        an unknown one: row 0), dense from `ts` and the prior counts."""
+        an unknown one: row 0), dense from `ts`, the prior counts and the dense features."""
         n = len(events)
         sparse: dict[str, SparseBatch] = {}
         prior: dict[str, np.ndarray] = {}
@@ -171,7 +172,11 @@ class SyntheticLiveRun:
             known = np.ones(n, dtype=bool) if id_map.hashed else rows != UNKNOWN_ROW
             prior[feature.name] = np.where(known, id_map.counts[rows], 0)
         ts = np.array([float(e["ts"]) for e in events])
-        return _Inputs(torch.from_numpy(self.spec.dense(ts, prior)), sparse)
+        names = self.spec.dense_feature_names
+        values = np.array(
+            [[math.nan if e.get(d) is None else float(e[d]) for d in names] for e in events]
+        ).reshape(n, len(names))
+        return _Inputs(torch.from_numpy(self.spec.dense(ts, prior, values)), sparse)
 
     def scores(self, events: Sequence[Event]) -> np.ndarray:
         """What the trainer's model predicts for `events` now (sigmoid)."""

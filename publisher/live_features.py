@@ -4,14 +4,17 @@ A model trained from raw events (`checknrun train --data kafka://...`) carries t
 `model_config.extra["live"]`:
 
     {"id_space": "dynamic", "features": [{"name": "user", "bag": false}, ...],
-     "count_features": ["user", "item"], "time_features": true, "rating_threshold": 4.0}
+     "count_features": ["user", "item"], "time_features": true, "rating_threshold": 4.0,
+     "dense_features": [{"name": "price", "transform": "log1p"}]}
 
 Its sparse inputs are the events' raw ids mapped through each table's id map
-(publisher/id_map.py). Its dense inputs are derived, never sent: from the event time (or the
-request time), hour-of-day and day-of-week as sin/cos; for each count feature,
-`log1p(prior count) / 5`, the prior count being the events the id map has counted for the id
-before this one (0 for an id without a row). A client therefore sends only raw ids and,
-optionally, a timestamp (docs/FORMAT.md section 8).
+(publisher/id_map.py). Its dense inputs (docs/FORMAT.md section 8.4) are, in order: from the
+event time (or the request time), hour-of-day and day-of-week as sin/cos; for each count
+feature, `log1p(prior count) / 5`, the prior count being the events the id map has counted for
+the id before this one (0 for an id without a row); for each dense feature, the number the event
+(or the request) sends, transformed (`log1p`: sign(x) * log1p(|x|), or `raw`) and clipped to
+[-DENSE_CLIP, DENSE_CLIP], and a missing indicator (1.0 when absent or null, the value then 0.0).
+A client therefore sends raw ids, its dense values and, optionally, a timestamp.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ TIME_FEATURES = ("hour_sin", "hour_cos", "dow_sin", "dow_cos")
 PRIOR_LOG_SCALE = 5.0
 #: names an event uses for itself; no feature may take them.
 RESERVED_NAMES = ("ts", "label", "rating", "event_id")
+#: how a dense feature's value becomes a model input (docs/FORMAT.md section 8.4).
+DENSE_TRANSFORMS = ("log1p", "raw")
+#: a transformed dense value is clipped to [-DENSE_CLIP, DENSE_CLIP]: one hostile number cannot
+#: blow up a step (real values reach it only past e^100 under log1p).
+DENSE_CLIP = 100.0
 
 
 class LiveSpecError(BadDataError, ValueError):
@@ -60,6 +68,27 @@ class LiveFeature:
 
 
 @dataclass(frozen=True)
+class DenseFeature:
+    """A numeric field of the events and how it becomes a model input."""
+
+    name: str
+    transform: str = "log1p"
+
+    @property
+    def input_names(self) -> tuple[str, str]:
+        """The model's two dense inputs for it: the transformed value, the missing flag."""
+        return f"{self.name}_{self.transform}", f"{self.name}_missing"
+
+    def inputs(self, values: npt.NDArray[np.float64]) -> list[npt.NDArray[np.float64]]:
+        """The two input columns of `values` (n,), NaN where the value is missing."""
+        missing = np.isnan(values)
+        present = np.where(missing, 0.0, values)
+        if self.transform == "log1p":
+            present = np.sign(present) * np.log1p(np.abs(present))
+        return [np.clip(present, -DENSE_CLIP, DENSE_CLIP), missing.astype(np.float64)]
+
+
+@dataclass(frozen=True)
 class LiveSpec:
     """The inputs of a model trained from raw events (see the module docstring)."""
 
@@ -68,6 +97,7 @@ class LiveSpec:
     count_features: tuple[str, ...] = ()
     time_features: bool = True
     rating_threshold: float = 4.0
+    dense_features: tuple[DenseFeature, ...] = ()
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.features]
@@ -84,6 +114,22 @@ class LiveSpec:
         for name in self.count_features:
             if name not in singles:
                 raise LiveSpecError(f"count feature {name!r} is not a single-valued feature")
+        dense = [d.name for d in self.dense_features]
+        if len(set(dense)) != len(dense) or set(dense) & set(names):
+            raise LiveSpecError(
+                f"dense feature names must be unique and differ from the features: {dense}"
+            )
+        for feature in self.dense_features:
+            if feature.name in RESERVED_NAMES or not feature.name.isidentifier():
+                raise LiveSpecError(
+                    f"dense feature name {feature.name!r} must be an identifier other than "
+                    f"{RESERVED_NAMES}"
+                )
+            if feature.transform not in DENSE_TRANSFORMS:
+                raise LiveSpecError(
+                    f"dense feature {feature.name!r}: transform {feature.transform!r} is not one "
+                    f"of {DENSE_TRANSFORMS}"
+                )
 
     @staticmethod
     def parse_features(text: str) -> tuple[LiveFeature, ...]:
@@ -96,21 +142,41 @@ class LiveSpec:
             out.append(LiveFeature(part[:-2] if bag else part, bag))
         return tuple(out)
 
+    @staticmethod
+    def parse_dense_features(text: str) -> tuple[DenseFeature, ...]:
+        """`price,clicks:raw` -> dense features (`:TRANSFORM`, default log1p)."""
+        out = []
+        for part in (p.strip() for p in text.split(",")):
+            if part:
+                name, _, transform = part.partition(":")
+                out.append(DenseFeature(name.strip(), transform.strip() or "log1p"))
+        return tuple(out)
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.features)
 
     @property
+    def dense_feature_names(self) -> tuple[str, ...]:
+        """The events' numeric fields, in order."""
+        return tuple(d.name for d in self.dense_features)
+
+    @property
     def dense_names(self) -> tuple[str, ...]:
         """The model's dense inputs, in order."""
         times = TIME_FEATURES if self.time_features else ()
-        return (*times, *(f"{name}_prior_log" for name in self.count_features))
+        given = (name for d in self.dense_features for name in d.input_names)
+        return (*times, *(f"{name}_prior_log" for name in self.count_features), *given)
 
     def dense(
-        self, ts: npt.NDArray[np.float64], prior_counts: Mapping[str, npt.NDArray[np.int64]]
+        self,
+        ts: npt.NDArray[np.float64],
+        prior_counts: Mapping[str, npt.NDArray[np.int64]],
+        values: npt.NDArray[np.float64] | None = None,
     ) -> npt.NDArray[np.float32]:
         """The dense inputs of n examples: `ts` (n,) unix seconds, `prior_counts[name]` (n,)
-        for every count feature."""
+        for every count feature, `values` (n, dense features) the dense features' values, NaN
+        where missing (None: all missing)."""
         columns: list[npt.NDArray[np.float64]] = []
         if self.time_features:
             times = time_features(np.asarray(ts, dtype=np.float64))
@@ -118,18 +184,32 @@ class LiveSpec:
         for name in self.count_features:
             counts = np.asarray(prior_counts[name], dtype=np.float64)
             columns.append(np.log1p(np.maximum(counts, 0.0)) / PRIOR_LOG_SCALE)
+        if self.dense_features:
+            n = len(ts)
+            given = (
+                np.full((n, len(self.dense_features)), np.nan)
+                if values is None
+                else np.asarray(values, dtype=np.float64).reshape(n, len(self.dense_features))
+            )
+            for j, feature in enumerate(self.dense_features):
+                columns += feature.inputs(given[:, j])
         if not columns:
             return np.zeros((len(ts), 0), dtype=np.float32)
         return np.stack(columns, axis=1).astype(np.float32)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "id_space": self.id_space,
             "features": [{"name": f.name, "bag": f.bag} for f in self.features],
             "count_features": list(self.count_features),
             "time_features": self.time_features,
             "rating_threshold": self.rating_threshold,
         }
+        if self.dense_features:  # absent otherwise: older specs and fingerprints stay as they were
+            out["dense_features"] = [
+                {"name": d.name, "transform": d.transform} for d in self.dense_features
+            ]
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LiveSpec:
@@ -138,12 +218,17 @@ class LiveSpec:
             features = tuple(
                 LiveFeature(str(f["name"]), bool(f.get("bag", False))) for f in data["features"]
             )
+            dense = tuple(
+                DenseFeature(str(d["name"]), str(d.get("transform", "log1p")))
+                for d in data.get("dense_features", ())
+            )
             return cls(
                 features=features,
                 id_space=str(data.get("id_space", "dynamic")),
                 count_features=tuple(str(n) for n in data.get("count_features", ())),
                 time_features=bool(data.get("time_features", True)),
                 rating_threshold=float(data.get("rating_threshold", 4.0)),
+                dense_features=dense,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, LiveSpecError):
@@ -166,7 +251,7 @@ def feature_sizes(spec: LiveSpec, rows: int | Mapping[str, int]) -> Sequence[tup
 
 def live_spec_of(config: DLRMConfig) -> LiveSpec | None:
     """The live spec of a DLRM `config` (None for a model of encoded ids), checked to describe
-    its inputs: one table per feature with the same bag flag, the derived dense inputs in order,
+    its inputs: one table per feature with the same bag flag, the spec's dense inputs in order,
     and at least 2 rows per table of a dynamic id space. LiveSpecError says what disagrees."""
     spec = LiveSpec.of_config(config.extra)
     if spec is None:
@@ -179,8 +264,8 @@ def live_spec_of(config: DLRMConfig) -> LiveSpec | None:
         )
     if tuple(config.dense) != spec.dense_names:
         raise LiveSpecError(
-            f"the model's dense inputs {list(config.dense)} are not the live spec's derived "
-            f"inputs {list(spec.dense_names)}"
+            f"the model's dense inputs {list(config.dense)} are not the live spec's "
+            f"{list(spec.dense_names)}"
         )
     if spec.id_space == "dynamic" and any(f.rows < 2 for f in config.sparse):
         raise LiveSpecError("a dynamic id space needs at least 2 rows per table")

@@ -7,8 +7,9 @@
 An event is a UTF-8 JSON object of at most MAX_EVENT_BYTES, parsed by the JSON rule of every
 document (schemas/strict_json.py): `ts` (event time, unix seconds), `label` in [0, 1] or else a
 `rating` (label = rating >= the threshold), one raw id per single-valued feature and a list of
-at most MAX_BAG_IDS raw ids per bag feature (section 7's key rule: schemas/id_map_blob.id_key).
-Everything else is ignored. A bad event is skipped and counted under one reason of
+at most MAX_BAG_IDS raw ids per bag feature (section 7's key rule: schemas/id_map_blob.id_key),
+and a JSON number (or nothing: missing) per dense feature (section 8.4). Everything else is
+ignored. A bad event is skipped and counted under one reason of
 BAD_REASONS; the checks run in that order, so an event has exactly one reason.
 """
 
@@ -40,6 +41,7 @@ BAD_REASONS = (
     "bad_label",
     "bad_id",
     "too_many_ids",
+    "bad_dense",
 )
 #: the fields an event names itself by; no feature may take them.
 EVENT_FIELDS = ("ts", "label", "rating", "event_id")
@@ -70,17 +72,20 @@ class EventFields:
     singles: tuple[str, ...] = ()
     bags: tuple[str, ...] = ()
     rating_threshold: float = 4.0
+    dense: tuple[str, ...] = ()
 
 
 class Event(NamedTuple):
-    """A good event: its time, its label, one key (or None) per single feature and a tuple of
-    keys per bag feature, both in the order of `EventFields`. (A tuple: one is built per
-    record, and a frozen dataclass costs several times more to build.)"""
+    """A good event: its time, its label, one key (or None) per single feature, a tuple of
+    keys per bag feature and a value (or None: missing) per dense feature, each in the order of
+    `EventFields`. (A tuple: one is built per record, and a frozen dataclass costs several times
+    more to build.)"""
 
     ts: float
     label: float
     ids: tuple[str | None, ...]
     bags: tuple[tuple[str, ...], ...]
+    dense: tuple[float | None, ...] = ()
 
 
 def parse_event(value: bytes | None, fields: EventFields) -> Event:
@@ -96,7 +101,8 @@ def parse_event(value: bytes | None, fields: EventFields) -> Event:
         ]
     )
     bags = tuple(event_bag(get(name), name) for name in fields.bags) if fields.bags else ()
-    return Event(ts, label, ids, bags)
+    dense = tuple(event_number(get(name), name) for name in fields.dense)
+    return Event(ts, label, ids, bags, dense)
 
 
 def event_object(value: bytes | None, fields: EventFields) -> tuple[dict[str, Any], float, float]:
@@ -193,6 +199,19 @@ def event_bag(value: object, name: str) -> tuple[str, ...]:
     if None in keys:
         raise EventError("bad_id", f"bag feature {name!r} holds a null")
     return keys  # type: ignore[return-value]
+
+
+def event_number(value: object, name: str) -> float | None:
+    """Dense feature `name`'s value as a float (None: absent or null, missing);
+    EventError("bad_dense") for anything but a JSON number within float64's range."""
+    if value is None:
+        return None
+    number = _number(value)
+    if number is None:
+        raise EventError(
+            "bad_dense", f"dense feature {name!r} must be a finite number, got {_shown(value)}"
+        )
+    return number
 
 
 def _shown(value: object) -> str:

@@ -115,10 +115,11 @@ class FeatureInfo(BaseModel):
 
     name: str
     kind: FeatureKind = Field(
-        description="`derived`: a dense input the server computes (a model trained from raw "
-        "events), never sent; a model of your own (`--request-adapter`): `raw_id` a field "
-        "whose raw ids the server maps with the served version's id map, `input` a field the "
-        "adapter reads"
+        description="`dense`: a number the request sends (for a model trained from raw events, "
+        "a dense feature, absent or null: missing); `derived`: a dense input the server "
+        "computes (a model trained from raw events), never sent; a model of your own "
+        "(`--request-adapter`): `raw_id` a field whose raw ids the server maps with the "
+        "served version's id map, `input` a field the adapter reads"
     )
     rows: int | None = Field(default=None, description="table size of a sparse/bag feature")
 
@@ -148,6 +149,11 @@ class IdSpaceInfo(BaseModel):
         description="features whose prior count (from the id map) is a derived input"
     )
     time_features: bool = Field(description="hour and day-of-week of `ts` are derived inputs")
+    dense_features: dict[str, str] = Field(
+        default_factory=dict,
+        description="numeric fields a request sends, by name, with the transform the model "
+        "reads them through (`log1p` or `raw`, docs/FORMAT.md 8.4; absent or null: missing)",
+    )
     tables: list[IdTableInfo]
 
 

@@ -77,6 +77,8 @@ class IdSpace:
     tables: dict[str, str] = field(default_factory=dict)  # feature -> table
     count_features: tuple[str, ...] = ()
     time_features: bool = False
+    #: (name, transform) of each dense feature a request sends (docs/FORMAT.md 8.4).
+    dense_features: tuple[tuple[str, str], ...] = ()
 
 
 class Predictor(ABC):
@@ -192,8 +194,12 @@ class DLRMPredictor(Predictor):
 
     def features(self, copy: ModelCopy) -> list[FeatureSpec]:
         config, spec = self.model(copy)
-        dense_kind: FeatureKind = "dense" if spec is None else "derived"
-        found = [FeatureSpec(d, dense_kind) for d in config.dense]
+        if spec is None:
+            found = [FeatureSpec(d, "dense") for d in config.dense]
+        else:  # what a client sends: the dense features; the model's dense inputs are derived
+            given = {name for d in spec.dense_features for name in d.input_names}
+            found = [FeatureSpec(d, "derived") for d in config.dense if d not in given]
+            found += [FeatureSpec(name, "dense") for name in spec.dense_feature_names]
         found += [FeatureSpec(f.name, "bag" if f.bag else "sparse", f.rows) for f in config.sparse]
         return found
 
@@ -201,7 +207,12 @@ class DLRMPredictor(Predictor):
         config, spec = self.model(copy)
         if spec is None:
             return None
-        return IdSpace(dict(config.table_names), spec.count_features, spec.time_features)
+        return IdSpace(
+            dict(config.table_names),
+            spec.count_features,
+            spec.time_features,
+            tuple((d.name, d.transform) for d in spec.dense_features),
+        )
 
     def hashing(self, copy: ModelCopy) -> bool:
         return self.model(copy)[0].hashing

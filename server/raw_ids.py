@@ -4,13 +4,15 @@ id maps, and the dense inputs derived from the request time and the maps' counts
 A model whose config carries `extra["live"]` (publisher/live_features.py) takes what a client
 knows, never an encoded index or a derived feature:
 
-    {"user": "u1", "item": 42, "genres": ["Drama", "Comedy"], "ts": 1700000000}
+    {"user": "u1", "item": 42, "genres": ["Drama", "Comedy"], "price": 12.5, "ts": 1700000000}
 
 - a single-valued feature: one raw id, a JSON string or integer as in the events (`42` and
   `"42"` are one id, docs/FORMAT.md section 7); null or absent: no id, which the model reads as
   row 0 (in a dynamic id space, the unknown row), as the trainer does for an event without it,
   and which is counted in `unknown_ids` like an id the served version does not know;
 - a bag feature: a list of raw ids (null or absent: an empty bag, which embeds to zeros);
+- a dense feature (the spec's `dense_features`): a JSON number; null or absent: missing, as in
+  the events (docs/FORMAT.md section 8.4: the model reads a missing flag);
 - `ts`: optional unix seconds (UTC), finite and >= 0; null or absent: the request time.
 
 Any other name is a 422, like a typo in a model of encoded ids.
@@ -21,7 +23,8 @@ the body, a capped report, server/feature_problems.py); `RawExamples.to_batch` l
 in the borrowed buffer's id maps (one dict lookup per id, one blake2b in a hashed space), so
 the rows and the maps read come from one version; an id that version does not know takes row 0
 and is counted in `unknown_ids`; the dense inputs are `LiveSpec.dense` of the times and of the
-maps' counts (the trainer's rule: the prior count of an id without a row is 0). All of it costs
+maps' counts (the trainer's rule: the prior count of an id without a row is 0) and of the dense
+values. All of it costs
 O(ids in the request), whatever the size of the maps.
 """
 
@@ -73,6 +76,8 @@ class RawExamples:
     spec: LiveSpec
     ts: npt.NDArray[np.float64]  # (n,)
     features: tuple[RawFeature, ...]
+    #: (n, dense features): the dense features' values, NaN where missing.
+    dense: npt.NDArray[np.float64] | None = None
 
     def to_batch(self, id_maps: Mapping[str, IdMap]) -> MappedExamples:
         """Rows and dense inputs from `id_maps` (table name -> map, one version's)."""
@@ -108,8 +113,21 @@ class RawExamples:
                 counts = np.zeros(n, dtype=np.int64)
                 counts[present] = np.where(known, id_map.counts[rows], 0)
                 prior[feature.name] = counts
-        dense = torch.from_numpy(self.spec.dense(self.ts, prior))
+        dense = torch.from_numpy(self.spec.dense(self.ts, prior, self.dense))
         return MappedExamples(FeatureBatch(dense=dense, sparse=sparse), ids, unknown)
+
+
+def _dense_value(value: object, name: str) -> float | str:
+    """`value` as dense feature `name`'s number, or why it is not one (the events' rule)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"dense feature {name!r} needs a number, got {type(value).__name__}"
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        return f"dense feature {name!r} must be a finite number"
+    return number
 
 
 def _ts_value(value: object) -> float | str:
@@ -131,9 +149,10 @@ def parse_raw_examples(
     """Check `examples` (as the client sent them) against `spec` and make their ids canonical;
     a missing `ts` is `now`. FeatureValidationError lists every invalid value or unknown name."""
     problems = Problems()
-    known = {*spec.names, TS_FIELD}
+    known = {*spec.names, *spec.dense_feature_names, TS_FIELD}
     n = len(examples)
     ts = np.full(n, now, dtype=np.float64)
+    dense = np.full((n, len(spec.dense_features)), np.nan)
     keys: dict[str, list[str]] = {f.name: [] for f in spec.features}
     lengths = {f.name: np.zeros(n, dtype=np.int64) for f in spec.features}
     for i, example in enumerate(examples):
@@ -163,11 +182,20 @@ def parse_raw_examples(
                 continue
             keys[feature.name].extend(got)
             lengths[feature.name][i] = len(got)
+        for j, name in enumerate(spec.dense_feature_names):
+            value = example.get(name)
+            if value is None:
+                continue
+            number = _dense_value(value, name)
+            if isinstance(number, str):
+                problems.add(i, name, number, "bad_dense")
+            else:
+                dense[i, j] = number
     problems.raise_if_any()
     features = tuple(
         RawFeature(f.name, f.bag, keys[f.name], lengths[f.name]) for f in spec.features
     )
-    return RawExamples(spec, ts, features)
+    return RawExamples(spec, ts, features, dense)
 
 
 def keys_of(

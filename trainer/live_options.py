@@ -1,14 +1,16 @@
 """The live event stream the `train` options describe (`--data kafka://HOST:PORT/TOPIC`).
 
     checknrun train --data kafka://localhost:9092/events --features user,item,genres[] \\
-        --id-space dynamic --id-capacity 100000,user=200000 --admit-after 2 \\
-        --evict-after-s 604800 --store file://./store --model live
+        --dense-features price,dwell_s,affinity:raw --id-space dynamic \\
+        --id-capacity 100000,user=200000 --admit-after 2 --evict-after-s 604800 \\
+        --store file://./store --model live
 
 `--features` names the events' id fields (a trailing `[]` marks a bag); by default the
-MovieLens set that `checknrun replay --data movielens` produces. `--id-capacity` is the rows of
-every table, or `N,name=M,...` (N for the tables not named); in a dynamic id space one row of
-each table is the unknown row, so a table holds capacity - 1 ids. The options themselves are
-trainer/options.py's (`add_live_args`).
+MovieLens set that `checknrun replay --data movielens` produces. `--dense-features` names the
+events' numeric fields (docs/FORMAT.md section 8.4: each a transformed value and a missing
+flag). `--id-capacity` is the rows of every table, or `N,name=M,...` (N for the tables not
+named); in a dynamic id space one row of each table is the unknown row, so a table holds
+capacity - 1 ids. The options themselves are trainer/options.py's (`add_live_args`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def live_spec(args: argparse.Namespace) -> LiveSpec:
             id_space=args.id_space,
             count_features=counts,
             rating_threshold=args.rating_threshold,
+            dense_features=LiveSpec.parse_dense_features(args.dense_features),
         )
     except LiveSpecError as exc:
-        raise CommandError(f"--features / --count-features: {exc}") from exc
+        raise CommandError(f"--features / --count-features / --dense-features: {exc}") from exc
 
 
 def table_rows(spec: LiveSpec, text: str) -> dict[str, int]:

@@ -260,6 +260,12 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         help="single-valued features whose prior event count is a dense input (default "
         "%(default)s, those of them that are features)",
     )
+    g.add_argument(
+        "--dense-features",
+        default="",
+        help="the events' numeric fields, each NAME or NAME:TRANSFORM (log1p, the default: "
+        "sign(x)*log1p(|x|); raw: x), a model input with a missing flag (docs/FORMAT.md 8.4)",
+    )
     g.add_argument("--id-space", choices=ID_SPACES, default="dynamic")
     g.add_argument(
         "--id-capacity",

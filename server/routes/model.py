@@ -66,6 +66,7 @@ def id_space_info(predictor: Predictor, copy: ModelCopy) -> IdSpaceInfo | None:
         unknown_row=None if hashed else UNKNOWN_ROW,
         count_features=list(space.count_features),
         time_features=space.time_features,
+        dense_features=dict(space.dense_features),
         tables=tables,
     )
 

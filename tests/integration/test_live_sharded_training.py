@@ -65,7 +65,8 @@ def test_two_ranks_train_every_good_event_of_three_partitions_once(
     produce(services, unique_name, _events(rng, 0, 2000, bad=True))
 
     command = train_command(services, unique_name, tmp_path, "--stop-at-end", *SHARDED)
-    report = run([*command, "--nproc", "2", "--interval-samples", "500"])
+    dense = ["--dense-features", "price"]  # the events send none: every value missing
+    report = run([*command, *dense, "--nproc", "2", "--interval-samples", "500"])
     assert report["nproc"] == 2
     assert report["samples"] == report["samples_seen"] == 2000
     stream = report["stream"]
@@ -92,6 +93,8 @@ def test_two_ranks_train_every_good_event_of_three_partitions_once(
     _check_versions(tmp_path, topic)
     live = last.model_config_["extra"]["live"]
     assert live["id_space"] == "hash" and live["count_features"] == []
+    assert live["dense_features"] == [{"name": "price", "transform": "log1p"}]
+    assert last.model_config_["dense"][-2:] == ["price_log1p", "price_missing"]
 
 
 def test_resume_from_2_ranks_on_1_and_from_1_on_2_loses_or_repeats_no_event(

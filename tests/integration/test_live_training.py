@@ -75,6 +75,23 @@ def good_event(i: int, rng: random.Random) -> tuple[bytes, bytes]:
     return user.encode(), value
 
 
+def priced_event(i: int, rng: random.Random) -> tuple[bytes, bytes]:
+    """(key, value) of an event whose label follows its `price` alone (the ids are noise): a
+    click in 85% of the events priced over 100, in 10% of the others; a third have no price
+    (missing, clicked at 40%), `affinity` is sent in half."""
+    user = f"u{rng.randrange(150)}"
+    price = rng.lognormvariate(4.6, 1.0) if rng.random() < 2 / 3 else None
+    rate = 0.4 if price is None else (0.85 if price > 100 else 0.1)
+    extra = {"price": price} | ({"affinity": rng.random()} if rng.random() < 0.5 else {})
+    value = encode_event(
+        ts=1_700_000_000.0 + i,
+        label=float(rng.random() < rate),
+        ids={"user": user, "item": rng.randrange(60), "genres": []},
+        extra=extra,
+    )
+    return user.encode(), value
+
+
 def create_topic(services: Services, topic: str, partitions: int) -> None:
     from confluent_kafka.admin import AdminClient
     from confluent_kafka.cimpl import NewTopic
@@ -214,6 +231,41 @@ def test_consume_publish_and_bad_events_counted_and_skipped(
     live = last.model_config_["extra"]["live"]
     assert [f["name"] for f in live["features"]] == ["user", "item", "genres"]
     assert live["id_space"] == "dynamic" and live["count_features"] == ["user", "item"]
+
+
+def test_dense_features_are_model_inputs_and_a_bad_value_is_skipped(
+    services: Services, unique_name: str, tmp_path: Path
+) -> None:
+    rng = random.Random(5)
+    records = [priced_event(i, rng) for i in range(3000)]
+    records.insert(100, (b"u1", b'{"ts": 5, "label": 1, "user": "u1", "price": "12"}'))
+    create_topic(services, unique_name, 2)
+    produce(services, unique_name, records)
+
+    dense = (
+        "--dense-features",
+        "price,affinity:raw",
+        "--dense-lr",
+        "0.01",
+        "--interval-samples",
+        "1000",
+    )
+    report = run(train_command(services, unique_name, tmp_path, "--stop-at-end", *dense))
+    assert report["samples"] == 3000
+    assert report["stream"]["bad_events_bad_dense"] == report["stream"]["bad_events"] == 1
+    last = versions(tmp_path, "live")[-1].manifest
+    assert last.model_config_["extra"]["live"]["dense_features"] == [
+        {"name": "price", "transform": "log1p"},
+        {"name": "affinity", "transform": "raw"},
+    ]
+    assert last.model_config_["dense"][-4:] == [
+        "price_log1p",
+        "price_missing",
+        "affinity_raw",
+        "affinity_missing",
+    ]
+    # the ids carry no signal: only a model that reads the price ranks the clicks
+    assert last.metrics["auc"] > 0.6, last.metrics  # 0.68 measured; 0.50 without the prices
 
 
 def test_an_unknown_topic_or_a_foreign_position_is_refused(

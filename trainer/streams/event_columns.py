@@ -19,6 +19,7 @@ hold rows are sent again as they next appear.
     | ts, labels      | float64 / float32 (n,): the good events, in consumption order |
     | singles[i]      | (new keys, numbers int32 (n,), -1: no id)  per single feature |
     | bags[j]         | (new keys, numbers int32 (nnz,), splits int64 (n + 1,)) a bag |
+    | dense           | float64 (n, dense features): the values, NaN where missing    |
     | epoch           | the numbering the numbers belong to                          |
     | partitions,     | int32 / int64 (n,): where each good event sits in the topic   |
     | offsets         |                                                              |
@@ -30,6 +31,7 @@ hold rows are sent again as they next appear.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +40,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from schemas.events import MAX_BAG_IDS, EventError, EventFields, event_bag, event_key, event_object
+from schemas.events import (
+    MAX_BAG_IDS,
+    EventError,
+    EventFields,
+    event_bag,
+    event_key,
+    event_number,
+    event_object,
+)
 
 Keys = list[str]
 #: keys a feature numbers before its numbering starts over.
@@ -61,6 +71,8 @@ class RawEvents:
     #: (reason, partition, offset) of each bad record (rare: kept one by one).
     bad_records: list[tuple[str, int, int]]
     highwater: dict[int, int] = field(default_factory=dict)
+    #: (n, dense features) float64, NaN where an event has no value (docs/FORMAT.md 8.4).
+    dense: npt.NDArray[np.float64] = field(default_factory=lambda: np.zeros((0, 0)))
     #: CPU seconds the reader process had spent reading (since its builder was made) when it
     #: sent the batch.
     reader_cpu_s: float = 0.0
@@ -100,6 +112,7 @@ class RawEvents:
             epoch=self.epoch,
             bad_records=[b for b in self.bad_records if b[2] < ends[b[1]]],
             highwater=self.highwater,
+            dense=self.dense[:n],
             reader_cpu_s=self.reader_cpu_s,
         )
 
@@ -170,6 +183,8 @@ class RawEventsBuilder:
         self._finds: list[Callable[[Any, int], int]] = [c.index.get for c in self._singles]
         self._ts: list[float] = []
         self._labels: list[float] = []
+        #: the dense features' values, event after event (n x dense features, row-major).
+        self._dense: list[float] = []
         for column in (*self._singles, *self._bags):
             column.next_batch()
         self._partitions: list[int] = []
@@ -208,6 +223,7 @@ class RawEventsBuilder:
             if -2 in singles:
                 singles = [c.number(v) for c, v in zip(self._singles, values, strict=True)]
             bags = [self._bag(column, obj.get(column.name)) for column in self._bags]
+            dense = [_dense_value(obj.get(name), name) for name in self.fields.dense]
         except EventError as exc:
             self._bad.append((exc.reason, partition, offset))
             return
@@ -216,6 +232,7 @@ class RawEventsBuilder:
         self._partitions.append(partition)
         self._offsets.append(offset)
         self._numbers.extend(singles)
+        self._dense.extend(dense)
         for column, numbers in zip(self._bags, bags, strict=True):
             column.inverse.extend(numbers)
             column.splits.append(len(column.inverse))
@@ -257,6 +274,9 @@ class RawEventsBuilder:
             epoch=self.epoch,
             bad_records=self._bad,
             highwater=dict(highwater or {}),
+            dense=np.asarray(self._dense, dtype=np.float64).reshape(
+                len(self._ts), len(self.fields.dense)
+            ),
             reader_cpu_s=time.process_time() - self._cpu_start,
         )
         if any(
@@ -268,3 +288,11 @@ class RawEventsBuilder:
                 column.renumber()
         self._reset()
         return raw
+
+
+def _dense_value(value: Any, name: str) -> float:
+    """A dense feature's value, NaN when missing; EventError("bad_dense") (event_number)."""
+    if type(value) is float and math.isfinite(value):  # the common case
+        return value
+    number = event_number(value, name)
+    return math.nan if number is None else number

@@ -101,6 +101,7 @@ class KafkaEventStream(InteractionStream):
             singles=tuple(f.name for f in spec.features if not f.bag),
             bags=tuple(f.name for f in spec.features if f.bag),
             rating_threshold=spec.rating_threshold,
+            dense=spec.dense_feature_names,
         )
         self.bad = BadEventCounts()
         self._resumed_admissions = 0
@@ -376,7 +377,8 @@ class KafkaEventStream(InteractionStream):
         )
 
     def _batch(self, raw: RawEvents, offset: int) -> Batch:
-        """Map the raw ids (counting them) and compute the dense inputs."""
+        """Map the raw ids (counting them) and compute the dense inputs (the derived ones and
+        the dense features')."""
         n = raw.n
         ts = self.clock.bound(raw.ts)
         now = self.clock.now
@@ -400,7 +402,7 @@ class KafkaEventStream(InteractionStream):
             sparse[name] = SparseBatch(
                 torch.from_numpy(mapped.rows), torch.from_numpy(splits[:-1].copy())
             )
-        dense = self.spec.dense(ts, prior)
+        dense = self.spec.dense(ts, prior, raw.dense)
         return Batch(
             dense=torch.from_numpy(dense),
             sparse=sparse,

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from bench.synthetic_live import SyntheticLiveRun
+from bench.synthetic_live import LIVE_SPEC, SyntheticLiveRun
+from publisher.live_features import DenseFeature
 from publisher.store import FileStore
 from server.app import create_app
 from server.settings import ServerSettings
@@ -25,6 +26,8 @@ with warnings.catch_warnings():  # starlette's notice about its httpx-based clie
     from fastapi.testclient import TestClient
 
 TS = 1_700_000_000.0
+#: the synthetic live model with a dense feature: requests send `price` (or leave it out).
+SPEC = replace(LIVE_SPEC, dense_features=(DenseFeature("price"),))
 
 
 @dataclass
@@ -45,6 +48,7 @@ def train(run: SyntheticLiveRun, users: list[str], ts: float = TS) -> None:
         [
             {"user": u, "item": i % 4, "genres": ["Drama", "Noir"][: i % 3], "ts": ts + i}
             | {"label": i % 2}
+            | ({"price": 10.0 * i} if i % 3 else {})
             for i, u in enumerate(users)
         ]
     )
@@ -53,7 +57,7 @@ def train(run: SyntheticLiveRun, users: list[str], ts: float = TS) -> None:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[RawServed]:
     bus = f"file://{tmp_path / 'bus.log'}"
-    run = SyntheticLiveRun(FileStore(tmp_path / "store"), "m", bus=bus)
+    run = SyntheticLiveRun(FileStore(tmp_path / "store"), "m", spec=SPEC, bus=bus)
     train(run, [f"u{i}" for i in range(10)])
     run.publish()
     settings = ServerSettings(
@@ -84,6 +88,7 @@ def test_model_info_shows_the_id_space(served: RawServed) -> None:
         "unknown_row": 0,
         "count_features": ["user", "item"],
         "time_features": True,
+        "dense_features": {"price": "log1p"},
         "tables": [
             {"feature": f, "table": f"embeddings.{f}", "rows": 32, "ids_held": held}
             | {"capacity": 31}
@@ -93,13 +98,15 @@ def test_model_info_shows_the_id_space(served: RawServed) -> None:
     kinds = {f["name"]: f["kind"] for f in info["features"]}
     assert kinds["user"] == "sparse" and kinds["genres"] == "bag"
     assert kinds["hour_sin"] == kinds["user_prior_log"] == "derived"
+    assert kinds["price"] == "dense" and "price_log1p" not in kinds  # what a client sends
 
 
 def test_raw_ids_are_mapped_and_unknown_ones_reported(served: RawServed) -> None:
     asked = [
-        {"user": "u3", "item": 2, "genres": ["Drama"], "ts": TS},
+        {"user": "u3", "item": 2, "genres": ["Drama"], "ts": TS, "price": 12.5},
         {"user": "stranger", "item": "2", "genres": ["Drama", "Western"]},
-        {"item": 1},
+        {"item": 1, "price": None},
+        {"user": "u3", "item": 2, "genres": ["Drama"], "ts": TS},
     ]
     r = served.predict(*asked)
     assert r.status_code == 200, r.text
@@ -107,9 +114,12 @@ def test_raw_ids_are_mapped_and_unknown_ones_reported(served: RawServed) -> None
     assert body["version"] == 1
     # the stranger and the example without a user both read the unknown row
     assert body["unknown_ids"] == {"user": 2, "item": 0, "genres": 1}
-    np.testing.assert_allclose(body["scores"][:1], served.run.scores(asked[:1]), atol=1e-6)
+    # a price, or none (missing), scored by the trainer's own rule
+    for i in (0, 3):
+        np.testing.assert_allclose(body["scores"][i], served.run.scores([asked[i]]), atol=1e-6)
+    assert body["scores"][0] != body["scores"][3]
     metrics = served.client.get("/metrics").text.splitlines()
-    assert 'checknrun_server_raw_ids_total{feature="user"} 2.0' in metrics
+    assert 'checknrun_server_raw_ids_total{feature="user"} 3.0' in metrics
     assert 'checknrun_server_unknown_ids_total{feature="user"} 2.0' in metrics
     assert 'checknrun_server_unknown_ids_total{feature="genres"} 1.0' in metrics
 
@@ -139,6 +149,9 @@ def test_a_new_id_is_served_once_its_version_is_applied(served: RawServed) -> No
         ({"ts": "yesterday"}, "ts", "bad_ts"),
         ({"ts": -5}, "ts", "bad_ts"),
         ({"hour_sin": 0.5}, "hour_sin", "unknown_feature"),  # derived, never sent
+        ({"price": "12"}, "price", "bad_dense"),
+        ({"price": 10**400}, "price", "bad_dense"),
+        ({"price_missing": 1}, "price_missing", "unknown_feature"),
     ],
 )
 def test_bad_raw_examples_are_422_with_their_place(
