@@ -18,6 +18,10 @@ row-wise Adagrad's one optimizer column per row. Measured side by side in one ru
 - encode / decode: the id-map blob of the dirty rows (the publisher's and a reader's cost).
 - restore: rebuilding the whole map from a full's entries (`NewestIdEntries.build`: one
   checked `IdMap.apply`), next to `IdEntries` of the same rows taken off a live map.
+- a full of a sparsely held table (docs/FORMAT.md 7.1): a table of the default `--id-capacity`
+  (100,000 rows) holding 382 to 99,999 ids; its full's table and id-map blobs as written now
+  (the held rows and the unknown row, `TableRows.held_rows`) next to every row (before), and
+  the encode time of each.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from publisher.id_map import IdCapture, IdMap
 from publisher.read.id_map_rows import NewestIdEntries
 from publisher.write.policies import make_policy
 from publisher.write.publishing import encode_table
+from publisher.write.snapshot import TableRows
 from publisher.write.tracker import DirtyRowTracker, find_embedding_tables
 from schemas.codec_names import CODECS
 from schemas.id_map_blob import decode_id_entries, encode_id_entries
@@ -53,6 +58,9 @@ SIZES: dict[str, tuple[int, int]] = {
 }
 #: full snapshots copy every row: fewer of them.
 FULL_REPEATS = (5, 2)
+#: the sparsely held table: rows (the default --id-capacity; --quick), and the ids it holds.
+SPARSE_CAPACITY = (100_000, 5_000)
+SPARSE_HELD = (382, 1_000, 10_000, 50_000, 99_999)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,6 +209,8 @@ def run(
         "rebuild_whole_map_s_median": round(statistics.median(restore_s), 3),
     }
     _print_table(n_rows, n_dirty, dim, codec, results, map_part_ms, sizes, timings)
+    sparse = _sparse_fulls(SPARSE_CAPACITY[quick], dim, codec)
+    _print_sparse(sparse, dim, codec)
     return {
         "part": "idmap",
         "quick": quick,
@@ -218,7 +228,64 @@ def run(
         "id_map_part_of_a_delta_stall": map_part_ms,
         "bytes": sizes,
         "times": timings,
+        "sparse_full": sparse,
     }
+
+
+def _sparse_fulls(capacity: int, dim: int, codec: str) -> dict[str, Any]:
+    """The full of a table of `capacity` rows holding each of SPARSE_HELD ids (fewer when the
+    table is smaller): bytes and encode time of every row (before) and of the held rows."""
+    rng = np.random.default_rng(1)
+    values = rng.uniform(-0.25, 0.25, (capacity, dim)).astype(np.float32)
+    aux = rng.uniform(0.0, 1.0, (capacity, 1)).astype(np.float32)
+    arms = []
+    for held in sorted({min(h, capacity - 1) for h in SPARSE_HELD}):
+        log(f"idmap: a full of {capacity:,} rows holding {held:,} ids")
+        id_map = IdMap(capacity)
+        for row in np.sort(rng.choice(np.arange(1, capacity), held, replace=False)).tolist():
+            id_map.assign(f"user-{row:07d}", row)
+        whole = TableRows(
+            name="users",
+            table_rows=capacity,
+            codec=codec,
+            row_ids=np.arange(capacity, dtype=np.int64),
+            values=values,
+            aux=aux,
+            id_entries=id_map.entries(),
+        )
+        out: dict[str, Any] = {"ids_held": held}
+        for arm in ("every_row", "held_rows"):
+            started = time.perf_counter()  # the cut is part of what a full costs now
+            rows = whole if arm == "every_row" else whole.held_rows()
+            blob = encode_table(rows)
+            seconds = time.perf_counter() - started
+            out[arm] = {
+                "rows": rows.n_rows,
+                "table_bytes": len(blob.data),
+                "id_map_bytes": len(blob.id_map or b""),
+                "encode_ms": round(seconds * 1e3, 1),
+            }
+        before, after = (
+            out[a]["table_bytes"] + out[a]["id_map_bytes"] for a in ("every_row", "held_rows")
+        )
+        out["smaller"] = round(before / after, 1)
+        arms.append(out)
+    return {"capacity": capacity, "dim": dim, "codec": codec, "arms": arms}
+
+
+def _print_sparse(sparse: dict[str, Any], dim: int, codec: str) -> None:
+    print(
+        f"\na full of a table of {sparse['capacity']:,} rows x {dim} ({codec}, one optimizer "
+        "column), blobs written: every row (before) / the held rows and row 0 (now)"
+    )
+    print(f"{'ids held':>9} {'before B':>11} {'now B':>10} {'smaller':>8} {'encode ms':>16}")
+    for a in sparse["arms"]:
+        b, n = a["every_row"], a["held_rows"]
+        print(
+            f"{a['ids_held']:>9,} {b['table_bytes'] + b['id_map_bytes']:>11,} "
+            f"{n['table_bytes'] + n['id_map_bytes']:>10,} {a['smaller']:>7}x "
+            f"{b['encode_ms']:>7} / {n['encode_ms']:<7}"
+        )
 
 
 def _time_map_part(

@@ -26,11 +26,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
-from publisher.id_map import IDS_HELD_METRIC
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
-from schemas.manifest import Manifest, ServedLoss, TableEntry, ratio_to_full_fp32
+from schemas.manifest import IDS_HELD_METRIC, Manifest, ServedLoss, TableEntry, ratio_to_full_fp32
 
 DEFAULT_STORE = "file://./checknrun-store"
 #: a table's per-row optimizer columns in a `restore` file: `<table>.__optimizer_rows__`.
@@ -258,8 +257,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "rows_in_checkpoint": t.rows_in_checkpoint,
             "fraction": round(t.rows_in_checkpoint / t.rows, 6),
             "bytes": _row_bytes(t),
-            "full_fp32_bytes": t.full_fp32_bytes,
-            "ratio_vs_full_fp32": round(ratio_to_full_fp32(t.full_fp32_bytes, _row_bytes(t)), 3),
+            "full_fp32_bytes": t.full_fp32_bytes(m.metrics),
+            "ratio_vs_full_fp32": round(
+                ratio_to_full_fp32(t.full_fp32_bytes(m.metrics), _row_bytes(t)), 3
+            ),
             "key": None if t.blob is None else t.blob.key,
             # A table stored in row-range shards (docs/FORMAT.md section 3.3); null: one blob.
             "shards": None

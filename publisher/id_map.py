@@ -35,9 +35,6 @@ from schemas.id_map_blob import MAX_KEY_BYTES, IdEntries, IdKeyError, id_key
 
 UNKNOWN_ROW = 0
 ID_SPACES = ("dynamic", "hash")
-#: a version's `metrics` entry `ids_held_<table>`: the ids its dynamic map of that table holds
-#: (what `checknrun inspect` shows without reading the chain's id-map blobs).
-IDS_HELD_METRIC = "ids_held_"
 
 
 class IdMapError(BadDataError, ValueError):

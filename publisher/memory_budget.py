@@ -7,7 +7,7 @@ Every reader that allocates from a manifest checks it here first, against one bu
 
 - restore, and a trainer's resume (`publisher.read.restore`), allocate the version's state in
   fp32: every table with its optimizer columns, the dense and optimizer tensors. That is
-  `Manifest.full_fp32_bytes` (docs/FORMAT.md section 3.1), less the tables and rows a restore
+  `Manifest.restored_fp32_bytes` (every row, held or not), less the tables and rows a restore
   of some of them leaves out (a rank of a sharded job: its budget is per rank). A table with
   an id map adds the map:
   `ID_MAP_ROW_BYTES` per row, plus its keys, which come from the chain's id-map blobs, so at
@@ -33,9 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from publisher.id_map import IDS_HELD_METRIC
 from schemas.errors import BadDataError
-from schemas.manifest import Manifest, full_fp32_bytes
+from schemas.manifest import IDS_HELD_METRIC, Manifest, full_fp32_bytes
 
 #: the share of the machine's memory the model state may take by default: the rest is left to
 #: the interpreter, torch (~0.7 GiB), request buffers and what a reader holds while it works.
@@ -106,10 +105,10 @@ class MemoryBudget:
         tables not named are not restored; the dense and optimizer tensors always are)."""
         restored = {t.name: t.rows for t in manifest.tables} if rows is None else rows
         left_out = sum(
-            t.full_fp32_bytes - full_fp32_bytes([(restored.get(t.name, 0), t.dim, t.aux_dim)])
+            full_fp32_bytes([(t.rows - restored.get(t.name, 0), t.dim, t.aux_dim)])
             for t in manifest.tables
         )
-        needed = manifest.full_fp32_bytes - left_out
+        needed = manifest.restored_fp32_bytes - left_out
         needed += id_map_restore_bytes(manifest, id_map_blob_bytes, restored)
         self._check(f"restoring version {manifest.version}", needed)
 

@@ -175,6 +175,10 @@ class VersionRows(Protocol):
     def row_ids(self) -> np.ndarray: ...
     @property
     def values(self) -> np.ndarray: ...
+    @property
+    def whole(self) -> bool:
+        """The rows are the table's whole state: any other row is zero (docs/FORMAT.md 7.1)."""
+        ...
 
 
 def rows_carried(
@@ -411,10 +415,16 @@ class ServedLossMeter:
         for key, value in dense.items():
             if key in state:
                 state[key].copy_(torch.from_numpy(value))
-        full = {t.name for t in tables if len(t.row_ids) == int(self._weights[t.name].shape[0])}
+        full = {
+            t.name
+            for t in tables
+            if t.whole or len(t.row_ids) == int(self._weights[t.name].shape[0])
+        }
         if self._missing - full or not samples:
             return None
         for t in tables:
+            if t.whole:
+                self._weights[t.name].zero_()
             self._weights[t.name].index_copy_(
                 0, torch.from_numpy(t.row_ids), torch.from_numpy(t.values)
             )
@@ -454,15 +464,20 @@ class ServedLossMeter:
         return carried
 
     @torch.no_grad()
-    def apply_table(self, table: str, row_ids: np.ndarray, served_rows: np.ndarray) -> None:
-        """Write one table's rows of a version as the version decodes them."""
+    def apply_table(
+        self, table: str, row_ids: np.ndarray, served_rows: np.ndarray, whole: bool = False
+    ) -> None:
+        """Write one table's rows of a version as the version decodes them; `whole`: they are
+        the table's whole state, every other row zero (docs/FORMAT.md 7.1)."""
         if table not in self._weights:
             return
+        if whole:
+            self._weights[table].zero_()
         self._weights[table].index_copy_(
             0, torch.from_numpy(row_ids), torch.from_numpy(served_rows)
         )
         self._overlaid.discard(table)
-        if len(row_ids) == int(self._weights[table].shape[0]):
+        if whole or len(row_ids) == int(self._weights[table].shape[0]):
             self._missing.discard(table)
 
     @torch.no_grad()

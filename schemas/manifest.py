@@ -29,7 +29,7 @@ HEAD is the commit point: `{"schema_version": 1, "model", "version", "manifest"}
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar
 
@@ -56,6 +56,9 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 MAX_LEASE_BYTES = 64 * 1024
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+#: a version's `metrics` entry `ids_held_<table>`: the ids its dynamic map of that table holds
+#: (docs/FORMAT.md section 7; what `checknrun inspect` shows, and what section 3.1 counts).
+IDS_HELD_METRIC = "ids_held_"
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _M = TypeVar("_M", bound="BaseModel")
 #: bytes of one value in the full fp32 checkpoint every ratio is measured against.
@@ -235,10 +238,19 @@ class TableEntry(_Frozen):
         """Bytes of this table's blobs in the store."""
         return sum(b.size for b in self.blobs)
 
-    @property
-    def full_fp32_bytes(self) -> int:
-        """This table's share of a full fp32 checkpoint: every row and its optimizer columns."""
-        return full_fp32_bytes([(self.rows, self.dim, self.aux_dim)])
+    def full_fp32_bytes(self, metrics: Mapping[str, float]) -> int:
+        """This table's share of a full fp32 checkpoint of a version with `metrics`: its rows
+        (`fp32_rows`) and their optimizer columns."""
+        return full_fp32_bytes([(self.fp32_rows(metrics), self.dim, self.aux_dim)])
+
+    def fp32_rows(self, metrics: Mapping[str, float]) -> int:
+        """The rows a full fp32 checkpoint of this table counts (docs/FORMAT.md 3.1): every
+        row, or for a table with an id map whose version's `metrics` say how many ids it holds,
+        those and the unknown row."""
+        held = metrics.get(IDS_HELD_METRIC + self.name) if self.id_map is not None else None
+        if held is None or not 0 <= held < self.rows:
+            return self.rows
+        return int(held) + 1
 
     def blob_limits(self, part: TableShard) -> BlobLimits:
         """The decoder's caps for the blob of `part` (one of `parts`): its shape and size,
@@ -407,7 +419,8 @@ class Manifest(_Frozen):
             if self.baseline != self.version or self.applies_to is not None:
                 raise ValueError("a full version has baseline == version and applies_to null")
             for table in self.tables:
-                if table.rows_in_checkpoint != table.rows:
+                # a table with an id map may hold the rows its ids hold (docs/FORMAT.md 7.1)
+                if table.rows_in_checkpoint != table.rows and table.id_map is None:
                     raise ValueError(f"full version holds every row of table {table.name!r}")
         else:
             if self.applies_to is None or not self.baseline <= self.applies_to < self.version:
@@ -465,6 +478,14 @@ class Manifest(_Frozen):
     @property
     def full_fp32_bytes(self) -> int:
         """What a full fp32 checkpoint of this version's state holds (docs/FORMAT.md 3.1)."""
+        dense = _tensor_bytes(self.dense, self.dense_tensor_bytes)
+        dense += _tensor_bytes(self.optimizer, self.optimizer_tensor_bytes)
+        return sum(t.full_fp32_bytes(self.metrics) for t in self.tables) + dense
+
+    @property
+    def restored_fp32_bytes(self) -> int:
+        """What a restore of this version allocates: every row of every table (held or not)
+        with its optimizer columns in fp32, and the dense and optimizer tensors."""
         dense = _tensor_bytes(self.dense, self.dense_tensor_bytes)
         dense += _tensor_bytes(self.optimizer, self.optimizer_tensor_bytes)
         return full_fp32_bytes(((t.rows, t.dim, t.aux_dim) for t in self.tables), dense)

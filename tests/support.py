@@ -182,3 +182,17 @@ def snapshot_of(
         model_config=dict(model_config),
         scored=scored,
     )
+
+
+def unwritten_like(module: nn.Module, source: nn.Module, restored: Any) -> dict[str, torch.Tensor]:
+    """`module`'s state_dict with the rows no version of `restored`'s chain carried (the free
+    rows a full of a dynamic table leaves out, docs/FORMAT.md 7.1) taken from `source`: what
+    remains to tell them apart is what the version holds."""
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    theirs = source.state_dict()
+    for name, table in restored.tables.items():
+        key = weight_key(name)
+        if key in state and len(table.unwritten):
+            rows = torch.from_numpy(table.unwritten)
+            state[key][rows] = theirs[key][rows]
+    return state

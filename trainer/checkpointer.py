@@ -78,7 +78,7 @@ import torch
 from torch import nn
 
 from publisher.dlrm import DLRM, SparseBatch, build_model
-from publisher.id_map import IDS_HELD_METRIC, IdMap
+from publisher.id_map import IdMap
 from publisher.memory_budget import MemoryBudget
 from publisher.model_factory import ModelFactory
 from publisher.read.restore import RestoredState, restore
@@ -108,7 +108,7 @@ from publisher.write.tracker import (
 )
 from schemas.announcement import Announcement
 from schemas.codec_names import CODECS
-from schemas.manifest import Position
+from schemas.manifest import IDS_HELD_METRIC, Position
 from trainer.auto_codec import resolve_auto_codec
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords

@@ -4,7 +4,10 @@
 checks that it fits the model it is loaded into (same architecture, same tables, same shapes,
 same number of optimizers) and loads the weights, the dense state and every optimizer's state,
 per-row columns included (`publisher.state_dicts.optimizer_state_dicts`), and the id maps of
-an open id space into the trainer's own `IdMap` objects, in place. The counters and the reader
+an open id space into the trainer's own `IdMap` objects, in place. Rows no version of the chain
+carried (the free rows a full of a table with a dynamic id map leaves out, docs/FORMAT.md 7.1)
+keep the values the model had before the load (a model just built: its own initialisation) and
+their per-row optimizer state goes back to its initial value. The counters and the reader
 position are the caller's: `state.position`.
 """
 
@@ -19,7 +22,12 @@ from torch import nn
 from publisher.id_map import IdMap
 from publisher.read.module_state import ModuleStateError, module_state_dict
 from publisher.read.restore import RestoredState
-from publisher.state_dicts import RowState, optimizer_state_dicts, state_dict_misfits
+from publisher.state_dicts import (
+    OptimizerStateLayout,
+    RowState,
+    optimizer_state_dicts,
+    state_dict_misfits,
+)
 from publisher.write.tracker import EmbeddingModule, find_embedding_tables
 from trainer.errors import CheckpointError
 
@@ -66,9 +74,24 @@ def load_restored(
                 f"version {state.version} does not fit this model: {exc}"
             ) from exc
     _load_optimizers(state, optimizers, optimizer_states)
+    _reset_unwritten(state, optimizers, tables)
     if not _hashed_without_maps(state, id_maps or {}):
         for name, id_map in (id_maps or {}).items():
             id_map.load_from(state.id_maps[name])
+
+
+def _reset_unwritten(
+    state: RestoredState,
+    optimizers: Sequence[torch.optim.Optimizer],
+    tables: Mapping[str, EmbeddingModule],
+) -> None:
+    """Initial per-row optimizer state for the rows no version carried (their weights kept the
+    model's own values: `module_state_dict`)."""
+    for name, table in state.tables.items():
+        if len(table.unwritten) and name in tables:
+            weight = tables[name].weight
+            rows = torch.from_numpy(table.unwritten + table.row_start)
+            OptimizerStateLayout(optimizers, {name: weight}).reset_rows(name, rows)
 
 
 def _hashed_without_maps(state: RestoredState, id_maps: Mapping[str, IdMap]) -> bool:

@@ -169,6 +169,15 @@ class NewestRows:
             rows.decode_into(self._weights)
         self._encoded.clear()
 
+    def zero_unfilled(self) -> npt.NDArray[np.int64]:
+        """Set the rows no blob gave to zero, weights and optimizer columns (a full of a table
+        with a dynamic id map leaves free rows out, docs/FORMAT.md 7.1); their positions."""
+        unfilled = np.flatnonzero(~self._filled)
+        if len(unfilled):
+            self._weights[unfilled] = 0.0
+            self._aux[unfilled] = 0.0
+        return unfilled
+
 
 @dataclass(frozen=True, eq=False)
 class _EncodedRows:

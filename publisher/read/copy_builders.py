@@ -6,7 +6,8 @@ A factory is any `model_config -> nn.Module` function (`publisher.dlrm.build_ser
 the built-in DLRM, a user's `build` for their own model); it is called with the manifest's
 `model_config` (hostile input: it comes from the store), so a version of another config is
 another model, rebuilt from its full version. Its weights need not be initialised: every table
-row and dense tensor is written by the full version before a reader sees the copy.
+row and dense tensor is written by the full version before a reader sees the copy (the free rows
+a full of a dynamic table leaves out are set to zero, docs/FORMAT.md 7.1).
 
 The budget is checked before anything is allocated (publisher/memory_budget.py): the factory's
 module is first built on the meta device (`torch.device("meta")`: shapes, no memory), its

@@ -339,6 +339,10 @@ class HeldTable(ABC):
         """Write rows `rows_of` or `write_blob` returned for a table of this format."""
         rows.scatter(self.array)
 
+    def zero_rows(self, ids: npt.NDArray[np.int64]) -> None:
+        """Set rows `ids` to zero: every value 0.0 (a fused row's codes, scale and bias 0)."""
+        self.array[ids] = 0
+
     def copy_from(self, source: HeldTable, ids: npt.NDArray[np.int64] | None = None) -> None:
         """Make rows `ids` (None: every row) equal to `source`'s, of the same format."""
         if source.format != self.format:

@@ -52,7 +52,8 @@ class NewestIdEntries:
 
     `add` each version's entries with its table blob's row ids, newest first, then `build`.
     Every blob must agree on the map's mode (hashed or dynamic), and the chain must give every
-    row (its baseline is a full), else IdMapBlobError.
+    row (its baseline is a full), else IdMapBlobError; but for a dynamic map, whose full may
+    carry only the rows its ids hold (docs/FORMAT.md 7.1), a row no blob gives is free.
     """
 
     def __init__(self, rows: int) -> None:
@@ -86,7 +87,7 @@ class NewestIdEntries:
     def build(self) -> IdMap:
         """The map: IdMapBlobError if a row was never given, IdMapError (from `IdMap.apply`)
         if the entries break the map's rules."""
-        if self._hashed is None or not self._filled.all():
+        if self._hashed is None or (self._hashed and not self._filled.all()):
             missing = int((~self._filled).sum())
             raise IdMapBlobError(f"the chain gives no id-map entry for {missing} rows")
         id_map = IdMap(self.rows, hashed=self._hashed)

@@ -249,6 +249,16 @@ class ModelCopy:
             if absent:
                 raise ApplyError(f"full version {m.version} lacks dense tensors {sorted(absent)}")
         for table in fetched.tables:
+            if (
+                m.kind == "full"
+                and table.blob.n_rows < table.blob.table_rows
+                and (table.id_entries is None or table.id_map_hashed)
+            ):
+                raise ApplyError(
+                    f"full version {m.version} carries {table.blob.n_rows} of the "
+                    f"{table.blob.table_rows} rows of table {table.name!r}: only a table with a "
+                    "dynamic id map may leave rows out (docs/FORMAT.md 7.1)"
+                )
             held = self.id_maps.get(table.name)
             if (
                 table.id_entries is not None
@@ -287,6 +297,14 @@ class ModelCopy:
                     touched.add_whole(table.name)
             # A blob of every row is written in place: a full table costs no second copy.
             held = self.tables[table.name]
+            if fetched.manifest.kind == "full" and table.blob.n_rows < held.rows:
+                # A full of the rows a dynamic map's ids hold: the rest are free and zero, and
+                # the map holds the blob's entries only (docs/FORMAT.md 7.1).
+                free = np.ones(held.rows, dtype=np.bool_)
+                free[table.blob.row_ids] = False
+                held.zero_rows(np.flatnonzero(free))
+                self.id_maps.pop(table.name, None)
+                touched.add_whole(table.name)
             rows = held.write_blob(table.blob)
             if rows is None:
                 touched.add_whole(table.name)

@@ -6,10 +6,13 @@
 
 The tables are the module's `nn.Embedding` / `nn.EmbeddingBag` modules, named by module path as
 the manifests name them (`publisher.write.tracker.find_embedding_tables`); each gets its whole
-restored weights, and the dense state (every other parameter and buffer, as the trainer's
-state_dict named them) goes in with them in one `load_state_dict`. Every table and shape is
-checked before anything is written, so a module that does not fit is left as it was. Optimizer
-state is not a module's: `trainer.resume.load_restored` loads it into a trainer.
+restored weights, but for the rows no version of the chain carried (the free rows a full of a
+table with a dynamic id map leaves out, docs/FORMAT.md 7.1), which keep the module's own values
+(a module just built: its initialisation); and the dense state (every other parameter and
+buffer, as the trainer's state_dict named them) goes in with them in one `load_state_dict`.
+Every table and shape is checked before anything is written, so a module that does not fit is
+left as it was. Optimizer state is not a module's: `trainer.resume.load_restored` loads it into
+a trainer.
 """
 
 from __future__ import annotations
@@ -74,7 +77,12 @@ def module_state_dict(
                 f"(from row {restored.row_start}) in version {state.version}"
             )
         key = weight_key(name) if weight_keys is None else weight_keys[name]
-        weights[key] = torch.from_numpy(restored.weights)
+        values = torch.from_numpy(restored.weights)
+        if len(restored.unwritten):  # a copy: the restored arrays stay the version's
+            rows = torch.from_numpy(restored.unwritten)
+            values = values.clone()
+            values[rows] = table.weight.detach()[rows].to(values.dtype)
+        weights[key] = values
     dense = {k: torch.from_numpy(v) for k, v in state.dense.items()}
     loaded = {**dense, **weights}
     _check_keys(module, loaded, state.version, strict)

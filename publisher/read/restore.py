@@ -66,6 +66,9 @@ class TableState:
     aux: np.ndarray  # float32 (rows, aux_dim)
     #: the table's global row that `weights[0]` is: 0 unless a row range was restored.
     row_start: int = 0
+    #: rows (of `weights`) no version of the chain carried, restored as zero: the free rows a
+    #: full of a table with a dynamic id map leaves out (docs/FORMAT.md 7.1).
+    unwritten: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -156,7 +159,7 @@ def _restore_table(
     """
     entries = [_chain_entry(ref, target_entry, chain[-1].manifest) for ref in chain]
     baseline = entries[0]
-    if baseline.rows_in_checkpoint != baseline.rows:
+    if baseline.rows_in_checkpoint != baseline.rows and baseline.id_map is None:
         raise RestoreError(
             f"table {baseline.name!r} of version {chain[0].version}: the chain must start with "
             "a full table"
@@ -192,12 +195,19 @@ def _restore_table(
         if id_rows is not None:
             _add_id_entries(store, id_rows, entry, blob)
     newest_rows.decode()
+    table.unwritten = newest_rows.zero_unfilled()
     id_map = None
     if id_rows is not None:
         try:
             id_map = id_rows.build()
         except (FormatError, IdMapError) as exc:
             raise RestoreError(f"table {target_entry.name!r}: id map: {exc}") from exc
+    if len(table.unwritten) and (id_map is None or id_map.hashed):
+        raise RestoreError(
+            f"table {target_entry.name!r}: the chain of version {chain[-1].version} gives no "
+            f"value for {len(table.unwritten)} rows, which only a full of a table with a "
+            "dynamic id map may leave out (docs/FORMAT.md 7.1)"
+        )
     read = sum(part.blob.size for e in entries for part in _overlapping(e, start, end))
     read += sum(e.id_map.size for e in entries if e.id_map is not None)
     return table, id_map, read

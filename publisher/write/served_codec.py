@@ -159,7 +159,7 @@ class ServedCodec:
             tables.append(self.encode_table(t, self.tunables, q))
             if meter is not None:
                 measuring = time.perf_counter()
-                meter.apply_table(t.name, t.row_ids, decode_rows(q))
+                meter.apply_table(t.name, t.row_ids, decode_rows(q), whole=t.whole)
                 measure_s += time.perf_counter() - measuring
             del q
         served_loss = None

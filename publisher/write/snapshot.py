@@ -55,6 +55,9 @@ class TableRows:
     #: the global rows [start, end) of the shard a job's rank holds (docs/FORMAT.md 3.3); None:
     #: the whole table. `row_ids` stay global row numbers, within the range.
     row_range: tuple[int, int] | None = None
+    #: the rows are the table's whole state: a row not among them is free and zero
+    #: (docs/FORMAT.md 7.1; `held_rows`).
+    whole: bool = False
 
     @property
     def dim(self) -> int:
@@ -80,8 +83,38 @@ class TableRows:
         e = self.id_entries
         return e.entries() if isinstance(e, IdCapture) else e
 
+    def held_rows(self) -> TableRows:
+        """Every row of a table with a dynamic id map cut to those a full carries
+        (docs/FORMAT.md 7.1): row 0, the unknown row, and the rows an id holds, `whole` (the
+        rest free and zero). Any other rows (a delta's, a shard's, a table without a dynamic
+        map) are returned as they are. Resolves the id-map capture: not on the training thread.
+        """
+        if (
+            self.id_entries is None
+            or self.id_map_hashed
+            or self.row_range is not None
+            or self.n_rows != self.table_rows
+        ):
+            return self
+        entries = self.id_map_entries()
+        assert entries is not None
+        keep = entries.assigned.copy()  # every row is here: position == row
+        keep[0] = True
+        if keep.all():
+            return self
+        positions = np.flatnonzero(keep)
+        return replace(
+            self,
+            row_ids=self.row_ids[positions],
+            values=self.values[positions],
+            aux=self.aux[positions],
+            id_entries=entries.take(positions),
+            whole=True,
+        )
+
     def merge(self, newer: TableRows) -> TableRows:
-        """Union of both row sets; rows present in `newer` take its values (and id entries)."""
+        """Union of both row sets; rows present in `newer` take its values (and id entries).
+        (Snapshots are merged before `held_rows` cuts them: neither is `whole`.)"""
         if self.row_range != newer.row_range:
             raise SnapshotMergeError(
                 f"table {self.name!r}: a snapshot of rows {self.row_range} cannot take one of "
@@ -171,6 +204,13 @@ class Snapshot:
             f"the snapshot at step {self.position.step} ({self.position.samples_seen:,} samples) "
             f"holds NaN or inf in {where}: refused, nothing committed"
         )
+
+    def held_rows(self) -> Snapshot:
+        """A full snapshot with each table cut to the rows a full carries (`TableRows.held_rows`:
+        a table with a dynamic id map, to its held rows); a delta as it is."""
+        if self.kind != "full":
+            return self
+        return replace(self, tables=tuple(t.held_rows() for t in self.tables))
 
     def merge(self, newer: Snapshot) -> Snapshot:
         """This pending snapshot with a newer one folded in.

@@ -189,7 +189,7 @@ def test_unassigned_row_zero_is_fine_but_an_id_on_it_is_refused(tmp_path: Path) 
     three_versions(store)
 
     def on_row_zero(entry: dict[str, Any]) -> bytes:
-        e = IdMap(ROWS).entries()
+        e = IdMap(ROWS).entries(np.arange(entry["rows_in_checkpoint"]))  # rows 0, 1, ...
         forged = IdEntries(e.assigned.copy(), e.counts, e.last_seen, ("zero", *e.keys[1:]))
         forged.assigned[0] = True
         return encode_id_entries(forged, hashed=False)
@@ -255,14 +255,45 @@ def test_a_table_with_an_id_map_restores_whole_not_a_row_range(tmp_path: Path) -
     assert same_map(every.id_maps["users"], states[-1])
 
 
-def test_newest_id_entries_needs_every_row() -> None:
+def test_newest_id_entries_needs_every_row_of_a_hashed_map_and_frees_a_dynamic_ones() -> None:
+    hashed = NewestIdEntries(4)
+    assert hashed.add(np.array([1, 2]), _entries(["", ""]), hashed=True) == 2
+    with pytest.raises(IdMapBlobError, match="no id-map entry for 2 rows"):
+        hashed.build()
     rows = NewestIdEntries(4)
     assert rows.add(np.array([1, 2]), _entries(["a", "b"]), hashed=False) == 2
     assert rows.add(np.array([2, 3]), _entries(["zzz", "c"]), hashed=False) == 1  # 2 taken
-    with pytest.raises(IdMapBlobError, match="no id-map entry for 1 rows"):
-        rows.build()
+    # a dynamic map's full may leave free rows out (docs/FORMAT.md 7.1): row 0 is free
+    assert [rows.build().key_of(r) for r in range(4)] == [None, "a", "b", "c"]
     assert rows.add(np.arange(4), _entries(["", "x", "y", "z"]), hashed=False) == 1
     built = rows.build()
     assert [built.key_of(r) for r in range(4)] == [None, "a", "b", "c"]
     with pytest.raises(IdMapBlobError, match="3 id-map entries for 2 table rows"):
         NewestIdEntries(4).add(np.array([1, 2]), _entries(["a", "b", "c"]), hashed=False)
+
+
+def test_a_full_leaving_rows_out_restores_them_as_zero_unless_its_map_is_hashed(
+    tmp_path: Path,
+) -> None:
+    """docs/FORMAT.md 7.1: only a dynamic map's full may leave (free) rows out."""
+    for hashed in (False, True):
+        store = FileStore(tmp_path / str(hashed))
+        publisher = CheckpointPublisher(store, "m")
+        id_map = IdMap(4, hashed=hashed)
+        if not hashed:
+            id_map.assign("a", 2)
+        ones = np.ones((2, 1), np.float32)
+        rows = TableRows(
+            "t", 4, "fp32", np.array([0, 2]), ones, ones.copy(),
+            id_entries=id_map.entries(np.array([0, 2])), id_map_hashed=hashed,
+        )  # fmt: skip
+        publisher.publish(Snapshot("full", None, "full", (rows,), Position(step=0, samples_seen=0)))
+        publisher.close()
+        if hashed:
+            with pytest.raises(RestoreError, match="no id-map entry for 2 rows"):
+                restore(store, "m")
+            continue
+        table = restore(store, "m").tables["t"]
+        assert table.weights[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+        assert table.aux[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+        assert table.unwritten.tolist() == [1, 3]

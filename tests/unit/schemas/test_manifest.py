@@ -94,11 +94,37 @@ def test_manifest_rejections(overrides: dict[str, Any]) -> None:
 def test_full_fp32_bytes_counts_tables_and_dense_state() -> None:
     """docs/FORMAT.md 3.1: every row x (dim + aux_dim) x 4, plus the dense blobs' tensors."""
     m = parse(manifest_doc(dense_tensor_bytes=3))
-    assert m.table("user").full_fp32_bytes == 100 * (8 + 1) * 4
+    assert m.table("user").full_fp32_bytes(m.metrics) == 100 * (8 + 1) * 4
     assert m.full_fp32_bytes == 100 * (8 + 1) * 4 + 3  # a delta against the full state
     assert m.written_bytes == 15 + len(m.to_json())
     assert m.ratio_to_full_fp32 == m.full_fp32_bytes / m.written_bytes
     assert Manifest.from_json(m.to_json()) == m
+
+
+def _with_id_map(doc: dict[str, Any], **table: Any) -> dict[str, Any]:
+    idmap = {"key": "m/blobs/000000000002-aa/0000-user.idmap", "size": 4, "sha256": SHA}
+    doc["tables"] = [{**doc["tables"][0], "id_map": idmap, **table}]
+    return doc
+
+
+def test_a_dynamic_table_counts_the_rows_its_ids_hold_and_a_restore_every_row() -> None:
+    """docs/FORMAT.md 3.1 and 7.1: with `ids_held_<table>`, full fp32 bytes follow the ids."""
+    m = parse(_with_id_map(manifest_doc(metrics={"ids_held_user": 9.0}, dense_tensor_bytes=3)))
+    assert m.full_fp32_bytes == 10 * (8 + 1) * 4 + 3  # 9 ids and the unknown row
+    assert m.restored_fp32_bytes == 100 * (8 + 1) * 4 + 3
+    # without the metric, or without an id map, every row counts
+    assert parse(_with_id_map(manifest_doc(dense_tensor_bytes=3))).full_fp32_bytes == 3603
+    plain = parse(manifest_doc(metrics={"ids_held_user": 9.0}, dense_tensor_bytes=3))
+    assert plain.full_fp32_bytes == 3603
+
+
+FULL = {"kind": "full", "baseline": 2, "applies_to": None}
+
+
+def test_only_a_full_of_a_table_with_an_id_map_may_leave_rows_out() -> None:
+    assert parse(_with_id_map(manifest_doc(**FULL))).table("user").rows_in_checkpoint == 7
+    with pytest.raises(ManifestError, match="every row"):
+        parse(manifest_doc(**FULL))
 
 
 def test_manifest_without_tensor_bytes_counts_whole_dense_blob() -> None:

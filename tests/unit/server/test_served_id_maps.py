@@ -425,3 +425,28 @@ def test_the_digest_covers_the_id_maps(tmp_path: Path) -> None:
     finally:
         w.live.close()
         w.run.close()
+
+
+def test_a_full_of_the_held_rows_is_served_with_every_other_row_zero(world: LiveWorld) -> None:
+    """docs/FORMAT.md 7.1: a full carries the rows its ids hold; a server building it zeroes
+    the rest (here a row an earlier version served to an id since evicted)."""
+    world.run.train(events(["a", "b", "c"]))
+    world.run.publish()
+    world.live.bootstrap()
+    gone = world.run.evict("user", "a")
+    world.run.train(events(["b", "c"], ts=TS + 10))
+    v2 = world.run.publish(full=True)
+    entry = Catalog(world.store, "m").find(v2).manifest.table("embeddings.user")
+    user_map = world.run.id_map("user")
+    assert entry.rows_in_checkpoint == len(user_map) + 1 < 32
+    assert world.live.advance(Catalog(world.store, "m").find(v2)) == [v2]
+    assert_serves(world, v2)
+    served = world.live.sink.current()
+    assert served is not None
+    values = served.values("embeddings.user").numpy()
+    free = [r for r in range(32) if r and user_map.key_of(r) is None]
+    assert gone in free and not values[free].any() and values[0].any()
+    asked = [{"user": u, "item": 1, "ts": TS} for u in ("b", "c", "a")]
+    version, scores, unknown = world.scores(asked)
+    assert version == v2 and unknown["user"] == 1
+    np.testing.assert_allclose(scores, world.run.scores(asked), rtol=0, atol=1e-6)

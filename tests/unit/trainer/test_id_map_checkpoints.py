@@ -15,16 +15,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zstandard
 from torch import nn
 
 from publisher.cli import main as store_main
-from publisher.id_map import IDS_HELD_METRIC, IdMap
+from publisher.id_map import IdMap
 from publisher.read.catalog import Catalog
 from publisher.read.restore import restore
 from publisher.read.retention import plan_gc, run_gc
 from publisher.store import FileStore
 from publisher.write.snapshot import Snapshot
+from schemas.id_map_blob import decode_id_map_blob
+from schemas.manifest import IDS_HELD_METRIC
 from trainer.checkpointer import CheckpointError, IncrementalCheckpointer
 
 ROWS = 24  # few rows for the ids drawn: admissions, evictions and reuse all happen
@@ -170,10 +171,14 @@ def test_a_delta_carries_the_entries_of_its_rows_only(tmp_path: Path) -> None:
     full = versions[0].manifest.table("users")
     assert delta.id_map is not None and full.id_map is not None
     assert 0 < delta.rows_in_checkpoint < ROWS
-    # Fewer entries inside (the zstd frame of 24 rows is mostly overhead either way).
+    # Each blob holds the entries of its table blob's rows, no more.
     store = FileStore(tmp_path)
-    inflated = [zstandard.frame_content_size(store.get(e.key)) for e in (delta.id_map, full.id_map)]
-    assert inflated[0] < inflated[1]
+    for entry in (delta, full):
+        assert entry.id_map is not None
+        decoded, hashed = decode_id_map_blob(
+            store.get(entry.id_map.key), n_rows=entry.rows_in_checkpoint
+        )
+        assert decoded.n == entry.rows_in_checkpoint and not hashed
     # What a version wrote counts its id-map blobs.
     manifest = versions[-1].manifest
     assert delta.id_map in manifest.blobs
@@ -388,3 +393,41 @@ def test_a_version_without_id_maps_resumes_into_hashed_maps_only(tmp_path: Path)
         pytest.raises(CheckpointError, match="id map"),
     ):
         ckpt.resume()
+
+
+def test_a_full_carries_the_rows_its_ids_hold_restores_the_rest_as_zero_and_resumes_them_fresh(
+    tmp_path: Path,
+) -> None:
+    """docs/FORMAT.md 7.1: a full's bytes follow the ids held, not the table's capacity."""
+    url = f"file://{tmp_path}"
+    first = Trainer(url)
+    with first.ckpt:
+        first.train(range(2))  # 8 events: at most 8 of the 24 rows hold an id
+        first.ckpt.checkpoint_now(reader={"offset": 2}, force_full=True)
+    held = np.flatnonzero([first.id_map.key_of(r) is not None for r in range(ROWS)])
+    carried = np.concatenate([[0], held])
+    manifest = Catalog(FileStore(tmp_path), "live").versions()[-1].manifest
+    entry = manifest.table("users")
+    assert manifest.kind == "full" and entry.rows_in_checkpoint == len(carried) < ROWS
+    dense = manifest.full_fp32_bytes - entry.full_fp32_bytes(manifest.metrics)
+    assert entry.full_fp32_bytes(manifest.metrics) == len(carried) * (4 + entry.aux_dim) * 4
+    assert manifest.restored_fp32_bytes == ROWS * (4 + entry.aux_dim) * 4 + dense
+
+    state = restore(FileStore(tmp_path), "live")
+    table = state.tables["users"]
+    weights = first.model.users.weight.detach().numpy()
+    np.testing.assert_array_equal(table.weights[carried], weights[carried])  # fp32: bitwise
+    free = np.setdiff1d(np.arange(ROWS), carried)
+    assert table.unwritten.tolist() == free.tolist()
+    assert not table.weights[free].any() and not table.aux[free].any()
+    assert same_map(state.id_maps["users"], first.id_map)
+
+    second = Trainer(url, seed=1)
+    built = second.model.users.weight.detach().numpy().copy()
+    with second.ckpt:
+        second.ckpt.resume()
+        resumed = second.model.users.weight.detach().numpy()
+        np.testing.assert_array_equal(resumed[carried], weights[carried])
+        # the rows no version carried keep the new model's own initial values, not zeros
+        np.testing.assert_array_equal(resumed[free], built[free])
+        assert same_map(second.id_map, first.id_map)
