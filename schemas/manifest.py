@@ -7,7 +7,8 @@ pydantic models that forbid extra fields. Rules (MUST):
 - `schema_version` is 1; `model` matches `[A-Za-z0-9._-]{1,128}`.
 - `version` >= 1 and > `parent`; `parent` and `parent_manifest` are both null or both set.
 - `kind` is `full` or `delta`; a full has `baseline == version` and `applies_to` null and every
-  table's `rows_in_checkpoint == rows`; a delta has `baseline <= applies_to < version`.
+  table's `rows_in_checkpoint == rows` but a table with an id map's (which may hold the rows its
+  ids hold, section 7.1); a delta has `baseline <= applies_to < version`.
 - Table names are unique; every blob key starts with `model + "/"`, has no `..`, backslash or
   leading slash; sha256 is 64 lowercase hex digits.
 - Every blob key lies under `model + "/blobs/"`; `parent_manifest` (and HEAD's `manifest`) under

@@ -6,9 +6,9 @@ same number of optimizers) and loads the weights, the dense state and every opti
 per-row columns included (`publisher.state_dicts.optimizer_state_dicts`), and the id maps of
 an open id space into the trainer's own `IdMap` objects, in place. Rows no version of the chain
 carried (the free rows a full of a table with a dynamic id map leaves out, docs/FORMAT.md 7.1)
-keep the values the model had before the load (a model just built: its own initialisation) and
-their per-row optimizer state goes back to its initial value. The counters and the reader
-position are the caller's: `state.position`.
+keep the values the model had before the load (a model just built, as a resume's is: its own
+initialisation) and their per-row optimizer state goes back to its initial value. The counters
+and the reader position are the caller's: `state.position`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def load_restored(
         )
     tables = find_embedding_tables(model) if tables is None else tables
     try:
-        weights = module_state_dict(model, state, tables=tables, weight_keys=weight_keys)
+        weights = module_state_dict(
+            model, state, tables=tables, weight_keys=weight_keys, keep_unwritten=True
+        )
     except ModuleStateError as exc:
         raise CheckpointError(str(exc)) from exc
     _check_row_state_owners(state, optimizers, tables)

@@ -249,15 +249,21 @@ class ModelCopy:
             if absent:
                 raise ApplyError(f"full version {m.version} lacks dense tensors {sorted(absent)}")
         for table in fetched.tables:
+            blob = table.blob
             if (
                 m.kind == "full"
-                and table.blob.n_rows < table.blob.table_rows
-                and (table.id_entries is None or table.id_map_hashed)
+                and blob.n_rows < blob.table_rows
+                and (
+                    table.id_entries is None
+                    or table.id_map_hashed
+                    or not blob.n_rows
+                    or blob.row_ids[0] != 0
+                )
             ):
                 raise ApplyError(
-                    f"full version {m.version} carries {table.blob.n_rows} of the "
-                    f"{table.blob.table_rows} rows of table {table.name!r}: only a table with a "
-                    "dynamic id map may leave rows out (docs/FORMAT.md 7.1)"
+                    f"full version {m.version} carries {blob.n_rows} of the {blob.table_rows} "
+                    f"rows of table {table.name!r}: only a table with a dynamic id map may leave "
+                    "rows out, and never row 0, the unknown row (docs/FORMAT.md 7.1)"
                 )
             held = self.id_maps.get(table.name)
             if (
@@ -297,7 +303,8 @@ class ModelCopy:
                     touched.add_whole(table.name)
             # A blob of every row is written in place: a full table costs no second copy.
             held = self.tables[table.name]
-            if fetched.manifest.kind == "full" and table.blob.n_rows < held.rows:
+            sparse_full = fetched.manifest.kind == "full" and table.blob.n_rows < held.rows
+            if sparse_full:
                 # A full of the rows a dynamic map's ids hold: the rest are free and zero, and
                 # the map holds the blob's entries only (docs/FORMAT.md 7.1).
                 free = np.ones(held.rows, dtype=np.bool_)
@@ -308,7 +315,7 @@ class ModelCopy:
             rows = held.write_blob(table.blob)
             if rows is None:
                 touched.add_whole(table.name)
-            else:
+            elif not sparse_full:  # a whole table is copied, not replayed row by row
                 touched.add_rows(table.name, rows)
             _check_written(fetched.manifest, table.name, held, rows)
             id_rows = table.id_rows()

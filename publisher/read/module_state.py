@@ -6,9 +6,9 @@
 
 The tables are the module's `nn.Embedding` / `nn.EmbeddingBag` modules, named by module path as
 the manifests name them (`publisher.write.tracker.find_embedding_tables`); each gets its whole
-restored weights, but for the rows no version of the chain carried (the free rows a full of a
-table with a dynamic id map leaves out, docs/FORMAT.md 7.1), which keep the module's own values
-(a module just built: its initialisation); and the dense state (every other parameter and
+restored weights (the rows no version of the chain carried, the free rows a full of a table
+with a dynamic id map leaves out, as zero: docs/FORMAT.md 7.1; a trainer resuming keeps its
+model's own values there, `keep_unwritten`), and the dense state (every other parameter and
 buffer, as the trainer's state_dict named them) goes in with them in one `load_state_dict`.
 Every table and shape is checked before anything is written, so a module that does not fit is
 left as it was. Optimizer state is not a module's: `trainer.resume.load_restored` loads it into
@@ -44,6 +44,7 @@ def module_state_dict(
     strict: bool = True,
     tables: Mapping[str, EmbeddingModule] | None = None,
     weight_keys: Mapping[str, str] | None = None,
+    keep_unwritten: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The state_dict that loads `state` into `module` (tensors sharing the restored arrays),
     checked: ModuleStateError when a table is missing or of another shape, or a key of it is
@@ -53,7 +54,8 @@ def module_state_dict(
     weights' state_dict keys (default `publisher.state_dicts.weight_key` of each name). With
     `strict`, the version must hold exactly the module's tables; without, tables only one side
     has are left out (and the dense state is loaded with `strict=False` by
-    `load_module_state`).
+    `load_module_state`). `keep_unwritten`: the rows no version carried keep the module's
+    values (a model just built: its own initialisation) instead of the restored zeros.
     """
     found = find_embedding_tables(module) if tables is None else dict(tables)
     missing = sorted(set(found) - set(state.tables))
@@ -78,7 +80,7 @@ def module_state_dict(
             )
         key = weight_key(name) if weight_keys is None else weight_keys[name]
         values = torch.from_numpy(restored.weights)
-        if len(restored.unwritten):  # a copy: the restored arrays stay the version's
+        if keep_unwritten and len(restored.unwritten):  # a copy: the arrays stay the version's
             rows = torch.from_numpy(restored.unwritten)
             values = values.clone()
             values[rows] = table.weight.detach()[rows].to(values.dtype)

@@ -202,11 +202,14 @@ def _restore_table(
             id_map = id_rows.build()
         except (FormatError, IdMapError) as exc:
             raise RestoreError(f"table {target_entry.name!r}: id map: {exc}") from exc
-    if len(table.unwritten) and (id_map is None or id_map.hashed):
+    if len(table.unwritten) and (
+        id_map is None or id_map.hashed or table.unwritten[0] + start == 0
+    ):
         raise RestoreError(
             f"table {target_entry.name!r}: the chain of version {chain[-1].version} gives no "
             f"value for {len(table.unwritten)} rows, which only a full of a table with a "
-            "dynamic id map may leave out (docs/FORMAT.md 7.1)"
+            "dynamic id map may leave out, and never row 0, the unknown row "
+            "(docs/FORMAT.md 7.1)"
         )
     read = sum(part.blob.size for e in entries for part in _overlapping(e, start, end))
     read += sum(e.id_map.size for e in entries if e.id_map is not None)

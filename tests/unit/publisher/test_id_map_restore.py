@@ -297,3 +297,18 @@ def test_a_full_leaving_rows_out_restores_them_as_zero_unless_its_map_is_hashed(
         assert table.weights[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
         assert table.aux[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
         assert table.unwritten.tolist() == [1, 3]
+
+
+def test_a_full_leaving_out_the_unknown_row_is_refused(tmp_path: Path) -> None:
+    store = FileStore(tmp_path)
+    publisher = CheckpointPublisher(store, "m")
+    id_map = IdMap(4)
+    id_map.assign("a", 2)
+    ones = np.ones((1, 1), np.float32)
+    rows = TableRows(
+        "t", 4, "fp32", np.array([2]), ones, ones.copy(), id_entries=id_map.entries(np.array([2]))
+    )
+    publisher.publish(Snapshot("full", None, "full", (rows,), Position(step=0, samples_seen=0)))
+    publisher.close()
+    with pytest.raises(RestoreError, match="never row 0"):
+        restore(store, "m")
