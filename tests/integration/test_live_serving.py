@@ -127,8 +127,13 @@ def test_new_and_reused_ids_reach_the_servers(
             tables = {t["feature"]: t for t in server.info()["id_space"]["tables"]}
             assert tables["user"]["ids_held"] == len(run.id_map("user")) == 13
         # The served user table is the trainer's, bit for bit: the reused row holds the new
-        # id's re-initialised and trained values, not the old id's.
-        trainer_user = run.model.embeddings["user"].weight.detach().numpy()
+        # id's re-initialised and trained values, not the old id's; the rows no id holds are
+        # zero (the first full left them out, docs/FORMAT.md 7.1, and no delta wrote them).
+        trainer_user = run.model.embeddings["user"].weight.detach().numpy().copy()
+        user_map = run.id_map("user")
+        free = [r for r in range(1, len(trainer_user)) if user_map.key_of(r) is None]
+        assert free
+        trainer_user[free] = 0.0
         assert expected["embeddings.user"] == hashlib.sha256(trainer_user.tobytes()).hexdigest()
         for server in servers:
             assert server.info()["rejected_versions"] == 0
