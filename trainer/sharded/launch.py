@@ -123,7 +123,11 @@ def _spawned_rank(
         # When it failed (a monotonic clock all processes share), before its teardown: its
         # peers fail next, when their collectives lose it, and the job's error is the first.
         failed = {"at": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"}
-        (failures / f"{rank}.json").write_text(json.dumps(failed))
+        # Whole or not at all: the spawner terminates the other ranks as soon as one fails,
+        # maybe while this one writes (a half-written record once failed the job's report).
+        partial = failures / f"{rank}.json.part"
+        partial.write_text(json.dumps(failed))
+        os.replace(partial, failures / f"{rank}.json")
 
     run_rank(
         main,
@@ -141,6 +145,7 @@ def _first_failure(exc: ProcessRaisedException | ProcessExitedException, failure
     """What stopped the job: a rank that died without raising (the spawner saw it exit first),
     else the rank whose exception came first."""
     raised = {int(path.stem): json.loads(path.read_text()) for path in failures.glob("*.json")}
+    # (a record being written when its rank was terminated is a `.part` file: not read)
     if isinstance(exc, ProcessExitedException) and exc.error_index not in raised:
         return f"rank {exc.error_index} died: {_exit_reason(exc.exit_code)}"
     if not raised:
