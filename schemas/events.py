@@ -128,7 +128,7 @@ def event_object(value: bytes | None, fields: EventFields) -> tuple[dict[str, An
     return obj, ts, label
 
 
-def _number(value: object) -> float | None:
+def finite_number(value: object) -> float | None:
     """A JSON number as a finite float, None for anything else (a bool is not a number)."""
     kind = type(value)
     if kind is float:
@@ -144,7 +144,7 @@ def _number(value: object) -> float | None:
 def _time(value: object) -> float:
     if value is None:
         raise EventError("missing_ts", "no `ts`")
-    ts = _number(value)
+    ts = finite_number(value)
     if ts is None or ts < 0:
         raise EventError("bad_ts", f"`ts` must be a finite number >= 0, got {_shown(value)}")
     return ts
@@ -153,12 +153,12 @@ def _time(value: object) -> float:
 def _label(obj: Mapping[str, Any], threshold: float) -> float:
     label, rating = obj.get("label"), obj.get("rating")
     if label is not None:
-        number = _number(label)
+        number = finite_number(label)
         if number is None or not 0.0 <= number <= 1.0:
             raise EventError("bad_label", f"`label` must be in [0, 1], got {_shown(label)}")
         return number
     if rating is not None:
-        number = _number(rating)
+        number = finite_number(rating)
         if number is None:
             raise EventError("bad_label", f"`rating` must be a finite number, got {_shown(rating)}")
         return 1.0 if number >= threshold else 0.0
@@ -206,7 +206,7 @@ def event_number(value: object, name: str) -> float | None:
     EventError("bad_dense") for anything but a JSON number within float64's range."""
     if value is None:
         return None
-    number = _number(value)
+    number = finite_number(value)
     if number is None:
         raise EventError(
             "bad_dense", f"dense feature {name!r} must be a finite number, got {_shown(value)}"

@@ -479,17 +479,21 @@ class Manifest(_Frozen):
     @property
     def full_fp32_bytes(self) -> int:
         """What a full fp32 checkpoint of this version's state holds (docs/FORMAT.md 3.1)."""
-        dense = _tensor_bytes(self.dense, self.dense_tensor_bytes)
-        dense += _tensor_bytes(self.optimizer, self.optimizer_tensor_bytes)
-        return sum(t.full_fp32_bytes(self.metrics) for t in self.tables) + dense
+        tables = sum(t.full_fp32_bytes(self.metrics) for t in self.tables)
+        return tables + self._dense_state_bytes
 
     @property
     def restored_fp32_bytes(self) -> int:
         """What a restore of this version allocates: every row of every table (held or not)
         with its optimizer columns in fp32, and the dense and optimizer tensors."""
+        tables = ((t.rows, t.dim, t.aux_dim) for t in self.tables)
+        return full_fp32_bytes(tables, self._dense_state_bytes)
+
+    @property
+    def _dense_state_bytes(self) -> int:
+        """The tensors of the dense and optimizer blobs (section 3.1)."""
         dense = _tensor_bytes(self.dense, self.dense_tensor_bytes)
-        dense += _tensor_bytes(self.optimizer, self.optimizer_tensor_bytes)
-        return full_fp32_bytes(((t.rows, t.dim, t.aux_dim) for t in self.tables), dense)
+        return dense + _tensor_bytes(self.optimizer, self.optimizer_tensor_bytes)
 
     @property
     def served_fp32_bytes(self) -> int:

@@ -30,7 +30,6 @@ O(ids in the request), whatever the size of the maps.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import torch
 from publisher.dlrm import TABLE_PREFIX, SparseBatch
 from publisher.id_map import UNKNOWN_ROW, IdMap, canonical_key
 from publisher.live_features import LiveSpec
+from schemas.events import finite_number
 from server.feature_batch import FeatureBatch
 from server.feature_problems import Problems
 
@@ -121,11 +121,8 @@ def _dense_value(value: object, name: str) -> float | str:
     """`value` as dense feature `name`'s number, or why it is not one (the events' rule)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"dense feature {name!r} needs a number, got {type(value).__name__}"
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
+    number = finite_number(value)
+    if number is None:
         return f"dense feature {name!r} must be a finite number"
     return number
 
@@ -134,11 +131,8 @@ def _ts_value(value: object) -> float | str:
     """`value` as a request time, or why it is not one."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return f"`ts` needs a number of unix seconds, got {type(value).__name__}"
-    try:
-        seconds = float(value)
-    except OverflowError:  # an integer past float's range
-        seconds = math.inf
-    if not math.isfinite(seconds) or seconds < 0:
+    seconds = finite_number(value)  # None: an integer past float's range
+    if seconds is None or seconds < 0:
         return "`ts` must be finite unix seconds >= 0 (the events' rule)"
     return seconds
 
