@@ -181,7 +181,7 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
         # Blobs and manifest, against docs/FORMAT.md 3.1's full fp32 checkpoint (as `train`).
         "bytes": m.written_bytes,
         # The id-map blobs' share of `bytes` (docs/FORMAT.md section 7).
-        "id_map_bytes": sum(t.id_map.size for t in m.tables if t.id_map is not None),
+        "id_map_bytes": sum(t.id_map_bytes for t in m.tables),
         "full_fp32_bytes": m.full_fp32_bytes,
         "ratio_vs_full_fp32": round(m.ratio_to_full_fp32, 3),
         "created_at": m.created_at.isoformat(),
@@ -231,7 +231,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def _ids_held(m: Manifest, t: TableEntry) -> int | None:
     """The ids the version's dynamic id map of `t` holds, as its writer recorded them."""
-    held = m.metrics.get(f"{IDS_HELD_METRIC}{t.name}") if t.id_map is not None else None
+    held = m.metrics.get(f"{IDS_HELD_METRIC}{t.name}") if t.has_id_map else None
     return None if held is None else int(held)
 
 
@@ -277,8 +277,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 for s in t.shards
             ],
             # The id map of the same rows (docs/FORMAT.md section 7); null without one.
-            "id_map_bytes": None if t.id_map is None else t.id_map.size,
-            "id_map_key": None if t.id_map is None else t.id_map.key,
+            "id_map_bytes": t.id_map_bytes if t.has_id_map else None,
+            "id_map_keys": [ref.key for ref in t.id_map_refs],
             "ids_held": _ids_held(m, t),
         }
         for t in m.tables

@@ -136,7 +136,7 @@ def id_map_restore_bytes(
     the keys, whose bytes are at most `id_map_blob_bytes` (the sizes of the id-map blobs read:
     every key comes from one)."""
     restored = {t.name: t.rows for t in manifest.tables} if rows is None else rows
-    mapped = sum(restored.get(t.name, 0) for t in manifest.tables if t.id_map is not None)
+    mapped = sum(restored.get(t.name, 0) for t in manifest.tables if t.has_id_map)
     return mapped * ID_MAP_ROW_BYTES + id_map_blob_bytes if mapped else 0
 
 
@@ -155,5 +155,5 @@ def served_id_maps_bytes(manifest: Manifest) -> int:
             else HASHED_ID_MAP_ROW_BYTES
         )
         for t in manifest.tables
-        if t.id_map is not None
+        if t.has_id_map
     )

@@ -18,6 +18,7 @@ check.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +107,18 @@ class IdEntries:
             self.counts[positions].copy(),
             self.last_seen[positions].copy(),
             tuple(self.keys[int(i)] for i in positions),
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[IdEntries]) -> IdEntries:
+        """The entries of `parts` one after the other (a sharded table's, in shard order)."""
+        if len(parts) == 1:
+            return parts[0]
+        return IdEntries(
+            np.concatenate([p.assigned for p in parts]).astype(np.bool_, copy=False),
+            np.concatenate([p.counts for p in parts]).astype(np.int64, copy=False),
+            np.concatenate([p.last_seen for p in parts]).astype(np.float64, copy=False),
+            tuple(key for p in parts for key in p.keys),
         )
 
     @staticmethod

@@ -133,6 +133,8 @@ class TableShard(_Frozen):
     row_end: int = Field(ge=1, le=2**31)
     rows_in_checkpoint: int = Field(ge=0)
     blob: BlobRef
+    #: the id-map blob of the shard's rows (docs/FORMAT.md 3.3, 7.2); null: none.
+    id_map: BlobRef | None = None
 
     @model_validator(mode="after")
     def _range(self) -> TableShard:
@@ -149,6 +151,11 @@ class TableShard(_Frozen):
     def rows(self) -> int:
         """Rows of the shard: the `table_rows` its blob declares."""
         return self.row_end - self.row_start
+
+    @model_serializer(mode="wrap")
+    def _omit_no_map(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A shard without an id map is written as before `id_map` existed on shards.
+        return _without_null(handler(self), "id_map")
 
 
 class TableEntry(_Frozen):
@@ -187,7 +194,11 @@ class TableEntry(_Frozen):
 
     def _check_shards(self, shards: tuple[TableShard, ...]) -> None:
         if self.id_map is not None:
-            raise ValueError(f"sharded table {self.name!r} cannot carry an id map")
+            raise ValueError(
+                f"sharded table {self.name!r} carries its id map in its shards, not the entry"
+            )
+        if len({s.id_map is None for s in shards}) > 1:
+            raise ValueError(f"either every shard of table {self.name!r} has an id map or none")
         # Sorted, back to back, from 0 to rows: no row is missing or held twice.
         ends = [0, *(s.row_end for s in shards)]
         starts = [s.row_start for s in shards]
@@ -225,14 +236,31 @@ class TableEntry(_Frozen):
             row_end=self.rows,
             rows_in_checkpoint=self.rows_in_checkpoint,
             blob=self.blob,
+            id_map=self.id_map,
         )
         return (whole,)
 
     @property
+    def has_id_map(self) -> bool:
+        """Whether the table carries an id map: in its entry, or in its shards (3.3)."""
+        return self.id_map is not None or (
+            self.shards is not None and self.shards[0].id_map is not None
+        )
+
+    @property
+    def id_map_refs(self) -> tuple[BlobRef, ...]:
+        """The table's id-map blobs, one per part (`parts`) in order; empty: no id map."""
+        return tuple(p.id_map for p in self.parts if p.id_map is not None)
+
+    @property
+    def id_map_bytes(self) -> int:
+        """Bytes of the table's id-map blobs in the store."""
+        return sum(ref.size for ref in self.id_map_refs)
+
+    @property
     def blobs(self) -> tuple[BlobRef, ...]:
-        """Every blob of this table: its row blobs (one, or one per shard), then its id map."""
-        refs = [part.blob for part in self.parts]
-        return (*refs, self.id_map) if self.id_map is not None else tuple(refs)
+        """Every blob of this table: its row blobs (one, or one per shard), then its id maps."""
+        return (*(part.blob for part in self.parts), *self.id_map_refs)
 
     @property
     def stored_bytes(self) -> int:
@@ -248,7 +276,7 @@ class TableEntry(_Frozen):
         """The rows a full fp32 checkpoint of this table counts (docs/FORMAT.md 3.1): every
         row, or for a table with an id map whose version's `metrics` say how many ids it holds,
         those and the unknown row."""
-        held = metrics.get(IDS_HELD_METRIC + self.name) if self.id_map is not None else None
+        held = metrics.get(IDS_HELD_METRIC + self.name) if self.has_id_map else None
         if held is None or not 0 <= held < self.rows:
             return self.rows
         return int(held) + 1
@@ -421,7 +449,7 @@ class Manifest(_Frozen):
                 raise ValueError("a full version has baseline == version and applies_to null")
             for table in self.tables:
                 # a table with an id map may hold the rows its ids hold (docs/FORMAT.md 7.1)
-                if table.rows_in_checkpoint != table.rows and table.id_map is None:
+                if table.rows_in_checkpoint != table.rows and not table.has_id_map:
                     raise ValueError(f"full version holds every row of table {table.name!r}")
         else:
             if self.applies_to is None or not self.baseline <= self.applies_to < self.version:

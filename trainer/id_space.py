@@ -42,8 +42,9 @@ than its row's first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -96,6 +97,53 @@ class MappedIds:
     prior: npt.NDArray[np.int64]
 
 
+@dataclass(frozen=True)
+class IdRequest:
+    """One feature's occurrences of a batch: numbers of the keys its id space (or
+    `LocalIds`) was told by `learn` (-1: no id), their event times, and whether their prior
+    counts are wanted."""
+
+    feature: str
+    numbers: npt.NDArray[np.int32]
+    ts: npt.NDArray[np.float64]
+    prior: bool
+
+
+class LocalIds:
+    """A batch's features mapped by this process's id spaces: the one-process `IdMapper`
+    (a job of N ranks maps with trainer/sharded/owned_ids.py's `OwnedIds`)."""
+
+    def __init__(self, spaces: Mapping[str, IdSpace]) -> None:
+        self.spaces = spaces
+
+    def learn(self, feature: str, keys: Sequence[str]) -> None:
+        self.spaces[feature].learn(keys)
+
+    def renumber(self) -> None:
+        for space in self.spaces.values():
+            space.renumber()
+
+    def map(self, requests: Sequence[IdRequest], now: float | None) -> list[MappedIds]:
+        return [
+            self.spaces[r.feature].map(r.numbers, r.ts, prior=r.prior, now=now) for r in requests
+        ]
+
+    def idle(self) -> None:
+        """A step without events (nothing to do in one process)."""
+
+
+class IdMapper(Protocol):
+    """How a stream maps its batches' ids: `LocalIds`, or a job's `OwnedIds`."""
+
+    def learn(self, feature: str, keys: Sequence[str]) -> None: ...
+
+    def renumber(self) -> None: ...
+
+    def map(self, requests: Sequence[IdRequest], now: float | None) -> list[MappedIds]: ...
+
+    def idle(self) -> None: ...
+
+
 class IdSpace:
     """One table's id space: its `IdMap` and the policy that fills and empties it.
 
@@ -112,8 +160,18 @@ class IdSpace:
         *,
         reset_rows: Callable[[Rows], None] | None = None,
         mark_rows: Callable[[Rows], None] | None = None,
+        own_rows: tuple[int, int] | None = None,
     ) -> None:
+        """`own_rows`: the rows [start, end) this space may give (a rank's shard of the
+        table in a job of N ranks, docs/FORMAT.md 7.2; its map holds only the ids it owns);
+        None: every row."""
         self.id_map = id_map
+        start, end = own_rows if own_rows is not None else (0, id_map.rows)
+        if not 0 <= start < end <= id_map.rows:
+            raise ValueError(f"own_rows [{start}, {end}) is not within {id_map.rows} rows")
+        self.own_rows = (start, end)
+        #: ids this space can hold at once: its rows but the unknown row.
+        self.capacity = 0 if id_map.hashed else end - start - int(start <= UNKNOWN_ROW)
         self.policy = policy
         self.reset_rows = reset_rows
         #: marks rows dirty: those given to an id (its map entry changed; with cold start the
@@ -126,7 +184,7 @@ class IdSpace:
         #: occurrences that found the table full and lost to its victim (trained UNKNOWN_ROW).
         self.refused = 0
         #: occurrences of ids without a row; None in hash mode.
-        self.sketch = None if id_map.hashed else FrequencySketch.for_capacity(id_map.capacity)
+        self.sketch = None if id_map.hashed else FrequencySketch.for_capacity(max(1, self.capacity))
         #: per row: occurrences of its id lately (halved with the sketch).
         self._recent = np.zeros(0 if id_map.hashed else id_map.rows, dtype=np.int64)
         #: the next victims of a full table (lowest recent count last) and their last_seen then.
@@ -155,6 +213,9 @@ class IdSpace:
             self._held[:] = True
             self._held[UNKNOWN_ROW] = False
             self._held[free] = False
+            start, end = self.own_rows
+            if (start, end) != (0, self.id_map.rows):  # the rows this space may give
+                free = free[(free >= start) & (free < end)]
             self._free = free[::-1].tolist()  # a stack: the lowest row is handed out first
             self._recent[:] = np.where(self._held, np.minimum(self.id_map.counts, 255), 0)
             self._victims, self._victim_seen = [], {}
@@ -321,7 +382,7 @@ class IdSpace:
             candidates = np.flatnonzero(held & ~in_use)
             if not len(candidates):
                 return None
-            n = min(len(candidates), max(1, self.id_map.capacity // EVICT_SHARE))
+            n = min(len(candidates), max(1, self.capacity // EVICT_SHARE))
             if n < len(candidates):
                 candidates = candidates[np.argpartition(last_seen[candidates], n - 1)[:n]]
             # Popped from the end: the fewest recent occurrences, then the least recently seen

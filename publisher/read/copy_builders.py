@@ -220,7 +220,7 @@ class TensorBuilder(CopyBuilder):
 
 
 def _mapped(manifest: Manifest) -> frozenset[str]:
-    return frozenset(e.name for e in manifest.tables if e.id_map is not None)
+    return frozenset(e.name for e in manifest.tables if e.has_id_map)
 
 
 def _check_tables(manifest: Manifest, module: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """The one path from a manifest's id-map blobs to id maps: restore, resume and serving.
 
-A table entry with an `id_map` carries the map's state of exactly the rows its table blob
-carries, in the same order (docs/FORMAT.md section 7). `read_id_entries` fetches, verifies and
+A table entry with an `id_map` (or a sharded table whose shards have one each) carries the
+map's state of exactly the rows its table blob(s) carry, in the same order (docs/FORMAT.md
+sections 7, 3.3). `read_id_entries` fetches, verifies and
 decodes one such blob, refusing an entry that declares more bytes than its rows can take before
 anything is fetched. `NewestIdEntries` rebuilds a map from a chain read newest version first,
 by the rule that rebuilds the rows (blob_rows.NewestRows): each row's entry comes from the
@@ -26,24 +27,38 @@ from schemas.manifest import TableEntry
 
 
 def read_id_entries(store: ObjectStore, entry: TableEntry) -> tuple[IdEntries, bool]:
-    """The id-map entries of `entry`'s rows and whether its map is hashed: fetched, checked
-    against the sha256 and size in the manifest, decoded with `rows_in_checkpoint` rows.
+    """The id-map entries of `entry`'s rows and whether its map is hashed: each part's blob
+    (one, or one per shard: docs/FORMAT.md 3.3) fetched, checked against the sha256 and size in
+    the manifest, decoded with the part's `rows_in_checkpoint` rows; a sharded table's entries
+    concatenated in shard order, the order its rows are read in.
 
-    IdMapBlobError (before any fetch) when the entry has no id map or declares a blob larger
-    than `max_id_map_blob_bytes` of its rows; the store's error on a sha256 or size mismatch;
-    the decoder's FormatError on malformed bytes.
+    IdMapBlobError (before any fetch) when the entry has no id map or a part declares a blob
+    larger than `max_id_map_blob_bytes` of its rows, or when the shards disagree on the map's
+    mode; the store's error on a sha256 or size mismatch; the decoder's FormatError on
+    malformed bytes.
     """
-    ref = entry.id_map
-    if ref is None:
+    if not entry.has_id_map:
         raise IdMapBlobError(f"table {entry.name!r} has no id map in this version")
-    cap = max_id_map_blob_bytes(entry.rows_in_checkpoint)
-    if ref.size > cap:
+    for part in entry.parts:
+        assert part.id_map is not None  # the manifest's rule: every shard or none
+        cap = max_id_map_blob_bytes(part.rows_in_checkpoint)
+        if part.id_map.size > cap:
+            raise IdMapBlobError(
+                f"{part.id_map.key}: an id map of {part.rows_in_checkpoint} rows is at most "
+                f"{cap} bytes, the manifest says {part.id_map.size}"
+            )
+    decoded = []
+    for part in entry.parts:
+        ref = part.id_map
+        assert ref is not None
+        data = store.get_verified(ref.key, ref.size, ref.sha256)
+        decoded.append(decode_id_map_blob(data, n_rows=part.rows_in_checkpoint))
+    modes = {hashed for _, hashed in decoded}
+    if len(modes) > 1:
         raise IdMapBlobError(
-            f"{ref.key}: an id map of {entry.rows_in_checkpoint} rows is at most {cap} bytes, "
-            f"the manifest says {ref.size}"
+            f"the shards of table {entry.name!r} disagree on whether its map is hashed"
         )
-    data = store.get_verified(ref.key, ref.size, ref.sha256)
-    return decode_id_map_blob(data, n_rows=entry.rows_in_checkpoint)
+    return IdEntries.concat([entries for entries, _ in decoded]), decoded[0][1]
 
 
 class NewestIdEntries:

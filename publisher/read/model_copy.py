@@ -226,9 +226,7 @@ class ModelCopy:
                 f"the served model: tables {[(e.name, e.rows, e.dim) for e in m.tables]}, "
                 f"served {[(n, *t.shape) for n, t in self.tables.items()]}"
             )
-        wrong = sorted(
-            e.name for e in m.tables if (e.id_map is not None) != (e.name in self.mapped)
-        )
+        wrong = sorted(e.name for e in m.tables if e.has_id_map != (e.name in self.mapped))
         if wrong:
             raise ApplyError(
                 f"version {m.version}: tables {wrong} disagree with the served model on id "

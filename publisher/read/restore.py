@@ -159,12 +159,12 @@ def _restore_table(
     """
     entries = [_chain_entry(ref, target_entry, chain[-1].manifest) for ref in chain]
     baseline = entries[0]
-    if baseline.rows_in_checkpoint != baseline.rows and baseline.id_map is None:
+    if baseline.rows_in_checkpoint != baseline.rows and not baseline.has_id_map:
         raise RestoreError(
             f"table {baseline.name!r} of version {chain[0].version}: the chain must start with "
             "a full table"
         )
-    with_map = [entry.id_map is not None for entry in entries]
+    with_map = [entry.has_id_map for entry in entries]
     if any(with_map) and not all(with_map):
         versions = [ref.version for ref, has in zip(chain, with_map, strict=True) if not has]
         raise RestoreError(
@@ -212,7 +212,7 @@ def _restore_table(
             "(docs/FORMAT.md 7.1)"
         )
     read = sum(part.blob.size for e in entries for part in _overlapping(e, start, end))
-    read += sum(e.id_map.size for e in entries if e.id_map is not None)
+    read += sum(e.id_map_bytes for e in entries)
     return table, id_map, read
 
 
@@ -236,12 +236,11 @@ def _add_id_entries(
     store: ObjectStore, id_rows: NewestIdEntries, entry: TableEntry, blob: DeltaBlob
 ) -> None:
     """Read `entry`'s id-map blob and add it for `blob`'s rows; RestoreError if it is bad."""
-    assert entry.id_map is not None  # the caller checked the chain
     try:
         entries, hashed = read_id_entries(store, entry)
         id_rows.add(blob.row_ids, entries, hashed=hashed)
     except FormatError as exc:
-        raise RestoreError(f"{entry.id_map.key}: {exc}") from exc
+        raise RestoreError(f"table {entry.name!r}: id map: {exc}") from exc
 
 
 def _read_entry(store: ObjectStore, entry: TableEntry, rows: RowRange) -> DeltaBlob:
@@ -307,12 +306,9 @@ def restore_chain(
             )
         entries = [e for e in entries if e.name in tables]
     ranges = _row_ranges(target, entries, rows or {})
-    mapped = {t.name for t in entries if t.id_map is not None}
+    mapped = {t.name for t in entries if t.has_id_map}
     id_map_bytes = sum(
-        t.id_map.size
-        for ref in chain
-        for t in ref.manifest.tables
-        if t.id_map is not None and t.name in mapped
+        t.id_map_bytes for ref in chain for t in ref.manifest.tables if t.name in mapped
     )
     try:
         restored = {name: end - start for name, (start, end) in ranges.items()}

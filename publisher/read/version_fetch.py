@@ -135,7 +135,7 @@ def fetch_version(
 
     def read(entry: TableEntry) -> FetchedTable:
         blob = read_blob(store, entry)
-        if entry.id_map is None:
+        if not entry.has_id_map:
             return FetchedTable(entry, blob)
         id_entries, hashed = read_id_entries(store, entry)
         return FetchedTable(entry, blob, id_entries, hashed)

@@ -102,14 +102,14 @@ def encode_table(
     an id map) as an id-map blob.
 
     The rows of a shard (`rows.row_range`) become a shard blob (docs/FORMAT.md section 3.3):
-    a table of `end - start` rows with shard-local ids; ShardRowsError for a row outside the
-    range or a shard with an id map (a sharded table has none)."""
+    a table of `end - start` rows with shard-local ids, and its id-map entries the shard's id
+    map; ShardRowsError for a row outside the range."""
     q = quantized if quantized is not None else encode_rows(rows.codec, rows.values)
     aux_encoding = aux_encoding_for(rows.codec)
     id_entries = rows.id_map_entries()
     table_rows, row_ids = rows.table_rows, rows.row_ids
     if rows.row_range is not None:
-        table_rows, row_ids = _shard_rows(rows, id_entries is not None)
+        table_rows, row_ids = _shard_rows(rows)
     blob = DeltaBlob(
         table=rows.name,
         codec=rows.codec,
@@ -138,11 +138,11 @@ def encode_table(
 
 
 class ShardRowsError(BadDataError):
-    """The rows of a shard do not fit it: a row outside its range, a range outside the table,
-    or an id map on a sharded table."""
+    """The rows of a shard do not fit it: a row outside its range, or a range outside the
+    table."""
 
 
-def _shard_rows(rows: TableRows, has_id_map: bool) -> tuple[int, np.ndarray]:
+def _shard_rows(rows: TableRows) -> tuple[int, np.ndarray]:
     """(rows of the shard, its shard-local row ids) of `rows.row_range`, checked."""
     assert rows.row_range is not None
     start, end = rows.row_range
@@ -151,8 +151,6 @@ def _shard_rows(rows: TableRows, has_id_map: bool) -> tuple[int, np.ndarray]:
             f"table {rows.name!r}: shard rows [{start}, {end}) are not within its "
             f"{rows.table_rows} rows"
         )
-    if has_id_map:
-        raise ShardRowsError(f"table {rows.name!r}: a sharded table carries no id map")
     ids = rows.row_ids
     if ids.size and (int(ids[0]) < start or int(ids[-1]) >= end):
         raise ShardRowsError(

@@ -523,6 +523,7 @@ def _table_entry(pieces: list[WrittenTable]) -> TableEntry:
                 row_end=p.row_range[1],
                 rows_in_checkpoint=p.rows_in_checkpoint,
                 blob=p.blob,
+                id_map=p.id_map,
             )
         )
     return TableEntry(

@@ -441,7 +441,10 @@ def test_evicted_rows_are_reinitialised_and_published_with_their_new_ids(
                 assert not np.array_equal(weights[row], old_weights[row]), (ref.version, row)
                 reused += 1
         previous = state
-    assert reused > 50
+    # ~15 of the 15 rows change hands between two versions (>= 256 events of 150 users apart);
+    # how many versions there are depends on how many snapshots waited behind a busy publisher
+    # and were folded into one (trainer/checkpoint_records.py)
+    assert len(refs) >= 2 and reused >= 8 * (len(refs) - 1), (reused, len(refs))
 
 
 def _is_bad(value: bytes) -> bool:

@@ -90,6 +90,7 @@ from trainer.sharded.dirty_rows import ShardDirtyRows
 from trainer.sharded.host_copies import ChunkedShardFull, ShardRowCopier, chunk_plan
 from trainer.sharded.local_shards import ShardedTable, local_shards
 from trainer.sharded.optimizer_state import job_optimizer_state
+from trainer.sharded.owned_ids import OwnedIds, ShardRowReset
 from trainer.sharded.restore_shards import restore_sharded
 from trainer.sharded.training_group import all_reduce_max
 
@@ -248,6 +249,8 @@ class ShardedCheckpointer:
             self._copier.reserve_full()
         #: a full baseline being copied in chunks, from its first stop to its last.
         self._chunked: _Chunked | None = None
+        #: this rank's part of a dynamic id space (`attach_ids`), None: the tables have no map.
+        self.ids: OwnedIds | None = None
         self.ledger = CheckpointRecords()
         self._results: list[PublishResult] = []
         self._user_on_published = on_published
@@ -606,7 +609,7 @@ class ShardedCheckpointer:
         if version is None:
             version = self._agreed_latest()
         position = restore_sharded(
-            self.model, self.dense_optimizer, self.store, self.model_name, version
+            self.model, self.dense_optimizer, self.store, self.model_name, version, ids=self.ids
         )
         self.resumed_from = version
         self.clock.resume_at(position.step, position.samples_seen)
@@ -615,6 +618,20 @@ class ShardedCheckpointer:
         self._chunked = None  # a full being copied in chunks was of the state replaced here
         self.policy.force_full()
         return position
+
+    def attach_ids(self, ids: OwnedIds) -> None:
+        """Checkpoint (and resume) the id maps of this rank's part of a dynamic id space with
+        the rows of its shards (docs/FORMAT.md 7.2): each shard's id-map entries are the map
+        of its owner, this rank; the rows its owners re-initialise or give are marked dirty."""
+        self.ids = ids
+        maps = {}
+        for feature, space in ids.spaces.items():
+            table = ids.tables[feature]
+            (shard,) = self.tables[table].shards
+            reset = ShardRowReset(table, shard, self.dirty.mark)
+            space.reset_rows, space.mark_rows = reset, reset.mark
+            maps[table] = space.id_map
+        self._copier.id_maps = maps
 
     def _agreed_latest(self) -> int:
         """The latest committed version, as rank 0 reads it, on every rank: read by each rank,

@@ -57,17 +57,30 @@ class ShardDirtyRows:
         #: the GPU the bitmaps are reduced on with NCCL: the shards' (None: the current one).
         self.device = next(iter(shard_devices(self.tables)), None)
         self._name_of = table_namer(model)
+        #: rows changed without a lookup since the last `take` (`mark`), per table.
+        self._marked: dict[str, list[RowIds]] = {}
+
+    def mark(self, table: str, rows: RowIds) -> None:
+        """Count global `rows` of this rank's shard of `table` as changed: rows an owner of a
+        dynamic id space re-initialised or gave to an id (trainer/sharded/owned_ids.py)."""
+        self._marked.setdefault(table, []).append(np.asarray(rows, dtype=np.int64))
 
     def take(self) -> dict[str, RowIds]:
-        """Global rows of this rank's shards looked up since the last call, per table (sorted,
-        int64); resets the record."""
+        """Global rows of this rank's shards looked up (or marked) since the last call, per
+        table (sorted, int64); resets the record."""
         # The tracker keys ids by the table's module path.
         looked_up = {self._name_of(fqn): ids for fqn, ids in self.tracker.get_unique_ids().items()}
+        marked, self._marked = self._marked, {}
         rows: dict[str, RowIds] = {}
         for name, table in self.tables.items():
             local = looked_up.get(name)
+            extra = marked.get(name, [])
             if local is None or local.numel() == 0 or not table.shards:
-                rows[name] = np.empty(0, dtype=np.int64)
+                rows[name] = (
+                    np.unique(np.concatenate(extra))
+                    if extra and table.shards
+                    else (np.empty(0, dtype=np.int64))
+                )
                 continue
             ids = local.to("cpu", torch.int64)  # a GPU shard's tracker holds device ids
             # One shard per table and rank is what TorchRec's planner makes; several would
@@ -76,7 +89,9 @@ class ShardDirtyRows:
                 raise CheckpointError(
                     f"table {name!r}: {len(table.shards)} shards on one rank; one is supported"
                 )
-            rows[name] = np.unique((ids + table.shards[0].row_start).numpy())
+            rows[name] = np.unique(
+                np.concatenate([(ids + table.shards[0].row_start).numpy(), *extra])
+            )
         return rows
 
     def union(self, mine: Mapping[str, RowIds]) -> dict[str, RowIds]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from publisher.id_map import IdMap
 from publisher.write.snapshot import TableRows
 from publisher.write.tracker import RowIds
 from trainer.errors import CheckpointError
@@ -53,6 +54,9 @@ class ShardRowCopier:
         self.devices = shard_devices(self.tables)
         self.on_gpu = bool(self.devices)
         self.buffers = RowBufferPool(pinned=self.on_gpu)
+        #: table -> the id map of this rank's shard (a dynamic id space's owner map): its
+        #: entries of the copied rows go with them (docs/FORMAT.md 7.2).
+        self.id_maps: dict[str, IdMap] = {}
 
     def reserve_full(self) -> None:
         """Allocate and touch the host buffers of one full copy of this rank's shards now, for
@@ -90,6 +94,7 @@ class ShardRowCopier:
     ) -> TableRows:
         """Rows `ids` (global) of this rank's shard of `table`, copied into `values`, `aux`."""
         (shard,) = table.shards
+        id_map = self.id_maps.get(table.name)
         return TableRows(
             name=table.name,
             table_rows=table.rows,
@@ -97,6 +102,7 @@ class ShardRowCopier:
             row_ids=ids,
             values=values,
             aux=aux,
+            id_entries=None if id_map is None else id_map.capture(ids),
             row_range=None if table.whole else (shard.row_start, shard.row_end),
         )
 

@@ -48,11 +48,12 @@ from trainer.options import (
 )
 from trainer.report_text import served_text
 from trainer.sharded.checkpointing import ShardedCheckpointer
-from trainer.sharded.collective import TorchCollective
+from trainer.sharded.collective import GlooGroup, TorchCollective
 from trainer.sharded.data import check_batch_size
 from trainer.sharded.file_steps import FileSteps
 from trainer.sharded.loop import ShardedReport, StepSource, train_steps
 from trainer.sharded.model import build_sharded_dlrm, dense_parameters
+from trainer.sharded.owned_ids import IdOwners, OwnedIds
 from trainer.sharded.plan import ROWWISE_ADAGRAD_EPS
 from trainer.sharded.step_votes import StepAgreement, rank_partitions
 from trainer.sharded.topic_part import RankTopicPart
@@ -83,16 +84,15 @@ def check_job_options(args: argparse.Namespace, world_size: int) -> None:
             "rounds are collectives on the rank's process group, which a child process does "
             "not join"
         )
-    if is_live(args.data) and args.id_space != "hash":
-        raise CommandError(
-            f"--id-space {args.id_space}: a dynamic id space's map belongs to one process, and "
-            "the tables of a sharded job (--nproc) carry no id map: use --id-space hash"
-        )
-    if is_live(args.data) and args.count_features not in ("", _DEFAULT_COUNTS):
+    if (
+        is_live(args.data)
+        and args.id_space == "hash"
+        and args.count_features not in ("", _DEFAULT_COUNTS)
+    ):
         raise CommandError(
             f"--count-features {args.count_features}: the prior counts servers read are kept "
-            "in id maps, which the tables of a sharded job (--nproc) do not carry: a sharded "
-            "job trains no count feature (leave out --count-features)"
+            "in id maps, which the hashed tables of a sharded job (--nproc) do not carry: "
+            "use --id-space dynamic (the default), or leave out --count-features"
         )
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
@@ -167,6 +167,11 @@ def _train_rank(
     source: StepSource
     try:
         agreement = StepAgreement.new(COLLECTIVE_TIMEOUT_S)
+        if topic is not None and args.id_space == "dynamic":
+            # every rank, in the same order as its other groups
+            group = GlooGroup.new(COLLECTIVE_TIMEOUT_S)
+            owners = IdOwners.gather(checkpointer.tables, group)
+            checkpointer.attach_ids(OwnedIds.for_stream(topic.part.stream, owners, group))
         if topic is None:
             start, resumed = _resume(
                 checkpointer, args, store, model_name, lambda p: stream.resume_offset(p.reader)
@@ -248,9 +253,10 @@ class _TopicSplit:
         """Ask the broker for the job's partitions and take this rank's."""
         partitions = topic_partitions(EventSource.parse(args.data))
         mine = rank_partitions(partitions, rank, world_size)
-        # no count features (check_job_options): they need the id maps' counts
-        uncounted = argparse.Namespace(**{**vars(args), "count_features": ""})
-        stream = open_live_stream(uncounted, stop_event, partitions=mine)
+        if args.id_space == "hash":
+            # no count features (check_job_options): they need the id maps' counts
+            args = argparse.Namespace(**{**vars(args), "count_features": ""})
+        stream = open_live_stream(args, stop_event, partitions=mine)
         return cls(RankTopicPart(stream, mine), partitions, rank, world_size)
 
     def resume(self, position: Position) -> int:

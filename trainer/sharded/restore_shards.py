@@ -34,6 +34,7 @@ from trainer.sharded.optimizer_state import (
     dense_optimizer_state,
     load_dense_optimizer,
 )
+from trainer.sharded.owned_ids import OwnedIds
 
 
 def restore_sharded(
@@ -44,10 +45,13 @@ def restore_sharded(
     version: int | None = None,
     *,
     budget: MemoryBudget | None = None,
+    ids: OwnedIds | None = None,
 ) -> Position:
     """Load `version` (the latest when None) into this rank's shards, its dense parameters and
     `dense_optimizer`; returns the version's position. Every rank calls it. A version whose
-    tables are not the model's raises CheckpointError before any blob is fetched."""
+    tables are not the model's raises CheckpointError before any blob is fetched. `ids`: this
+    rank's part of a dynamic id space, which takes the version's id maps, re-partitioned for
+    this world size (trainer/sharded/owned_ids.py) before the rows are loaded."""
     tables = local_shards(model)
     chain = restore_plan(Catalog(store, model_name), version)
     target = chain[-1].manifest
@@ -58,6 +62,8 @@ def restore_sharded(
         if table.shards
     }
     state = restore_chain(store, chain, budget=budget, tables=set(held), rows=held)
+    if ids is not None:
+        ids.load(state)
     load_sharded(state, model, dense_optimizer)
     return state.position
 
@@ -67,7 +73,7 @@ def _rows_to_restore(target: Manifest, name: str, table: ShardedTable) -> RowRan
     version's table carries an id map (a one-process trainer's, docs/FORMAT.md 3.3), which
     restores only whole (its map covers every row)."""
     entry = target.table(name)
-    return (0, entry.rows) if entry.id_map is not None else _held_rows(table)
+    return (0, entry.rows) if entry.has_id_map else _held_rows(table)
 
 
 def _held_rows(table: ShardedTable) -> RowRange:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from publisher.dlrm import TABLE_PREFIX
+from schemas.manifest import IDS_HELD_METRIC
 from trainer.sharded.data import RankBatch, padded_batch
 from trainer.sharded.step_votes import StepPlan
 from trainer.streams.base import Batch
@@ -79,6 +81,7 @@ class RankTopicPart:
         step of a job with a sample limit takes fewer than it holds); None when `n` is 0."""
         raw, self._held = self._held, None
         if raw is None or n == 0:
+            self.stream.id_mapper.idle()  # a job's owners map ids at every step: its peers wait
             return None
         batch = self.stream.take(raw.head(n) if n < raw.n else raw, self._taken)
         self._taken += n
@@ -106,5 +109,13 @@ class RankTopicPart:
         return state
 
     def metrics(self) -> dict[str, float]:
-        """This rank's bad events by reason and consumer lag: the job's are their sums."""
-        return {**self.stream.bad.metrics(), "consumer_lag": float(self.stream.lag)}
+        """This rank's bad events by reason and consumer lag, and in a dynamic id space the
+        counters of the ids it owns (trainer/sharded/owned_ids.py): the job's are their sums."""
+        stream = self.stream
+        if stream.spec.id_space == "hash":
+            return {**stream.bad.metrics(), "consumer_lag": float(stream.lag)}
+        held = {
+            IDS_HELD_METRIC + TABLE_PREFIX + name: float(len(space.id_map))
+            for name, space in stream.id_spaces.items()
+        }
+        return {**stream.metrics(), **held}

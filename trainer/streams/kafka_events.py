@@ -36,7 +36,7 @@ from publisher.state_dicts import OptimizerStateLayout
 from publisher.write.tracker import DirtyRowTracker, EmbeddingModule
 from schemas.events import BadEventCounts, EventFields
 from trainer.event_clock import EventClock
-from trainer.id_space import IdSpace, IdSpacePolicy
+from trainer.id_space import IdMapper, IdRequest, IdSpace, IdSpacePolicy, LocalIds
 from trainer.row_reset import RowReset
 from trainer.streams.base import Batch, DataError, InteractionStream, fingerprint_of
 from trainer.streams.event_columns import RawEvents
@@ -94,9 +94,12 @@ class KafkaEventStream(InteractionStream):
         policy = policy or IdSpacePolicy()
         #: each event's time bounded, and the stream clock (docs/FORMAT.md section 8.1).
         self.clock = EventClock(policy.max_event_lead_s)
+        self.policy = policy
         self.id_spaces = {
             f.name: IdSpace(self.id_maps[TABLE_PREFIX + f.name], policy) for f in spec.features
         }
+        #: maps each batch's ids: this process's spaces, or a job's owners (`use_mapper`).
+        self.id_mapper: IdMapper = LocalIds(self.id_spaces)
         self.fields = EventFields(
             singles=tuple(f.name for f in spec.features if not f.bag),
             bags=tuple(f.name for f in spec.features if f.bag),
@@ -290,8 +293,7 @@ class KafkaEventStream(InteractionStream):
         self._reader = KafkaReader(config)
         self._batch_size = batch_size
         self._epoch = 0
-        for space in self.id_spaces.values():  # a new reader numbers the keys afresh
-            space.renumber()
+        self.id_mapper.renumber()  # a new reader numbers the keys afresh
         for p, first in self._reader.starts.items():
             self._position[p] = first
         self._highwater.update(self._reader.ends_at_start)
@@ -384,23 +386,26 @@ class KafkaEventStream(InteractionStream):
         now = self.clock.now
         if raw.epoch != self._epoch:  # the reader's numbering started over
             self._epoch = raw.epoch
-            for space in self.id_spaces.values():
-                space.renumber()
+            self.id_mapper.renumber()
+        mapper = self.id_mapper
+        requests: list[IdRequest] = []
+        for name, (keys, numbers) in zip(self.fields.singles, raw.singles, strict=True):
+            mapper.learn(name, keys)
+            requests.append(IdRequest(name, numbers, ts, prior=name in self._counted))
+        for name, (keys, numbers, splits) in zip(self.fields.bags, raw.bags, strict=True):
+            mapper.learn(name, keys)
+            requests.append(IdRequest(name, numbers, np.repeat(ts, np.diff(splits)), False))
+        names = self.fields.singles + self.fields.bags
+        mapped = dict(zip(names, mapper.map(requests, now), strict=True))
         sparse: dict[str, SparseBatch] = {}
         prior: dict[str, np.ndarray] = {}
         single_offsets = torch.arange(n)
-        for name, (keys, numbers) in zip(self.fields.singles, raw.singles, strict=True):
-            space = self.id_spaces[name]
-            space.learn(keys)
-            mapped = space.map(numbers, ts, prior=name in self._counted, now=now)
-            sparse[name] = SparseBatch(torch.from_numpy(mapped.rows), single_offsets)
-            prior[name] = mapped.prior
-        for name, (keys, numbers, splits) in zip(self.fields.bags, raw.bags, strict=True):
-            space = self.id_spaces[name]
-            space.learn(keys)
-            mapped = space.map(numbers, np.repeat(ts, np.diff(splits)), prior=False, now=now)
+        for name in self.fields.singles:
+            sparse[name] = SparseBatch(torch.from_numpy(mapped[name].rows), single_offsets)
+            prior[name] = mapped[name].prior
+        for name, (_, _, splits) in zip(self.fields.bags, raw.bags, strict=True):
             sparse[name] = SparseBatch(
-                torch.from_numpy(mapped.rows), torch.from_numpy(splits[:-1].copy())
+                torch.from_numpy(mapped[name].rows), torch.from_numpy(splits[:-1].copy())
             )
         dense = self.spec.dense(ts, prior, raw.dense)
         return Batch(

@@ -177,3 +177,23 @@ def test_jobs_of_one_rank_write_whole_tables(tmp_path: Path) -> None:
     run.close()
     assert all(t.shards is None for t in result.manifest.tables)
     assert result.manifest.position.ranks is not None and len(result.manifest.position.ranks) == 1
+
+
+def test_shards_carry_an_id_map_all_or_none_and_never_beside_the_entrys(
+    job: tuple[FileStore, SyntheticRun],
+) -> None:
+    store, _ = job
+    manifest = Catalog(store, "m").find(1).manifest
+    doc = json.loads(manifest.to_json())
+    assert all("id_map" not in s for t in doc["tables"] for s in t["shards"])  # omitted: null
+    table = doc["tables"][0]
+    ref = table["shards"][0]["blob"]
+    both = {**table, "shards": [{**s, "id_map": ref} for s in table["shards"]]}
+    entry = TableEntry.model_validate_json(json.dumps(both))
+    assert entry.has_id_map and entry.id_map_refs == (entry.parts[0].blob,) * 2
+    assert entry.blobs[-2:] == entry.id_map_refs
+    one = {**table, "shards": [{**table["shards"][0], "id_map": ref}, *table["shards"][1:]]}
+    with pytest.raises(ValueError, match=r"every shard of table .* has an id map or none"):
+        TableEntry.model_validate_json(json.dumps(one))
+    with pytest.raises(ValueError, match="carries its id map in its shards"):
+        TableEntry.model_validate_json(json.dumps({**both, "id_map": ref}))

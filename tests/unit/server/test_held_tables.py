@@ -293,7 +293,7 @@ def test_a_buffer_of_quantized_tables_never_writes_their_float32_tables() -> Non
     formats: dict[str, HeldFormat] = {"embeddings.big": "int4", "embeddings.small": "int4"}
     # The two fields of a full version's manifest the builder reads.
     tables = [
-        SimpleNamespace(name=f"embeddings.{f.name}", rows=f.rows, dim=64, id_map=None)
+        SimpleNamespace(name=f"embeddings.{f.name}", rows=f.rows, dim=64, has_id_map=False)
         for f in config.sparse
     ]
     manifest = SimpleNamespace(

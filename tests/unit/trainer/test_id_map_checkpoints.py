@@ -316,7 +316,7 @@ def test_inspect_and_ls_show_the_id_maps(
     assert entry.id_map is not None
     (table,) = doc["tables"]
     assert table["id_map_bytes"] == entry.id_map.size == doc["id_map_bytes"]
-    assert table["id_map_key"] == entry.id_map.key
+    assert table["id_map_keys"] == [entry.id_map.key]
     assert table["ids_held"] == len(t.id_map) > 0
     assert store_main(["inspect", "--store", url, "--model", "live"]) == 0
     text = capsys.readouterr().out
