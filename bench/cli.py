@@ -48,7 +48,8 @@ PARTS = {
     "idspace": "MovieLens through Kafka: dynamic vs hashed id spaces, a new id's freshness",
     "admission": "cold start's calibration, a flood of one-off ids, memory of ids without a row",
     "dense": "the events' numeric fields as model inputs (--dense-features) next to ids only",
-    "livejob": "a live topic trained by a sharded job of N ranks next to one process (Kafka)",
+    "livejob": "a live topic trained by a sharded job of N ranks (hashed, dynamic ids) next to "
+    "one process (Kafka)",
     "servedloss": "what measuring each version's served loss costs training, and what it says",
     "shards": "a job of N ranks publishing row-range shards next to one writer; their restore",
     "shardckpt": "a sharded job's stall per rank and publish time per version, 1 vs 2 ranks",

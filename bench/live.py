@@ -130,12 +130,12 @@ def alternating_rounds(
     part: str,
     n: int,
     partitions: int,
-    arms: tuple[str, str],
+    arms: tuple[str, ...],
     rounds: int,
     train: Callable[[str, str, Path, int], dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """MovieLens' first `n` ratings replayed into a fresh topic of `partitions`, then `rounds`
-    rounds of both arms, alternating which goes first, each trained by `train(arm, url, store,
+    rounds of the arms, in reverse order every other round, each trained by `train(arm, url, store,
     round)` into a store of its own; the topic is deleted at the end. The replay's report and
     each arm's runs."""
     topic = f"bench-{part}-{uuid.uuid4().hex[:10]}"

@@ -6,18 +6,21 @@
 Needs Kafka (CHECKNRUN_KAFKA_BOOTSTRAP; source ~/.cache/checknrun/services/env). MovieLens-1M's
 first `--samples` ratings are replayed into a fresh topic of `--partitions` partitions
 (`checknrun replay`, raw ids, keyed by user), then each round trains it from the start with
-`--stop-at-end`, one arm after the other, alternating which goes first:
+`--stop-at-end`, one arm after the other, in reverse order every other round:
 
 - 1 process: `checknrun train --data kafka://.../TOPIC --id-space hash --count-features ''`;
 - N ranks: the same with `--nproc N --sharding row_wise` (each rank reads its partitions,
-  trainer/sharded/step_votes.py).
+  trainer/sharded/step_votes.py);
+- N ranks, dynamic: `--nproc N --sharding row_wise --id-space dynamic` with the default count
+  features (user, item): each id mapped by its owner rank, two all-gathers a step
+  (trainer/sharded/owned_ids.py, docs/FORMAT.md 7.2).
 
-Both arms train in a hashed id space without count features (all a sharded job can), tables of
-the sizes part `live` uses, the same global batch, and publish to a file store at the end only
-(the default interval is longer than the run). Reported per arm: samples/s (the training loop's
-wall clock: the job's samples over rank 0's loop time for the N-rank arm), then the medians and
-N ranks / 1 process. On this 2-core machine N ranks share the cores with their N reader
-processes and the broker: the figure says what the split costs here, not what N machines gain.
+The arms train tables of the sizes part `live` uses, the same global batch, and publish to a
+file store at the end only (the default interval is longer than the run). Reported per arm:
+samples/s (the training loop's wall clock: the job's samples over rank 0's loop time for an
+N-rank arm), then the medians, N ranks / 1 process (hashed) and dynamic / hashed at N ranks.
+On this 2-core machine N ranks share the cores with their N reader processes and the broker:
+the figure says what the split costs here, not what N machines gain.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from publisher.cli import positive_int
 
 DEFAULT_SAMPLES = 200_000
 BATCH = 512
+ARMS = ("process", "job", "job-dynamic")
+#: the hashed arms: no id map, no count feature.
+HASHED = ["--id-space", "hash", "--count-features", ""]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,12 +76,13 @@ def run(
         "livejob",
         n,
         partitions,
-        ("process", "job"),
+        ARMS,
         rounds,
         lambda arm, url, store, r: _train(arm, url, store, r, nproc),
     )
     process = statistics.median(a["samples_per_s"] for a in arms["process"])
     job = statistics.median(a["samples_per_s"] for a in arms["job"])
+    dynamic = statistics.median(a["samples_per_s"] for a in arms["job-dynamic"])
     doc = {
         "part": "livejob",
         "machine": describe_machine(),
@@ -86,23 +93,28 @@ def run(
         "runs": arms,
         "process_samples_per_s": round(process, 1),
         "job_samples_per_s": round(job, 1),
+        "job_dynamic_samples_per_s": round(dynamic, 1),
         "ratio_job_to_process": round(job / process, 3),
+        "ratio_dynamic_to_hashed_job": round(dynamic / job, 3),
     }
     print(f"live topic of {partitions} partitions, {n:,} MovieLens events, medians")
-    print(f"{'arm':<12} {'samples/s':>10}")
-    print(f"{'1 process':<12} {process:>10,.0f}")
-    print(f"{f'{nproc} ranks':<12} {job:>10,.0f}")
+    print(f"{'arm':<18} {'samples/s':>10}")
+    print(f"{'1 process':<18} {process:>10,.0f}")
+    print(f"{f'{nproc} ranks':<18} {job:>10,.0f}")
+    print(f"{f'{nproc} ranks, dynamic':<18} {dynamic:>10,.0f}")
     print(f"{nproc} ranks / 1 process: {doc['ratio_job_to_process']}x")
+    print(f"dynamic / hashed at {nproc} ranks: {doc['ratio_dynamic_to_hashed_job']}x")
     return doc
 
 
 def _train(arm: str, url: str, store: Path, r: int, nproc: int) -> dict[str, Any]:
+    space = ["--id-space", "dynamic"] if arm == "job-dynamic" else HASHED
     command = [
-        *("train", "--data", url, "--stop-at-end", "--id-space", "hash"),
-        *("--count-features", "", "--id-capacity", ID_CAPACITY, "--batch-size", str(BATCH)),
+        *("train", "--data", url, "--stop-at-end", *space),
+        *("--id-capacity", ID_CAPACITY, "--batch-size", str(BATCH)),
         *("--store", f"file://{store}", "--model", f"{arm}-{r}", "--json", "--no-progress"),
     ]
-    if arm == "job":
+    if arm != "process":
         command += ["--nproc", str(nproc), "--sharding", "row_wise"]
     doc = checknrun_json("trainer.cli", command)
     return {

@@ -30,9 +30,16 @@ class RowTransferError(BadDataError):
 
 
 def rows_to_bytes(tables: Sequence[TableRows]) -> bytes:
-    """`tables`' names, sizes, codecs, shard ranges, row ids and fp32 values as bytes."""
+    """`tables`' names, sizes, codecs, shard ranges, `whole` flags, row ids and fp32 values as
+    bytes."""
     meta = [
-        {"name": t.name, "table_rows": t.table_rows, "codec": t.codec, "row_range": t.row_range}
+        {
+            "name": t.name,
+            "table_rows": t.table_rows,
+            "codec": t.codec,
+            "row_range": t.row_range,
+            "whole": t.whole,
+        }
         for t in tables
     ]
     arrays: dict[str, np.ndarray] = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
@@ -63,6 +70,7 @@ def rows_from_bytes(data: bytes) -> list[TableRows]:
                         values=values,
                         aux=np.zeros((len(ids), 0), dtype=np.float32),
                         row_range=None if row_range is None else (row_range[0], row_range[1]),
+                        whole=bool(m["whole"]),
                     )
                 )
     except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
@@ -72,7 +80,8 @@ def rows_from_bytes(data: bytes) -> list[TableRows]:
 
 def merge_rank_rows(ranks: Sequence[Sequence[TableRows]]) -> tuple[TableRows, ...]:
     """Each table once, its rows from every rank that holds some (ids sorted, whole-table
-    `row_range`), in the order tables first appear."""
+    `row_range`), in the order tables first appear; `whole` (the rows not given are free and
+    zero, docs/FORMAT.md 7.1) when every rank's part is."""
     by_name: dict[str, list[TableRows]] = {}
     for tables in ranks:
         for t in tables:
@@ -94,6 +103,7 @@ def merge_rank_rows(ranks: Sequence[Sequence[TableRows]]) -> tuple[TableRows, ..
                 row_ids=ids,
                 values=values,
                 aux=np.zeros((len(ids), 0), dtype=np.float32),
+                whole=all(p.whole for p in parts),
             )
         )
     return tuple(merged)

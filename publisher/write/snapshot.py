@@ -55,7 +55,8 @@ class TableRows:
     #: the global rows [start, end) of the shard a job's rank holds (docs/FORMAT.md 3.3); None:
     #: the whole table. `row_ids` stay global row numbers, within the range.
     row_range: tuple[int, int] | None = None
-    #: the rows are the table's whole state: a row not among them is free and zero
+    #: the rows are the table's (a shard's: its range's) whole state: a row not among them is
+    #: free and zero
     #: (docs/FORMAT.md 7.1; `held_rows`).
     whole: bool = False
 
@@ -84,22 +85,20 @@ class TableRows:
         return e.entries() if isinstance(e, IdCapture) else e
 
     def held_rows(self) -> TableRows:
-        """Every row of a table with a dynamic id map cut to those a full carries
-        (docs/FORMAT.md 7.1): row 0, the unknown row, and the rows an id holds, `whole` (the
-        rest free and zero). Any other rows (a delta's, a shard's, a table without a dynamic
-        map) are returned as they are. Resolves the id-map capture: not on the training thread.
+        """Every row of a table with a dynamic id map (or of a job's shard of one) cut to those
+        a full carries (docs/FORMAT.md 7.1): row 0, the unknown row, and the rows an id holds,
+        `whole` (the rest of the table, or of the shard, free and zero). Any other rows (a
+        delta's, a table without a dynamic map) are returned as they are. Resolves the id-map
+        capture: not on the training thread.
         """
-        if (
-            self.id_entries is None
-            or self.id_map_hashed
-            or self.row_range is not None
-            or self.n_rows != self.table_rows
-        ):
+        start, end = self.row_range or (0, self.table_rows)
+        if self.id_entries is None or self.id_map_hashed or self.n_rows != end - start:
             return self
         entries = self.id_map_entries()
         assert entries is not None
-        keep = entries.assigned.copy()  # every row is here: position == row
-        keep[0] = True
+        keep = entries.assigned.copy()  # every row of the range is here: position == row - start
+        if start == 0:
+            keep[0] = True
         if keep.all():
             return self
         positions = np.flatnonzero(keep)

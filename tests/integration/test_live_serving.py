@@ -22,6 +22,7 @@ from bench.child_server import ChildServer
 from bench.synthetic_live import SyntheticLiveRun
 from publisher.read.model_copy import id_map_digest
 from publisher.read.restore import restore
+from publisher.store import ObjectStore
 from publisher.store.s3_store import S3Store
 from tests.integration.test_server_fleet import service_env
 
@@ -52,7 +53,7 @@ def served_digest(server: ChildServer) -> dict[str, Any]:
     return data
 
 
-def restored_digest(store: S3Store, version: int) -> dict[str, str]:
+def restored_digest(store: ObjectStore, version: int) -> dict[str, str]:
     """What the servers' digest of `version` must be: restore's rows, dense tensors, maps."""
     state = restore(store, MODEL, version)
     out = {n: hashlib.sha256(t.weights.tobytes()).hexdigest() for n, t in state.tables.items()}

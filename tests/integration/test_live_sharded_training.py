@@ -6,6 +6,7 @@ and the topic, as tests/integration/test_live_training.py checks the one-process
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -16,12 +17,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.child_server import ChildServer
 from publisher.id_map import hashed_rows
 from publisher.read.restore import restore
 from publisher.store import FileStore
 from schemas.id_map_blob import id_key
 
 from .conftest import Services
+from .test_live_serving import TOKEN, served_digest
+from .test_live_serving import restored_digest as restored_digest_of
 from .test_live_training import (
     BAD_EVENTS,
     REPO,
@@ -97,6 +101,20 @@ def _check_id_maps(store_dir: Path, topic: dict[int, list[bytes]]) -> None:
                 assert (owners == homes).all(), (ref.version, table)
 
 
+def _check_served(store_dir: Path, version: int) -> None:
+    """A server follows the job's store: it assembles the shards' id maps into the maps and rows
+    `restore()` rebuilds, and maps raw ids with them."""
+    env = {**os.environ, "CHECKNRUN_SERVER_ADMIN_TOKEN": TOKEN}
+    with ChildServer(f"file://{store_dir}", "live", store_dir / "serve.log", env=env) as server:
+        server.wait_ready()
+        server.wait_version(version)
+        with FileStore(store_dir) as store:
+            assert served_digest(server)["tensors"] == restored_digest_of(store, version)
+        examples = [{"user": "u7", "item": 3}, {"user": "never-seen", "item": 3}]
+        body = server.client.post("/v1/predict", json={"examples": examples}).json()
+        assert body["version"] == version and body["unknown_ids"]["user"] == 1
+
+
 @pytest.mark.parametrize("space", ["dynamic", "hash"])
 def test_two_ranks_train_every_good_event_of_three_partitions_once(
     services: Services, unique_name: str, tmp_path: Path, space: str
@@ -140,6 +158,7 @@ def test_two_ranks_train_every_good_event_of_three_partitions_once(
         assert stream["id_admissions"] == 150 + 60 + 12 and stream["id_evictions"] == 0
         assert last.metrics["ids_held_embeddings.user"] == 150
         _check_id_maps(tmp_path, topic)
+        _check_served(tmp_path, refs[-1].version)
     else:
         assert live["count_features"] == []
     assert live["dense_features"] == [{"name": "price", "transform": "log1p"}]

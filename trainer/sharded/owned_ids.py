@@ -111,6 +111,7 @@ class IdOwners:
             id_map.release(row)
         free = id_map.free_rows()
         moved = dropped = 0
+        taken: list[int] = []
         for index, (start, end, _) in enumerate(self.shards[table]):
             room = free[(free >= start) & (free < end)].tolist()
             for position in np.flatnonzero(want[stray] == index).tolist():
@@ -123,7 +124,10 @@ class IdOwners:
                 id_map.counts[dst], id_map.last_seen[dst] = count, seen
                 state.weights[dst - offset] = values[position]
                 state.aux[dst - offset] = aux[position]
+                taken.append(dst - offset)
                 moved += 1
+        # a row a full left out (restored as zero, to be initialised) now holds a mover's values
+        state.unwritten = np.setdiff1d(state.unwritten, np.asarray(taken, dtype=np.int64))
         fresh = sources[id_map.entries(sources).assigned == 0] - offset
         init_embedding_rows(torch.from_numpy(state.weights), torch.from_numpy(fresh))
         state.aux[fresh] = 0.0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from publisher.dlrm import init_embedding_rows
 from publisher.memory_budget import MemoryBudget
 from publisher.read.catalog import Catalog
 from publisher.read.planner import restore_plan
@@ -121,10 +122,18 @@ def load_sharded(
             weights = torch.from_numpy(state.tables[name].weights)
             accumulator = torch.from_numpy(accumulators[name])
             offset = state.tables[name].row_start
+            unwritten = state.tables[name].unwritten
             for shard in table.shards:
                 rows = slice(shard.row_start - offset, shard.row_end - offset)
                 shard.weight.copy_(weights[rows])
                 shard.accumulator.copy_(accumulator[rows])
+                # The free rows a full left out (docs/FORMAT.md 7.1) restore as zero: they start
+                # as the model initialises a row instead (their accumulator is 0), so an id
+                # given one later starts as on a never-used row, as in one process.
+                free = unwritten[(unwritten >= rows.start) & (unwritten < rows.stop)] - rows.start
+                if len(free):
+                    index = torch.from_numpy(free).to(shard.weight.device)
+                    init_embedding_rows(shard.weight, index)
         for key in dense_keys:
             live[key].copy_(torch.from_numpy(state.dense[key]))
     load_dense_optimizer(state, dense_optimizer, optimizer_state)
