@@ -9,6 +9,7 @@ first `--samples` ratings are replayed into a fresh topic of `--partitions` part
 `--stop-at-end`, one arm after the other, in reverse order every other round:
 
 - 1 process: `checknrun train --data kafka://.../TOPIC --id-space hash --count-features ''`;
+- 1 process, dynamic: `--id-space dynamic` with the default count features (user, item);
 - N ranks: the same with `--nproc N --sharding row_wise` (each rank reads its partitions,
   trainer/sharded/step_votes.py);
 - N ranks, dynamic: `--nproc N --sharding row_wise --id-space dynamic` with the default count
@@ -18,7 +19,8 @@ first `--samples` ratings are replayed into a fresh topic of `--partitions` part
 The arms train tables of the sizes part `live` uses, the same global batch, and publish to a
 file store at the end only (the default interval is longer than the run). Reported per arm:
 samples/s (the training loop's wall clock: the job's samples over rank 0's loop time for an
-N-rank arm), then the medians, N ranks / 1 process (hashed) and dynamic / hashed at N ranks.
+N-rank arm), then the medians, N ranks / 1 process (hashed) and dynamic / hashed at N ranks and
+in one process (what the exchange adds to what mapping raw ids costs anyway).
 On this 2-core machine N ranks share the cores with their N reader processes and the broker:
 the figure says what the split costs here, not what N machines gain.
 """
@@ -42,7 +44,7 @@ from publisher.cli import positive_int
 
 DEFAULT_SAMPLES = 200_000
 BATCH = 512
-ARMS = ("process", "job", "job-dynamic")
+ARMS = ("process", "process-dynamic", "job", "job-dynamic")
 #: the hashed arms: no id map, no count feature.
 HASHED = ["--id-space", "hash", "--count-features", ""]
 
@@ -81,6 +83,7 @@ def run(
         lambda arm, url, store, r: _train(arm, url, store, r, nproc),
     )
     process = statistics.median(a["samples_per_s"] for a in arms["process"])
+    process_dynamic = statistics.median(a["samples_per_s"] for a in arms["process-dynamic"])
     job = statistics.median(a["samples_per_s"] for a in arms["job"])
     dynamic = statistics.median(a["samples_per_s"] for a in arms["job-dynamic"])
     doc = {
@@ -92,29 +95,33 @@ def run(
         "batch_size": BATCH,
         "runs": arms,
         "process_samples_per_s": round(process, 1),
+        "process_dynamic_samples_per_s": round(process_dynamic, 1),
         "job_samples_per_s": round(job, 1),
         "job_dynamic_samples_per_s": round(dynamic, 1),
         "ratio_job_to_process": round(job / process, 3),
         "ratio_dynamic_to_hashed_job": round(dynamic / job, 3),
+        "ratio_dynamic_to_hashed_process": round(process_dynamic / process, 3),
     }
     print(f"live topic of {partitions} partitions, {n:,} MovieLens events, medians")
     print(f"{'arm':<18} {'samples/s':>10}")
     print(f"{'1 process':<18} {process:>10,.0f}")
+    print(f"{'1 process, dynamic':<18} {process_dynamic:>10,.0f}")
     print(f"{f'{nproc} ranks':<18} {job:>10,.0f}")
     print(f"{f'{nproc} ranks, dynamic':<18} {dynamic:>10,.0f}")
     print(f"{nproc} ranks / 1 process: {doc['ratio_job_to_process']}x")
     print(f"dynamic / hashed at {nproc} ranks: {doc['ratio_dynamic_to_hashed_job']}x")
+    print(f"dynamic / hashed in 1 process: {doc['ratio_dynamic_to_hashed_process']}x")
     return doc
 
 
 def _train(arm: str, url: str, store: Path, r: int, nproc: int) -> dict[str, Any]:
-    space = ["--id-space", "dynamic"] if arm == "job-dynamic" else HASHED
+    space = ["--id-space", "dynamic"] if arm.endswith("-dynamic") else HASHED
     command = [
         *("train", "--data", url, "--stop-at-end", *space),
         *("--id-capacity", ID_CAPACITY, "--batch-size", str(BATCH)),
         *("--store", f"file://{store}", "--model", f"{arm}-{r}", "--json", "--no-progress"),
     ]
-    if arm != "process":
+    if arm.startswith("job"):
         command += ["--nproc", str(nproc), "--sharding", "row_wise"]
     doc = checknrun_json("trainer.cli", command)
     return {

@@ -215,6 +215,13 @@ def add_file_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--categorical-cols", type=_names, default=(), help="comma separated")
     f.add_argument("--bag-cols", type=_names, default=(), help="comma separated")
     f.add_argument("--bag-sep", default="|")
+    f.add_argument(
+        "--dense-cols",
+        type=_names,
+        default=(),
+        help="numeric columns, comma separated: model inputs <col>_log1p and <col>_missing; "
+        "replay sends them as the events' fields",
+    )
 
 
 def _non_negative_int(text: str) -> int:

@@ -5,7 +5,8 @@
 
 Every sample becomes one event (docs/FORMAT.md section 8.1) in time order: its raw ids as the
 source names them (MovieLens user ids, movie titles, genres; a file's values; the synthetic
-stream's integer ids), its label, and its time (`ts`: the source's timestamp; the synthetic
+stream's integer ids), a file's `--dense-cols` as numeric fields of the same names (left out
+where missing: docs/FORMAT.md 8.4), its label, and its time (`ts`: the source's timestamp; the synthetic
 stream has none and gets one event per millisecond from SYNTHETIC_EPOCH). The record key is
 the user id (the `user` feature, else the first), so one user's events share a partition and
 stay in order; keys are placed by the murmur2 partitioner the Java client uses, as the
@@ -73,7 +74,8 @@ def event_chunks(
             hi = min(lo + chunk, end)
             ids = {name: stream.column(name).raw(lo, hi) for name in names}
             ts = stream.timestamps[lo:hi] if stream.timestamps is not None else _clock(lo, hi)
-            yield _chunk(ids, ts, stream.labels[lo:hi], key_feature)
+            numbers = {name: column[lo:hi] for name, column in stream.numbers.items()}
+            yield _chunk(ids, ts, stream.labels[lo:hi], key_feature, numbers)
         return
     for batch in stream.batches(chunk, start=start, stop=stop):
         lo, hi = batch.offset, batch.end
@@ -91,10 +93,18 @@ def _clock(lo: int, hi: int) -> np.ndarray:
     return SYNTHETIC_EPOCH + np.arange(lo, hi, dtype=np.float64) * SYNTHETIC_STEP_S
 
 
-def _chunk(ids: dict[str, list[Any]], ts: np.ndarray, labels: np.ndarray, key: str) -> EventChunk:
+def _chunk(
+    ids: dict[str, list[Any]],
+    ts: np.ndarray,
+    labels: np.ndarray,
+    key: str,
+    numbers: dict[str, np.ndarray] | None = None,
+) -> EventChunk:
+    """Events of a run of samples; `numbers`: their dense fields (NaN: left out, missing)."""
     n = len(ts)
     times = ts.tolist()
     label_list = labels.tolist()
+    fields = {name: column.tolist() for name, column in (numbers or {}).items()}
     values = []
     for i in range(n):
         values.append(
@@ -102,6 +112,7 @@ def _chunk(ids: dict[str, list[Any]], ts: np.ndarray, labels: np.ndarray, key: s
                 ts=times[i],
                 label=label_list[i],
                 ids={name: _raw_id(column[i]) for name, column in ids.items()},
+                extra={name: v[i] for name, v in fields.items() if v[i] == v[i]},  # not NaN
             )
         )
     keys = [str(_raw_id(v) or "").encode() for v in ids[key]]

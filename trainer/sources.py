@@ -70,4 +70,5 @@ def column_mapping(args: argparse.Namespace) -> ColumnMapping:
         categorical=tuple(args.categorical_cols),
         bags=tuple(args.bag_cols),
         bag_separator=args.bag_sep,
+        dense=tuple(args.dense_cols),
     )

@@ -1,20 +1,21 @@
 """A dynamic id space over the ranks of a job: each id has an owner rank (docs/FORMAT.md 7.2).
 
     owners = IdOwners.gather(local_shards(dmp), group)   # who holds which rows (a collective)
-    ids = OwnedIds(owners, spaces, group)   # spaces: feature -> this rank's IdSpace
+    ids = OwnedIds(owners, spaces, tables, group)   # feature -> this rank's IdSpace, its table
     ids.learn("user", ["u1", "u2"])          # the reader's numbering, as IdSpace.learn
     mapped = ids.map([IdRequest("user", numbers, ts, prior=True)], now)   # every rank, every step
 
 The owner of an id in a table is the rank holding the row `blake2b-64(key) mod rows` (its
 TorchRec shard; `IdOwners.owner_of`), and the owner gives its ids rows of its own shard only
 (`IdSpace(own_rows=...)`), so the id-map entries of a shard are its owner's map and the rank that
-writes a shard's rows writes its id map. A step maps ids in two all-gathers over a gloo group of
-its own: every rank sends each feature's keys, their occurrences and event times; each owner maps
-the occurrences of the ids it owns, all ranks' in rank order as one batch, with the one-process
-`IdSpace` (admission, eviction, cold start, counts); then every owner sends back the rows and
-prior counts, and each rank puts its occurrences' together. Payloads are JSON in uint8 tensors,
-never pickled. Every rank calls `map` once per step, with no request when it has no events
-(`idle`), as the peers wait for it.
+writes a shard's rows writes its id map. A step maps ids in two exchanges (an all-gather each,
+`JsonGather`) over a gloo group of its own: every rank sends each feature's keys (with their
+owners: each key is hashed once per numbering), their occurrences and event times; each owner
+maps the occurrences of the ids it owns, all ranks' in rank order as one batch, with the
+one-process `IdSpace` (admission, eviction, cold start, counts); then every owner sends back
+the rows and prior counts, and each rank puts its occurrences' together. Payloads are JSON in
+uint8 tensors, never pickled. Every rank calls `map` once per step, with no request when it has
+no events (`idle`), as the peers wait for it.
 
 A restored version (any world size) is re-partitioned by `IdOwners.repartition`: an id whose row
 is not in its owner's shard at this world size moves, with its row, to its owner's lowest free
@@ -45,6 +46,8 @@ from trainer.streams.kafka_events import KafkaEventStream
 log = logging.getLogger(__name__)
 
 Rows = npt.NDArray[np.int64]
+#: the payload room of the exchange's first all-gather (bytes); grown to the largest seen.
+FIRST_ROOM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -144,14 +147,22 @@ class OwnedIds:
         spaces: Mapping[str, IdSpace],
         tables: Mapping[str, str],
         group: GlooGroup,
+        *,
+        room: int = FIRST_ROOM,
     ) -> None:
         """`spaces`: feature -> the `IdSpace` of the ids this rank owns (`own_rows` its shard),
-        for the features whose table this rank holds rows of; `tables`: feature -> its table."""
+        for the features whose table this rank holds rows of; `tables`: feature -> its table;
+        `room`: the exchange's first payload room (`JsonGather`)."""
         self.owners = owners
         self.spaces = dict(spaces)
         self.tables = dict(tables)
         self.group = group
+        self._gather = JsonGather(group, room)
         self._keys: dict[str, list[str]] = {feature: [] for feature in tables}
+        #: number -> its key's owner rank, per feature: each key is hashed once per numbering.
+        self._owners: dict[str, npt.NDArray[np.int64]] = {
+            feature: np.zeros(0, dtype=np.int64) for feature in tables
+        }
 
     @classmethod
     def for_stream(cls, stream: KafkaEventStream, owners: IdOwners, group: GlooGroup) -> OwnedIds:
@@ -173,12 +184,18 @@ class OwnedIds:
 
     def learn(self, feature: str, keys: Sequence[str]) -> None:
         """The next numbers of `feature` name `keys`."""
+        if not keys:
+            return
         self._keys[feature].extend(keys)
+        owners = self.owners.owner_of(self.tables[feature], keys)
+        self._owners[feature] = np.concatenate([self._owners[feature], owners])
 
     def renumber(self) -> None:
         """Forget which keys the numbers name."""
         for keys in self._keys.values():
             keys.clear()
+        for feature in self._owners:
+            self._owners[feature] = np.zeros(0, dtype=np.int64)
 
     # --- a step -------------------------------------------------------------------------------
 
@@ -198,16 +215,17 @@ class OwnedIds:
             unique, occurrence = np.unique(numbers, return_inverse=True)
             names = self._keys[request.feature]
             keys = [names[n] for n in unique.tolist()]
-            owner = self.owners.owner_of(self.tables[request.feature], keys)[occurrence]
-            mine.append((request, present, owner))
+            owners = self._owners[request.feature][unique]
+            mine.append((request, present, owners[occurrence]))
             sent[request.feature] = {
                 "k": keys,
+                "w": owners.tolist(),
                 "o": occurrence.tolist(),
                 "t": request.ts[present].tolist(),
                 "p": request.prior,
             }
-        parts = all_gather_json(self.group, {"now": now, "f": sent})
-        replies = all_gather_json(self.group, self._serve(parts))
+        parts = self._gather({"now": now, "f": sent})
+        replies = self._gather(self._serve(parts))
         out: list[MappedIds] = []
         for request, present, owner in mine:
             rows = np.full(len(request.numbers), UNKNOWN_ROW, dtype=np.int64)
@@ -233,7 +251,6 @@ class OwnedIds:
         me = self.group.rank
         reply: dict[str, dict[str, dict[str, list[int]]]] = {}
         for feature, space in self.spaces.items():
-            table = self.tables[feature]
             numbering: dict[str, int] = {}
             numbers: list[npt.NDArray[np.int64]] = []
             times: list[npt.NDArray[np.float64]] = []
@@ -244,7 +261,7 @@ class OwnedIds:
                 if got is None or not got["k"]:
                     continue
                 keys: list[str] = got["k"]
-                owned = self.owners.owner_of(table, keys) == me
+                owned = np.asarray(got["w"], dtype=np.int64) == me  # the sender hashed them
                 occurrence = np.asarray(got["o"], dtype=np.int64)
                 picked = np.flatnonzero(owned[occurrence])
                 if not len(picked):
@@ -334,18 +351,40 @@ class ShardRowReset:
         self._mark(self.table, rows)
 
 
+class JsonGather:
+    """Every rank's JSON value on every rank, usually in one all-gather: each rank sends its
+    size and payload in a buffer of an agreed room (`FIRST_ROOM`, then the largest payload any
+    rank sent); a payload larger than the room is sent again, in a second all-gather of the
+    largest size, which becomes the room. Every rank decides the same from the sizes."""
+
+    def __init__(self, group: GlooGroup, room: int = FIRST_ROOM) -> None:
+        self.group = group
+        self.room = room
+
+    def __call__(self, value: object) -> list[Any]:
+        group = self.group
+        data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        size = len(data)
+        buffer = torch.zeros(8 + self.room, dtype=torch.uint8)
+        buffer[:8] = torch.frombuffer(bytearray(size.to_bytes(8, "little")), dtype=torch.uint8)
+        if size <= self.room:
+            buffer[8 : 8 + size] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(buffer) for _ in range(group.world_size)]
+        group.run("the id exchange", lambda: dist.all_gather(parts, buffer, group=group.group))
+        sizes = [int.from_bytes(p[:8].numpy().tobytes(), "little") for p in parts]
+        longest = max(sizes)
+        if longest > self.room:  # every rank sees it: all send again, in the larger room
+            self.room = longest
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:size] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            again = [torch.empty_like(padded) for _ in range(group.world_size)]
+            group.run("the id exchange", lambda: dist.all_gather(again, padded, group=group.group))
+            payloads = [a[:n] for a, n in zip(again, sizes, strict=True)]
+        else:
+            payloads = [p[8 : 8 + n] for p, n in zip(parts, sizes, strict=True)]
+        return [json.loads(p.numpy().tobytes()) for p in payloads]
+
+
 def all_gather_json(group: GlooGroup, value: object) -> list[Any]:
-    """Every rank's JSON `value`, in rank order, on every rank (a collective)."""
-    data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.world_size)]
-    mine = torch.tensor([payload.numel()], dtype=torch.int64)
-    group.run("the id exchange", lambda: dist.all_gather(sizes, mine, group=group.group))
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(group.world_size)]
-    group.run("the id exchange", lambda: dist.all_gather(parts, padded, group=group.group))
-    return [
-        json.loads(p[: int(s.item())].numpy().tobytes()) for p, s in zip(parts, sizes, strict=True)
-    ]
+    """Every rank's JSON `value`, in rank order, on every rank (a collective; `JsonGather` once)."""
+    return JsonGather(group)(value)

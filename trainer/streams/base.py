@@ -159,8 +159,11 @@ class ColumnarStream(InteractionStream):
         labels: np.ndarray,
         fingerprint_parts: tuple[object, ...],
         timestamps: np.ndarray | None = None,
+        numbers: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """`timestamps`: event time of each sample (unix seconds), when the data has one."""
+        """`timestamps`: event time of each sample (unix seconds), when the data has one;
+        `numbers`: the data's numeric columns as it has them (float64, NaN: missing), which
+        `checknrun replay` sends as the events' dense fields."""
         n = int(labels.shape[0])
         if dense.shape != (n, len(dense_names)):
             raise DataError(f"dense features are {dense.shape}, expected {(n, len(dense_names))}")
@@ -175,6 +178,7 @@ class ColumnarStream(InteractionStream):
         self._labels = np.ascontiguousarray(labels, dtype=np.float32)
         self._fingerprint = fingerprint_of(*fingerprint_parts, n, features, dense_names)
         self.timestamps = timestamps
+        self.numbers = dict(numbers or {})
 
     @property
     def features(self) -> tuple[SparseFeature, ...]:

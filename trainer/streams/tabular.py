@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from pyarrow import csv
 
 from publisher.dlrm import SparseFeature
-from publisher.live_features import time_features
+from publisher.live_features import DenseFeature, time_features
 from trainer.streams.base import (
     ColumnarStream,
     DataError,
@@ -62,6 +62,12 @@ class ColumnMapping:
     #: columns holding several ids per row, separated by `bag_separator`.
     bags: tuple[str, ...] = ()
     bag_separator: str = "|"
+    #: numeric columns, a value missing where null or empty: each becomes the model's two dense
+    #: inputs `<col>_log1p` and `<col>_missing` (publisher/live_features.py `DenseFeature`), and
+    #: `checknrun replay` sends it as the event's field of that name (docs/FORMAT.md 8.4).
+    #: Out of the repr, which a file stream's fingerprint hashes: a mapping without dense
+    #: columns keeps the fingerprint it had (its dense inputs, also hashed, tell them apart).
+    dense: tuple[str, ...] = field(default=(), repr=False)
 
     def required(self) -> dict[str, str]:
         """Column -> the role it plays, for every column this mapping reads."""
@@ -76,6 +82,8 @@ class ColumnMapping:
             roles[name] = "categorical"
         for name in self.bags:
             roles[name] = "bag"
+        for name in self.dense:
+            roles[name] = "dense"
         return roles
 
 
@@ -123,10 +131,12 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
         labels = (rating >= mapping.rating_threshold).astype(np.float32)
     else:
         labels = _binary(path, mapping.label, table.column(mapping.label))
+    numbers = {name: _numbers(path, name, table.column(name)) for name in mapping.dense}
     if seconds is not None:
         order = np.argsort(seconds, kind="stable")  # ties keep file order: deterministic
         table = table.take(pa.array(order))
         seconds, labels = seconds[order], labels[order]
+        numbers = {name: values[order] for name, values in numbers.items()}
 
     names = _feature_names(path, mapping)
     columns: dict[str, IdColumn] = {}
@@ -145,6 +155,9 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
         dense_cols.update(time_features(seconds))
     dense_cols["user_prior_log"] = prior_count_log(columns["user"].values) / 5.0
     dense_cols["item_prior_log"] = prior_count_log(columns["item"].values) / 5.0
+    for name, values in numbers.items():
+        feature = DenseFeature(name)
+        dense_cols.update(zip(feature.input_names, feature.inputs(values), strict=True))
     dense_names = tuple(dense_cols)
     dense = np.stack([dense_cols[n] for n in dense_names], axis=1).astype(np.float32)
     return ColumnarStream(
@@ -156,6 +169,7 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
         labels=labels,
         fingerprint_parts=(path.name, path.stat().st_size, mapping),
         timestamps=seconds,
+        numbers=numbers,
     )
 
 
@@ -185,6 +199,21 @@ def _numeric(path: Path, name: str, values: pa.ChunkedArray) -> np.ndarray:
     if not np.isfinite(out).all():
         row = int(np.flatnonzero(~np.isfinite(out))[0])
         raise DataError(f"{path}: column {name!r} has a non-finite value at {_file_row(row)}")
+    return out
+
+
+def _numbers(path: Path, name: str, values: pa.ChunkedArray) -> np.ndarray:
+    """float64 values of a numeric column, NaN where a value is missing (null, or an empty
+    CSV cell); DataError for a non-numeric column or an infinite value."""
+    try:
+        out = np.asarray(
+            pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False), dtype=np.float64
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        raise DataError(f"{path}: dense column {name!r} must be numeric ({exc})") from exc
+    if np.isinf(out).any():
+        row = int(np.flatnonzero(np.isinf(out))[0])
+        raise DataError(f"{path}: dense column {name!r} has an infinite value at {_file_row(row)}")
     return out
 
 

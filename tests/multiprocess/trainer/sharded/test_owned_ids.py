@@ -32,7 +32,8 @@ def _rank(rank: int, world: int, root: str) -> None:
     own = owners.own_rows("embeddings.user", rank)
     assert own is not None
     space = IdSpace(IdMap(ROWS), own_rows=own)
-    ids = OwnedIds(owners, {"user": space}, {"user": "embeddings.user"}, group)
+    # a payload room smaller than the first step's: it is sent again in a larger one
+    ids = OwnedIds(owners, {"user": space}, {"user": "embeddings.user"}, group, room=16)
     out: list[dict[str, Any]] = []
     for step, keys in enumerate(STEPS):
         mine = keys[rank]
