@@ -156,8 +156,8 @@ def load_table(path: str | os.PathLike[str], mapping: ColumnMapping) -> Columnar
     dense_cols["user_prior_log"] = prior_count_log(columns["user"].values) / 5.0
     dense_cols["item_prior_log"] = prior_count_log(columns["item"].values) / 5.0
     for name, values in numbers.items():
-        feature = DenseFeature(name)
-        dense_cols.update(zip(feature.input_names, feature.inputs(values), strict=True))
+        numeric = DenseFeature(name)
+        dense_cols.update(zip(numeric.input_names, numeric.inputs(values), strict=True))
     dense_names = tuple(dense_cols)
     dense = np.stack([dense_cols[n] for n in dense_names], axis=1).astype(np.float32)
     return ColumnarStream(
