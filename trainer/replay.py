@@ -7,9 +7,9 @@ Every sample becomes one event (docs/FORMAT.md section 8.1) in time order: its r
 source names them (MovieLens user ids, movie titles, genres; a file's values; the synthetic
 stream's integer ids), a file's `--dense-cols` as numeric fields of the same names (left out
 where missing: docs/FORMAT.md 8.4), its label, and its time (`ts`: the source's timestamp; the
-synthetic stream has none and gets one event per millisecond from SYNTHETIC_EPOCH). The record key is
-the user id (the `user` feature, else the first), so one user's events share a partition and
-stay in order; keys are placed by the murmur2 partitioner the Java client uses, as the
+synthetic stream has none and gets one event per millisecond from SYNTHETIC_EPOCH). The record
+key is the user id (the `user` feature, else the first), so one user's events share a partition
+and stay in order; keys are placed by the murmur2 partitioner the Java client uses, as the
 announcement bus does (section 6). `--rate N` sends at most N events a second, `--speedup X`
 paces them X times faster than their event times; by default they go as fast as the broker
 takes them. `?partitions=N` in the URL is how many partitions a topic it creates gets.
