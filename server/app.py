@@ -46,7 +46,7 @@ from server.metrics import MetricsObserver, ServerMetrics
 from server.middleware import BodySizeLimit, RequestMetrics
 from server.plugins import load_callable
 from server.predictors import AdapterPredictor, DLRMPredictor, Predictor, RequestAdapterError
-from server.routes import health, model, predict
+from server.routes import health, model, predict, v2
 from server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.include_router(predict.router)
     app.include_router(model.router)
     app.include_router(health.router)
+    app.include_router(v2.router)
     _add_error_handlers(app)
     # Added last = outermost: the body cap runs first, and 413s are counted too.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
