@@ -149,6 +149,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
             )
             resources.callback(subscriber.close)
             state.subscriber = subscriber
+            if settings.grpc_port is not None:
+                from server.grpc_v2.service import start_grpc  # grpcio only when asked for
+
+                grpc_server, bound = start_grpc(state, settings.host, settings.grpc_port)
+                resources.callback(grpc_server.stop, 1.0)
+                state.grpc_port = bound
+                log.info("v2 gRPC on %s:%d", settings.host, bound)
             task = (
                 asyncio.create_task(asyncio.to_thread(subscriber.run)) if settings.follow else None
             )

@@ -74,6 +74,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default 8000; 0 = any free port)")
     p.add_argument(
+        "--grpc-port",
+        type=int,
+        help="also serve the v2 inference protocol over gRPC on this port (default: REST only)",
+    )
+    p.add_argument(
         "--admin-token-env",
         default=DEFAULT_TOKEN_ENV,
         metavar="VAR",
@@ -127,6 +132,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         request_adapter=args.request_adapter,
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         environment=args.environment,
         consistency=args.consistency,
         quantized_tables=None if args.quantized_tables is None else args.quantized_tables == "on",

@@ -30,6 +30,8 @@ class ServerState:
     metrics: ServerMetrics
     predictor: Predictor
     subscriber: Subscriber | None = None
+    #: the port the v2 gRPC server bound (`grpc_port`), None without one.
+    grpc_port: int | None = None
 
     @property
     def live(self) -> LiveModel | None:

@@ -95,6 +95,13 @@ class ServerSettings(BaseSettings):
     model: str = Field(description="model name in the store")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="also serve the v2 protocol over gRPC on this port (0: any free port); "
+        "None: REST only",
+    )
     environment: Literal["development", "production"] = Field(
         default="production",
         description="`development` accepts weak admin tokens; never use it on a shared network",

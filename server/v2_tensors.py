@@ -109,7 +109,7 @@ def parse_infer_request(body: bytes, header_length: int | None, max_elements: in
                 raise V2RequestError(
                     f"input {name!r} says {size} binary bytes, {len(tail) - at} are left"
                 )
-            array = _from_binary(tail[at : at + size], datatype, shape, name)
+            array = from_raw(tail[at : at + size], datatype, shape, name)
             at += size
         tensors[name] = array
         datatypes[name] = datatype
@@ -127,18 +127,26 @@ def parse_infer_request(body: bytes, header_length: int | None, max_elements: in
 
 
 def _header(entry: object, where: str, max_elements: int) -> tuple[str, str, tuple[int, ...]]:
+    """(name, datatype, shape) of one input entry of a JSON request, checked."""
     if not isinstance(entry, dict):
         raise V2RequestError(f"{where} is an object")
-    name = entry.get("name")
+    return check_header(
+        entry.get("name"), entry.get("datatype"), entry.get("shape"), where, max_elements
+    )
+
+
+def check_header(
+    name: object, datatype: object, shape: object, where: str, max_elements: int
+) -> tuple[str, str, tuple[int, ...]]:
+    """An input's name, datatype and shape, checked: V2RequestError otherwise (`where` names
+    the input when its name is not usable)."""
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
         raise V2RequestError(f"{where} has a `name` of 1 to {MAX_NAME} characters")
-    datatype = entry.get("datatype")
-    if datatype != BYTES and datatype not in DATATYPES:
+    if not isinstance(datatype, str) or (datatype != BYTES and datatype not in DATATYPES):
         raise V2RequestError(
             f"input {name!r}: datatype {str(datatype)[:32]!r} is not one of the protocol's "
             f"({', '.join([*DATATYPES, BYTES])})"
         )
-    shape = entry.get("shape")
     if (
         not isinstance(shape, list)
         or not 1 <= len(shape) <= 8
@@ -216,7 +224,8 @@ def _flatten(data: object, name: str) -> list[Any]:
     return flat
 
 
-def _from_binary(raw: bytes, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+def from_raw(raw: bytes, datatype: str, shape: tuple[int, ...], name: str) -> np.ndarray:
+    """An input's array from its raw little-endian bytes (BYTES: length-prefixed elements)."""
     n = math.prod(shape)
     if datatype != BYTES:
         dtype = DATATYPES[datatype]

@@ -39,6 +39,11 @@ class RawServed:
         r = self.client.get("/v1/model")
         return r.json()["version"] if r.status_code == 200 else None
 
+    @property
+    def grpc_port(self) -> int:
+        port: int = self.client.app.state.server.grpc_port  # type: ignore[attr-defined]
+        return port
+
     def predict(self, *examples: dict[str, Any]) -> Any:
         return self.client.post("/v1/predict", json={"examples": list(examples)})
 
@@ -71,6 +76,7 @@ def served(tmp_path: Path) -> Iterator[RawServed]:
         retry_max_s=0.2,
         max_batch=16,
         max_body_bytes=64 * 1024,
+        grpc_port=0,  # the v2 protocol over gRPC too (tests/unit/server/test_v2_protocol.py)
     )
     try:
         with TestClient(create_app(settings)) as client:

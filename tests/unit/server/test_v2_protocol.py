@@ -1,16 +1,21 @@
-"""The Open Inference Protocol v2 over REST (server/routes/v2.py) on a model trained from raw
-events: health and metadata, infer in JSON and with the binary data extension scoring as
-/v1/predict does, a version's own endpoint, and every hostile body a typed 4xx."""
+"""The Open Inference Protocol v2 over REST (server/routes/v2.py) and gRPC (server/grpc_v2/) on
+a model trained from raw events: health and metadata, infer in JSON, with the binary data
+extension and over gRPC scoring as /v1/predict does, a version's own endpoint, and every
+hostile body a typed 4xx or gRPC status. Triton's own clients: test_v2_clients.py."""
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
+from server.grpc_v2 import inference_pb2 as pb
+from server.grpc_v2 import inference_pb2_grpc as pb_grpc
 from tests.unit.server.test_raw_id_api import TS, RawServed, served
 
 __all__ = ["served"]  # the fixture, shared with the /v1 raw-id tests
@@ -236,3 +241,108 @@ def test_hostile_v2_bodies_are_typed_4xx(
     assert r.status_code == status, r.text
     assert message in r.json()["error"], r.json()
     assert served.client.get("/v2/health/live").status_code == 200  # nothing lost: it serves on
+
+
+def _stub(served: RawServed) -> tuple[grpc.Channel, pb_grpc.GRPCInferenceServiceStub]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}")
+    return channel, pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+
+
+def test_grpc_infers_as_v1_predict_does(served: RawServed) -> None:
+    want = served.predict({"user": "u3", "item": 2, "ts": TS}, {"user": "zz", "item": 1, "ts": TS})
+    tensor = pb.ModelInferRequest.InferInputTensor
+    request = pb.ModelInferRequest(
+        model_name="m",
+        model_version="1",
+        id="g7",
+        inputs=[
+            tensor(
+                name="user",
+                datatype="BYTES",
+                shape=[2],
+                contents=pb.InferTensorContents(bytes_contents=[b"u3", b"zz"]),
+            ),
+            tensor(
+                name="item",
+                datatype="INT64",
+                shape=[2],
+                contents=pb.InferTensorContents(int64_contents=[2, 1]),
+            ),
+            tensor(
+                name="ts",
+                datatype="FP64",
+                shape=[2],
+                contents=pb.InferTensorContents(fp64_contents=[TS, TS]),
+            ),
+        ],
+    )
+    channel, stub = _stub(served)
+    with channel:
+        assert stub.ServerReady(pb.ServerReadyRequest(), timeout=10).ready
+        meta = stub.ModelMetadata(pb.ModelMetadataRequest(name="m"), timeout=10)
+        assert list(meta.versions) == ["1"] and meta.outputs[0].name == "score"
+        response = stub.ModelInfer(request, timeout=10)
+    assert response.model_version == "1" and response.id == "g7"
+    scores = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
+    np.testing.assert_allclose(scores, want.json()["scores"], atol=1e-6)
+    assert response.parameters["unknown_ids_user"].int64_param == 1
+
+
+def _raw_request(raw: list[bytes], **tensor: object) -> object:
+    spec = {"name": "user", "datatype": "BYTES", "shape": [1]} | tensor
+    return pb.ModelInferRequest(
+        model_name="m",
+        inputs=[pb.ModelInferRequest.InferInputTensor(**spec)],  # type: ignore[arg-type]
+        raw_input_contents=raw,
+    )
+
+
+def _contents_request(**contents: object) -> object:
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name="user",
+        datatype="INT8",
+        shape=[1],
+        contents=pb.InferTensorContents(**contents),  # type: ignore[arg-type]
+    )
+    return pb.ModelInferRequest(model_name="m", inputs=[tensor])
+
+
+@pytest.mark.parametrize(
+    ("request_of", "code", "message"),
+    [
+        (lambda: _raw_request([b"\x05\x00\x00\x00u1"]), "INVALID_ARGUMENT", "says 5 bytes"),
+        (lambda: _raw_request([b"\x02\x00\x00\x00u1", b"x"]), "INVALID_ARGUMENT", "2 entries"),
+        (lambda: _raw_request([b""], shape=[10**12]), "INVALID_ARGUMENT", "at most"),
+        (
+            lambda: _raw_request([b"\x00" * 4], datatype="FP32", shape=[2]),
+            "INVALID_ARGUMENT",
+            "8 bytes",
+        ),
+        (lambda: _raw_request([b""], datatype="COMPLEX"), "INVALID_ARGUMENT", "not one of"),
+        (lambda: _contents_request(int_contents=[300]), "INVALID_ARGUMENT", "INT8's range"),
+        (lambda: _contents_request(int_contents=[1, 2]), "INVALID_ARGUMENT", "takes 1 values"),
+        (
+            lambda: _raw_request([b"".join(b"\x01\x00\x00\x00u" for _ in range(17))], shape=[17]),
+            "RESOURCE_EXHAUSTED",
+            "exceeds the cap",
+        ),
+        (lambda: pb.ModelInferRequest(model_name="m"), "INVALID_ARGUMENT", "no input"),
+        (lambda: pb.ModelInferRequest(model_name="x"), "NOT_FOUND", "unknown model"),
+        (
+            lambda: pb.ModelInferRequest(model_name="m", model_version="v1"),
+            "INVALID_ARGUMENT",
+            "not a version number",
+        ),
+    ],
+)
+def test_hostile_grpc_requests_are_statuses(
+    served: RawServed, request_of: Callable[[], object], code: str, message: str
+) -> None:
+    channel, stub = _stub(served)
+    with channel:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request_of(), timeout=10)
+        error: grpc.Call = info.value  # type: ignore[assignment]
+        assert error.code().name == code, error.details()
+        assert message in (error.details() or "")
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live  # it serves on
