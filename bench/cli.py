@@ -53,6 +53,8 @@ PARTS = {
     "servedloss": "what measuring each version's served loss costs training, and what it says",
     "shards": "a job of N ranks publishing row-range shards next to one writer; their restore",
     "shardckpt": "a sharded job's stall per rank and publish time per version, 1 vs 2 ranks",
+    "endpoint": "one answer over /v1, v2 REST and v2 gRPC (tritonclient) next to the model's "
+    "forward and a naive FastAPI endpoint",
     "usermodel": "a user model served by --model-factory next to the DLRM of the same tables: "
     "apply, predict p50/p99",
     "framework": "Ray Serve kept live by a Subscriber: predict p50/p99 idle and while applying",

@@ -1,0 +1,272 @@
+"""Part `endpoint`: what an answer costs over each way in, next to the model's own forward.
+
+    checknrun bench endpoint [--rows 100000] [--requests 200] [--quick] [--json OUT]
+
+One DLRM (a 100,000-row int4 item table, a user table, a bag, 4 dense inputs; bench/serving.py's
+`bench_config`) published to a file store, then, at batch 1, 64 and 1024, sequential requests
+(one connection kept alive, the same body each time) to each arm, one after the other:
+
+- `forward`: the trainer's fp32 DLRM's forward in this process, on a prepared batch (one torch
+  thread): the floor any endpoint adds to;
+- `naive`: bench/naive_endpoint.py, the FastAPI endpoint a user writes in an afternoon (json,
+  a loop per feature, the forward, JSONResponse), in a process of its own;
+- `v1`: `checknrun serve`'s `/v1/predict` (JSON examples);
+- `v2 http`: the same server's v2 REST infer with `tritonclient.http` (binary tensors);
+- `v2 grpc`: the same server's v2 gRPC infer with `tritonclient.grpc`.
+
+Each server holds the int4 tables quantized (the default) and runs one torch thread. Reported
+per arm and batch: p50 and p99 (ms), and p50 / the forward's; a PNG
+(docs/benchmarks/endpoint.png). Throughput under concurrent load is not measured here (no `wrk`
+on this machine; bench part `serving` loads /v1 open-loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from bench.child_server import REPO, ChildServer, free_port
+from bench.machine import describe_machine, log
+from bench.serving import bench_config
+from bench.synthetic_run import SyntheticRun, random_examples
+from publisher.cli import positive_int
+from publisher.store import FileStore
+from server.feature_batch import build_batch
+
+MODEL = "endpoint"
+BATCHES = (1, 64, 1024)
+#: option -> (default, --quick).
+SIZES = {"rows": (100_000, 2_000), "requests": (200, 20)}
+ARMS = ("forward", "naive", "v1", "v2 http", "v2 grpc")
+PNG = Path("docs/benchmarks/endpoint.png")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=positive_int, help="item table rows (default 100,000)")
+    parser.add_argument(
+        "--requests", type=positive_int, help="requests per arm and batch (default 200)"
+    )
+
+
+def run(quick: bool, *, rows: int | None = None, requests: int | None = None) -> dict[str, Any]:
+    """Measure (see the module docstring); progress to stderr, the table to stdout."""
+    n_rows = rows or SIZES["rows"][quick]
+    n_requests = requests or SIZES["requests"][quick]
+    batches = BATCHES[:2] if quick else BATCHES
+    torch.set_num_threads(1)
+    config = bench_config(n_rows, 32)
+    results: dict[str, dict[str, Any]] = {arm: {} for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="bench-endpoint-") as tmp:
+        root = Path(tmp)
+        run_ = SyntheticRun(FileStore(root / "store"), MODEL, config, codec="int4")
+        run_.publish("full")
+        store_url = f"file://{root / 'store'}"
+        naive = _naive(store_url, root)
+        grpc_port = free_port()
+        server = ChildServer(
+            store_url,
+            MODEL,
+            root / "serve.log",
+            grpc_port=str(grpc_port),
+            max_batch="4096",
+            max_body_bytes=str(16 * 2**20),
+            log_level="warning",
+            poll_head_after="30",
+        )
+        try:
+            server.wait_ready()
+            _wait_naive(naive)
+            for batch in batches:
+                examples = random_examples(config, batch, seed=batch)
+                log(f"endpoint: batch {batch}")
+                for arm, call in _arms(run_, examples, server, naive, grpc_port).items():
+                    results[arm][str(batch)] = _timed(call, n_requests)
+        finally:
+            server.stop()
+            naive.terminate()
+            naive.wait(timeout=30)
+            run_.close()
+    doc = {
+        "part": "endpoint",
+        "machine": describe_machine(),
+        "rows": n_rows,
+        "requests": n_requests,
+        "arms": results,
+        "vs_forward_p50": {
+            arm: {
+                b: round(results[arm][b]["p50_ms"] / results["forward"][b]["p50_ms"], 2)
+                for b in results["forward"]
+            }
+            for arm in ARMS
+        },
+    }
+    _print(doc, batches)
+    if not quick:
+        plot(doc, PNG)
+    return doc
+
+
+def _naive(store_url: str, root: Path) -> subprocess.Popen[bytes]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.naive_endpoint", store_url, MODEL, str(port)],
+        cwd=REPO,
+        stdout=(root / "naive.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    process.port = port  # type: ignore[attr-defined]
+    return process
+
+
+def _wait_naive(process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    url = f"http://127.0.0.1:{process.port}/docs"  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the naive endpoint exited with status {process.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("the naive endpoint did not start")
+
+
+def _arms(
+    run: SyntheticRun,
+    examples: list[dict[str, Any]],
+    server: ChildServer,
+    naive: subprocess.Popen[bytes],
+    grpc_port: int,
+) -> dict[str, Callable[[], object]]:
+    """Each arm's one request for `examples`, checked to answer len(examples) scores."""
+    import tritonclient.grpc as triton_grpc
+    import tritonclient.http as triton_http
+
+    n = len(examples)
+    model = run.model
+    batch = build_batch(examples, model.config)
+    body = json.dumps({"examples": examples}).encode()
+    headers = {"Content-Type": "application/json"}
+    naive_client = httpx.Client(base_url=f"http://127.0.0.1:{naive.port}")  # type: ignore[attr-defined]
+    http = triton_http.InferenceServerClient(url=server.url.removeprefix("http://"))
+    grpc = triton_grpc.InferenceServerClient(url=f"127.0.0.1:{grpc_port}")
+    tensors = _tensors(model.config, examples)
+
+    def forward() -> object:
+        with torch.inference_mode():
+            return model(batch.dense, batch.sparse)
+
+    def post(client: httpx.Client, path: str) -> Callable[[], object]:
+        def call() -> object:
+            r = client.post(path, content=body, headers=headers)
+            r.raise_for_status()
+            assert len(r.json()["scores"]) == n
+            return r
+
+        return call
+
+    def infer(module: Any, client: Any) -> Callable[[], object]:
+        inputs = []
+        for name, array, datatype in tensors:
+            tensor = module.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        outputs = [module.InferRequestedOutput("score")]
+
+        def call() -> object:
+            result = client.infer(MODEL, inputs, outputs=outputs)
+            assert len(result.as_numpy("score")) == n
+            return result
+
+        return call
+
+    return {
+        "forward": forward,
+        "naive": post(naive_client, "/predict"),
+        "v1": post(server.client, "/v1/predict"),
+        "v2 http": infer(triton_http, http),
+        "v2 grpc": infer(triton_grpc, grpc),
+    }
+
+
+def _tensors(config: Any, examples: list[dict[str, Any]]) -> list[tuple[str, np.ndarray, str]]:
+    """The v2 tensors of `examples` (docs/SERVER.md, "The v2 protocol")."""
+    out: list[tuple[str, np.ndarray, str]] = []
+    for f in config.sparse:
+        if f.bag:
+            ids = [v for ex in examples for v in ex[f.name]]
+            lengths = [len(ex[f.name]) for ex in examples]
+            out.append((f.name, np.asarray(ids, dtype=np.int64), "INT64"))
+            out.append((f.name + "_lengths", np.asarray(lengths, dtype=np.int64), "INT64"))
+        else:
+            out.append((f.name, np.asarray([ex[f.name] for ex in examples], np.int64), "INT64"))
+    for d in config.dense:
+        out.append((d, np.asarray([ex[d] for ex in examples], dtype=np.float32), "FP32"))
+    return out
+
+
+def _timed(call: Callable[[], object], n: int) -> dict[str, float]:
+    for _ in range(max(3, n // 10)):  # warm: connections, first allocations
+        call()
+    seconds = []
+    for _ in range(n):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    a = np.asarray(seconds) * 1e3
+    return {
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+    }
+
+
+def _print(doc: dict[str, Any], batches: tuple[int, ...]) -> None:
+    arms = doc["arms"]
+    print(f"sequential requests, {doc['requests']} per arm and batch: p50 ms (p99) [x forward]")
+    print(f"{'arm':<10}" + "".join(f"{f'batch {b}':>26}" for b in batches))
+    for arm in ARMS:
+        cells = [
+            f"{arms[arm][str(b)]['p50_ms']:.2f} ({arms[arm][str(b)]['p99_ms']:.2f}) "
+            f"[{doc['vs_forward_p50'][arm][str(b)]}x]"
+            for b in batches
+        ]
+        print(f"{arm:<10}" + "".join(f"{c:>26}" for c in cells))
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """p50 per arm and batch, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = doc["arms"]
+    batches = list(arms["forward"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(ARMS)
+    for i, arm in enumerate(ARMS):
+        xs = [j + i * width for j in range(len(batches))]
+        ax.bar(xs, [arms[arm][b]["p50_ms"] for b in batches], width, label=arm)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))])
+    ax.set_xticklabels([f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("p50 latency (ms), sequential")
+    ax.set_title(f"one answer, each way in ({doc['machine'].get('cpu_model', 'CPU')})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
