@@ -1,5 +1,5 @@
 """The Open Inference Protocol v2 over gRPC (`inference.GRPCInferenceService`, the protocol's
-service: `inference.proto` here), served beside the REST API with `--grpc-port`.
+service; its messages in `inference.proto` here), served beside the REST API with `--grpc-port`.
 
     server = start_grpc(state, "127.0.0.1", 8001)   # a grpc.Server, in its own threads
     ...
@@ -26,7 +26,6 @@ import numpy as np
 
 from server.dependencies import ServerState
 from server.grpc_v2 import inference_pb2 as pb
-from server.grpc_v2 import inference_pb2_grpc as pb_grpc
 from server.routes.v2 import SERVER_METADATA
 from server.v2_infer import (
     SCORE,
@@ -78,7 +77,11 @@ def _code(exc: V2RequestError) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+#: the protocol's service name: clients call `/inference.GRPCInferenceService/<Method>`.
+SERVICE = "inference.GRPCInferenceService"
+
+
+class InferenceService:
     """The v2 service over the app's state (its served model and predictor)."""
 
     def __init__(self, state: ServerState) -> None:
@@ -193,6 +196,30 @@ def _from_contents(tensor: Any, datatype: str, shape: tuple[int, ...], name: str
     return array.astype(dtype).reshape(shape)
 
 
+#: method -> (request message, response message).
+METHODS: dict[str, tuple[Any, Any]] = {
+    "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
+    "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse),
+    "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
+    "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+    "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+    "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+}
+
+
+def service_handler(service: InferenceService) -> grpc.GenericRpcHandler:
+    """`service`'s methods under the protocol's service name, unary each."""
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(service, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in METHODS.items()
+    }
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
 def start_grpc(state: ServerState, host: str, port: int) -> tuple[grpc.Server, int]:
     """The v2 gRPC server on `host:port` (0: any free port), started; and the port bound."""
     server = grpc.server(
@@ -202,8 +229,7 @@ def start_grpc(state: ServerState, host: str, port: int) -> tuple[grpc.Server, i
             ("grpc.so_reuseport", 0),
         ],
     )
-    add = pb_grpc.add_GRPCInferenceServiceServicer_to_server  # protoc's: untyped
-    add(InferenceService(state), server)  # type: ignore[no-untyped-call]
+    server.add_generic_rpc_handlers((service_handler(InferenceService(state)),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC: cannot bind {host}:{port}")

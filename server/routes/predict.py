@@ -11,9 +11,10 @@ rows and the maps a prediction reads are one version's) and the forward pass.
 
 from __future__ import annotations
 
+import json
 import time
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Response, status
 
 from server.api_models import ErrorResponse, PredictRequest, PredictResponse
 from server.dependencies import LiveModelDep, MetricsDep, PredictorDep, SettingsDep
@@ -32,7 +33,7 @@ def _count_ids(metrics: ServerMetrics, scored: Scored) -> None:
 @router.post(
     "/predict",
     summary="Score a batch of examples",
-    response_model_exclude_none=True,
+    response_model=PredictResponse,
     responses={
         413: {"model": ErrorResponse, "description": "body or batch above the server's cap"},
         422: {
@@ -60,7 +61,7 @@ def predict(
     predictor: PredictorDep,
     settings: SettingsDep,
     metrics: MetricsDep,
-) -> PredictResponse:
+) -> Response:
     started = time.perf_counter()
     now = time.time()
     if len(body.examples) > settings.max_batch:
@@ -73,9 +74,13 @@ def predict(
     metrics.predict_seconds.observe(time.perf_counter() - started)
     metrics.predict_examples.inc(len(scores))
     _count_ids(metrics, scored)
-    return PredictResponse(
-        model=served.manifest.model,
-        version=served.version,
-        scores=scores,
-        unknown_ids=scored.unknown_ids,
-    )
+    # Encoded here, not by FastAPI's jsonable_encoder and the response model's validation: the
+    # scores are floats the predictor checked finite (the model documents the shape).
+    doc: dict[str, object] = {
+        "model": served.manifest.model,
+        "version": served.version,
+        "scores": scores,
+    }
+    if scored.unknown_ids is not None:
+        doc["unknown_ids"] = scored.unknown_ids
+    return Response(json.dumps(doc, separators=(",", ":")), media_type="application/json")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from server.grpc_v2 import inference_pb2 as pb
-from server.grpc_v2 import inference_pb2_grpc as pb_grpc
+from server.grpc_v2.service import METHODS, SERVICE
 from tests.unit.server.test_raw_id_api import TS, RawServed, served
 
 __all__ = ["served"]  # the fixture, shared with the /v1 raw-id tests
@@ -243,9 +243,25 @@ def test_hostile_v2_bodies_are_typed_4xx(
     assert served.client.get("/v2/health/live").status_code == 200  # nothing lost: it serves on
 
 
-def _stub(served: RawServed) -> tuple[grpc.Channel, pb_grpc.GRPCInferenceServiceStub]:
+class _Stub:
+    """The protocol's service on a channel, as any gRPC client calls it: by method path."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        for name, (request, response) in METHODS.items():
+            call = channel.unary_unary(
+                f"/{SERVICE}/{name}",
+                request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString,
+            )
+            setattr(self, name, call)
+
+    def __getattr__(self, name: str) -> Any:  # the methods set above
+        raise AttributeError(name)
+
+
+def _stub(served: RawServed) -> tuple[grpc.Channel, Any]:
     channel = grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}")
-    return channel, pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+    return channel, _Stub(channel)
 
 
 def test_grpc_infers_as_v1_predict_does(served: RawServed) -> None:
