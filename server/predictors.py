@@ -43,8 +43,10 @@ from publisher.read import ModelCopy, NotBootstrappedError, ServedVersion, Versi
 from server.api_models import FeatureKind
 from server.errors import shown_input
 from server.feature_batch import FeatureBatch, build_batch, check_scores
+from server.feature_columns import build_columnar_batch
 from server.feature_problems import Problems
 from server.raw_ids import RawExamples, keys_of, parse_raw_examples
+from server.v2_tensors import BatchTooLargeError
 
 #: the largest number of problems an adapter's refusal is reported with.
 _ADAPTER_MESSAGE_CHARS = 300
@@ -108,14 +110,28 @@ class Predictor(ABC):
         the model is borrowed, again only if the model changed meanwhile; FeatureValidationError
         for what is wrong with them or an example given no finite score, NotBootstrappedError
         before the first version."""
+        scored = self._borrowed(sink, lambda copy: self.check(examples, copy, now))
+        assert scored is not None  # check() always gives something to score
+        return scored
+
+    def _borrowed(
+        self, sink: VersionSink, prepare: Callable[[ModelCopy], object | None]
+    ) -> tuple[Scored, ServedVersion] | None:
+        """What `prepare(copy)` makes of the request scored against one version: prepared
+        before the model is borrowed, again only if the model changed meanwhile; None when
+        `prepare` gives None (the request is not for this path)."""
         current = sink.current()
         if current is None:
             raise NotBootstrappedError("no version is served yet")
-        checked = self.check(examples, current, now)
+        prepared = prepare(current)
+        if prepared is None:
+            return None
         with sink.reader() as copy:
             if copy is not current and copy.model_config != current.model_config:
-                checked = self.check(examples, copy, now)
-            scored = self.score(checked, copy)
+                prepared = prepare(copy)
+                if prepared is None:
+                    return None
+            scored = self.score(prepared, copy)
             served = copy.served
         assert served is not None
         check_scores(scored.scores, served.version)
@@ -124,6 +140,14 @@ class Predictor(ABC):
     def hashing(self, copy: ModelCopy) -> bool:
         """Whether ids outside a table are folded in by modulo."""
         return False
+
+    def predict_columns(
+        self, sink: VersionSink, tensors: Mapping[str, np.ndarray], now: float, *, max_batch: int
+    ) -> tuple[Scored, ServedVersion] | None:
+        """`tensors` (a v2 request's, one per input) scored against one version, built
+        column by column with no per-example step; None when this predictor takes examples
+        only (the caller then makes examples of them)."""
+        return None
 
 
 def _forward(module: object, args: object) -> object:
@@ -191,6 +215,25 @@ class DLRMPredictor(Predictor):
         logits = _forward(copy.module, (batch.dense, batch.sparse))
         assert isinstance(logits, torch.Tensor)
         return Scored(torch.sigmoid(logits), ids, unknown)
+
+    def predict_columns(
+        self, sink: VersionSink, tensors: Mapping[str, np.ndarray], now: float, *, max_batch: int
+    ) -> tuple[Scored, ServedVersion] | None:
+        """A model of encoded ids: server/feature_columns.py; raw ids take examples (None)."""
+        return self._borrowed(sink, lambda copy: self._columns(tensors, copy, max_batch))
+
+    def _columns(
+        self, tensors: Mapping[str, np.ndarray], copy: ModelCopy, max_batch: int
+    ) -> FeatureBatch | None:
+        config, spec = self.model(copy)
+        if spec is not None:
+            return None
+        batch = build_columnar_batch(tensors, config, max_ids_per_bag=self.max_ids_per_bag)
+        if batch.size > max_batch:
+            raise BatchTooLargeError(
+                f"batch of {batch.size} examples exceeds the cap of {max_batch}"
+            )
+        return batch
 
     def features(self, copy: ModelCopy) -> list[FeatureSpec]:
         config, spec = self.model(copy)

@@ -25,15 +25,11 @@ from publisher.read import ModelCopy, NotBootstrappedError
 from server.dependencies import ServerState
 from server.feature_problems import FeatureValidationError
 from server.predictors import Predictor
-from server.v2_tensors import BYTES, V2RequestError
+from server.v2_tensors import BYTES, BatchTooLargeError, V2RequestError
 
 #: the suffix of a bag's lengths tensor.
 LENGTHS = "_lengths"
 SCORE = "score"
-
-
-class BatchTooLargeError(V2RequestError):
-    """More examples than the server's cap (413, RESOURCE_EXHAUSTED)."""
 
 
 class V2NotFoundError(V2RequestError):
@@ -79,9 +75,16 @@ def infer(
     if version is not None and live.version != version:
         raise _not_served(version, live.version)
     started = time.perf_counter()
-    examples = tensor_examples(tensors, state.settings.max_batch)
     try:
-        scored, served = state.predictor.predict(live.sink, examples, time.time())
+        # columns straight into the model's batch where the predictor can (the DLRM of encoded
+        # ids: server/feature_columns.py), else through the examples /v1 takes
+        got = state.predictor.predict_columns(
+            live.sink, tensors, time.time(), max_batch=state.settings.max_batch
+        )
+        if got is None:
+            examples = tensor_examples(tensors, state.settings.max_batch)
+            got = state.predictor.predict(live.sink, examples, time.time())
+        scored, served = got
     except FeatureValidationError as exc:
         raise V2RequestError(_problems_text(exc)) from exc
     except NotBootstrappedError as exc:

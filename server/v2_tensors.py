@@ -55,6 +55,10 @@ class V2RequestError(BadDataError):
     """A v2 request that breaks the protocol or the server's limits; the message says where."""
 
 
+class BatchTooLargeError(V2RequestError):
+    """More examples than the server's cap (413, RESOURCE_EXHAUSTED)."""
+
+
 @dataclass(frozen=True)
 class InferRequest:
     """A parsed infer request: its named input arrays and what it asks of the response."""

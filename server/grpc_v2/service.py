@@ -29,7 +29,6 @@ from server.grpc_v2 import inference_pb2 as pb
 from server.routes.v2 import SERVER_METADATA
 from server.v2_infer import (
     SCORE,
-    BatchTooLargeError,
     V2NotFoundError,
     V2UnavailableError,
     check_model,
@@ -43,6 +42,7 @@ from server.v2_tensors import (
     BYTES,
     DATATYPES,
     MAX_TENSORS,
+    BatchTooLargeError,
     V2RequestError,
     check_header,
     from_raw,

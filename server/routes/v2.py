@@ -16,7 +16,6 @@ from starlette.concurrency import run_in_threadpool
 from server.dependencies import StateDep
 from server.v2_infer import (
     SCORE,
-    BatchTooLargeError,
     V2NotFoundError,
     V2UnavailableError,
     check_model,
@@ -26,7 +25,12 @@ from server.v2_infer import (
     max_elements,
     model_metadata,
 )
-from server.v2_tensors import V2RequestError, infer_response, parse_infer_request
+from server.v2_tensors import (
+    BatchTooLargeError,
+    V2RequestError,
+    infer_response,
+    parse_infer_request,
+)
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 
