@@ -25,19 +25,17 @@ from publisher.read import ModelCopy, NotBootstrappedError
 from server.dependencies import ServerState
 from server.feature_problems import FeatureValidationError
 from server.predictors import Predictor
-from server.v2_tensors import BYTES, BatchTooLargeError, V2RequestError
+from server.v2_tensors import (
+    BYTES,
+    BatchTooLargeError,
+    V2NotFoundError,
+    V2RequestError,
+    V2UnavailableError,
+)
 
 #: the suffix of a bag's lengths tensor.
 LENGTHS = "_lengths"
 SCORE = "score"
-
-
-class V2NotFoundError(V2RequestError):
-    """Another model, or a version that is not the served one (404, NOT_FOUND)."""
-
-
-class V2UnavailableError(V2RequestError):
-    """No version is served yet (503, UNAVAILABLE)."""
 
 
 @dataclass(frozen=True)

@@ -52,11 +52,32 @@ MAX_NAME = 256
 
 
 class V2RequestError(BadDataError):
-    """A v2 request that breaks the protocol or the server's limits; the message says where."""
+    """A v2 request that breaks the protocol or the server's limits; the message says where.
+    Each kind answers with its own REST status and gRPC status code (by name)."""
+
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
 
 
 class BatchTooLargeError(V2RequestError):
-    """More examples than the server's cap (413, RESOURCE_EXHAUSTED)."""
+    """More examples than the server's cap."""
+
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class V2NotFoundError(V2RequestError):
+    """Another model, or a version that is not the served one."""
+
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+
+
+class V2UnavailableError(V2RequestError):
+    """No version is served yet."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,6 @@ from server.grpc_v2 import inference_pb2 as pb
 from server.routes.v2 import SERVER_METADATA
 from server.v2_infer import (
     SCORE,
-    V2NotFoundError,
-    V2UnavailableError,
     check_model,
     check_outputs,
     infer,
@@ -42,7 +40,6 @@ from server.v2_tensors import (
     BYTES,
     DATATYPES,
     MAX_TENSORS,
-    BatchTooLargeError,
     V2RequestError,
     check_header,
     from_raw,
@@ -65,16 +62,6 @@ CONTENTS = {
 }
 #: threads answering gRPC calls.
 GRPC_THREADS = 4
-
-
-def _code(exc: V2RequestError) -> grpc.StatusCode:
-    if isinstance(exc, BatchTooLargeError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, V2NotFoundError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, V2UnavailableError):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INVALID_ARGUMENT
 
 
 #: the protocol's service name: clients call `/inference.GRPCInferenceService/<Method>`.
@@ -143,7 +130,7 @@ class InferenceService:
         try:
             return call(*args)
         except V2RequestError as exc:
-            context.abort(_code(exc), str(exc))
+            context.abort(grpc.StatusCode[exc.grpc_code], str(exc))
 
 
 def request_tensors(request: Any, max_elements: int) -> dict[str, np.ndarray]:

@@ -16,8 +16,6 @@ from starlette.concurrency import run_in_threadpool
 from server.dependencies import StateDep
 from server.v2_infer import (
     SCORE,
-    V2NotFoundError,
-    V2UnavailableError,
     check_model,
     check_outputs,
     infer,
@@ -25,12 +23,7 @@ from server.v2_infer import (
     max_elements,
     model_metadata,
 )
-from server.v2_tensors import (
-    BatchTooLargeError,
-    V2RequestError,
-    infer_response,
-    parse_infer_request,
-)
+from server.v2_tensors import V2RequestError, infer_response, parse_infer_request
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 
@@ -45,14 +38,7 @@ SERVER_METADATA: dict[str, Any] = {
 
 def v2_error(exc: V2RequestError) -> JSONResponse:
     """The protocol's error body, with the status of the error's kind."""
-    status = 400
-    if isinstance(exc, BatchTooLargeError):
-        status = 413
-    elif isinstance(exc, V2NotFoundError):
-        status = 404
-    elif isinstance(exc, V2UnavailableError):
-        status = 503
-    return JSONResponse({"error": str(exc)}, status_code=status)
+    return JSONResponse({"error": str(exc)}, status_code=exc.http_status)
 
 
 @router.get("", summary="v2 server metadata")
