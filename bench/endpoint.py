@@ -38,6 +38,7 @@ import torch
 
 from bench.child_server import REPO, ChildServer, free_port
 from bench.machine import describe_machine, log
+from bench.predict_load import percentiles
 from bench.serving import bench_config
 from bench.synthetic_run import SyntheticRun, random_examples
 from publisher.cli import positive_int
@@ -72,7 +73,7 @@ def run(quick: bool, *, rows: int | None = None, requests: int | None = None) ->
         run_ = SyntheticRun(FileStore(root / "store"), MODEL, config, codec="int4")
         run_.publish("full")
         store_url = f"file://{root / 'store'}"
-        naive = _naive(store_url, root)
+        naive, naive_port = _naive(store_url, root)
         grpc_port = free_port()
         server = ChildServer(
             store_url,
@@ -86,11 +87,11 @@ def run(quick: bool, *, rows: int | None = None, requests: int | None = None) ->
         )
         try:
             server.wait_ready()
-            _wait_naive(naive)
+            _wait_naive(naive, naive_port)
             for batch in batches:
                 examples = random_examples(config, batch, seed=batch)
                 log(f"endpoint: batch {batch}")
-                for arm, call in _arms(run_, examples, server, naive, grpc_port).items():
+                for arm, call in _arms(run_, examples, server, naive_port, grpc_port).items():
                     results[arm][str(batch)] = _timed(call, n_requests)
         finally:
             server.stop()
@@ -117,7 +118,8 @@ def run(quick: bool, *, rows: int | None = None, requests: int | None = None) ->
     return doc
 
 
-def _naive(store_url: str, root: Path) -> subprocess.Popen[bytes]:
+def _naive(store_url: str, root: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """bench/naive_endpoint.py started on a free port, and the port."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.naive_endpoint", store_url, MODEL, str(port)],
@@ -125,12 +127,11 @@ def _naive(store_url: str, root: Path) -> subprocess.Popen[bytes]:
         stdout=(root / "naive.log").open("wb"),
         stderr=subprocess.STDOUT,
     )
-    process.port = port  # type: ignore[attr-defined]
-    return process
+    return process, port
 
 
-def _wait_naive(process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    url = f"http://127.0.0.1:{process.port}/docs"  # type: ignore[attr-defined]
+def _wait_naive(process: subprocess.Popen[bytes], port: int, timeout_s: float = 120.0) -> None:
+    url = f"http://127.0.0.1:{port}/docs"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -148,7 +149,7 @@ def _arms(
     run: SyntheticRun,
     examples: list[dict[str, Any]],
     server: ChildServer,
-    naive: subprocess.Popen[bytes],
+    naive_port: int,
     grpc_port: int,
 ) -> dict[str, Callable[[], object]]:
     """Each arm's one request for `examples`, checked to answer len(examples) scores."""
@@ -160,7 +161,7 @@ def _arms(
     batch = build_batch(examples, model.config)
     body = json.dumps({"examples": examples}).encode()
     headers = {"Content-Type": "application/json"}
-    naive_client = httpx.Client(base_url=f"http://127.0.0.1:{naive.port}")  # type: ignore[attr-defined]
+    naive_client = httpx.Client(base_url=f"http://127.0.0.1:{naive_port}")
     http = triton_http.InferenceServerClient(url=server.url.removeprefix("http://"))
     grpc = triton_grpc.InferenceServerClient(url=f"127.0.0.1:{grpc_port}")
     tensors = _tensors(model.config, examples)
@@ -219,6 +220,7 @@ def _tensors(config: Any, examples: list[dict[str, Any]]) -> list[tuple[str, np.
 
 
 def _timed(call: Callable[[], object], n: int) -> dict[str, float]:
+    """p50/p99 (and max, mean) of `n` sequential calls after a warm-up."""
     for _ in range(max(3, n // 10)):  # warm: connections, first allocations
         call()
     seconds = []
@@ -226,11 +228,7 @@ def _timed(call: Callable[[], object], n: int) -> dict[str, float]:
         started = time.perf_counter()
         call()
         seconds.append(time.perf_counter() - started)
-    a = np.asarray(seconds) * 1e3
-    return {
-        "p50_ms": round(float(np.percentile(a, 50)), 3),
-        "p99_ms": round(float(np.percentile(a, 99)), 3),
-    }
+    return percentiles(seconds)
 
 
 def _print(doc: dict[str, Any], batches: tuple[int, ...]) -> None:

@@ -4,7 +4,7 @@ The publishing thread of every rank talks to its peers while the training thread
 collectives (the embedding all-to-alls, the dense all-reduce). Two threads issuing collectives
 on one process group can interleave and deadlock, so `TorchCollective` owns a gloo group of its
 own (`dist.new_group`, which every rank must call in the same order). Values travel as JSON in
-uint8 tensors, never pickled:
+uint8 tensors, never pickled (also `JsonGather`'s, the all-gather of every rank's value):
 
     broadcast: rank 0 ──int64 size──> all;  rank 0 ──uint8 payload (size)──> all
     gather:    all <──int64 sizes──> all (all_gather);  all ──uint8 payload, padded to the
@@ -101,6 +101,42 @@ class TorchCollective(GlooGroup):
         if parts is None:
             return None
         return [p[: int(s.item())] for p, s in zip(parts, sizes, strict=True)]
+
+
+#: the payload room of `JsonGather`'s first all-gather (bytes); grown to the largest seen.
+FIRST_ROOM = 1 << 16
+
+
+class JsonGather:
+    """Every rank's JSON value on every rank, usually in one all-gather: each rank sends its
+    size and payload in a buffer of an agreed room (`FIRST_ROOM`, then the largest payload any
+    rank sent); a payload larger than the room is sent again, in a second all-gather of the
+    largest size, which becomes the room. Every rank decides the same from the sizes."""
+
+    def __init__(self, group: GlooGroup, room: int = FIRST_ROOM) -> None:
+        self.group = group
+        self.room = room
+
+    def __call__(self, value: JSONValue) -> list[JSONValue]:
+        group = self.group
+        payload = _encode(value)
+        size = payload.numel()
+        buffer = torch.zeros(8 + self.room, dtype=torch.uint8)
+        buffer[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
+        if size <= self.room:
+            buffer[8 : 8 + size] = payload
+        parts = [torch.empty_like(buffer) for _ in range(group.world_size)]
+        group.run("an all-gather", lambda: dist.all_gather(parts, buffer, group=group.group))
+        sizes = [int(p[:8].view(torch.int64).item()) for p in parts]
+        longest = max(sizes)
+        if longest > self.room:  # every rank sees it: all send again, in the larger room
+            self.room = longest
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:size] = payload
+            again = [torch.empty_like(padded) for _ in range(group.world_size)]
+            group.run("an all-gather", lambda: dist.all_gather(again, padded, group=group.group))
+            return [_decode(a[:n]) for a, n in zip(again, sizes, strict=True)]
+        return [_decode(p[8 : 8 + n]) for p, n in zip(parts, sizes, strict=True)]
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)

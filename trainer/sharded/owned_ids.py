@@ -24,7 +24,6 @@ row (dropped when there is none); the rule is deterministic, so every rank compu
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,21 +32,18 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 import torch
-import torch.distributed as dist
 
 from publisher.dlrm import TABLE_PREFIX, init_embedding_rows
 from publisher.id_map import UNKNOWN_ROW, IdMap, hashed_rows
 from publisher.read.restore import RestoredState, TableState
 from trainer.id_space import IdRequest, IdSpace, MappedIds
-from trainer.sharded.collective import GlooGroup
+from trainer.sharded.collective import FIRST_ROOM, GlooGroup, JsonGather
 from trainer.sharded.local_shards import LocalShard, ShardedTable
 from trainer.streams.kafka_events import KafkaEventStream
 
 log = logging.getLogger(__name__)
 
 Rows = npt.NDArray[np.int64]
-#: the payload room of the exchange's first all-gather (bytes); grown to the largest seen.
-FIRST_ROOM = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -60,11 +56,11 @@ class IdOwners:
     @classmethod
     def gather(cls, tables: Mapping[str, ShardedTable], group: GlooGroup) -> IdOwners:
         """Every rank's shards of `tables` (its `local_shards`), on every rank: a collective."""
-        mine = {
+        mine: dict[str, Any] = {
             name: [[s.row_start, s.row_end] for s in table.shards] for name, table in tables.items()
         }
         shards: dict[str, list[tuple[int, int, int]]] = {name: [] for name in tables}
-        for rank, part in enumerate(all_gather_json(group, mine)):
+        for rank, part in enumerate(JsonGather(group)(mine)):
             for name, ranges in cast(dict[str, list[list[int]]], part).items():
                 shards[name].extend((int(s), int(e), rank) for s, e in ranges)
         return cls({name: tuple(sorted(ranges)) for name, ranges in shards.items()})
@@ -242,7 +238,7 @@ class OwnedIds:
             out.append(MappedIds(rows, prior))
         return out
 
-    def _serve(self, parts: Sequence[Any]) -> dict[str, dict[str, dict[str, list[int]]]]:
+    def _serve(self, parts: Sequence[Any]) -> dict[str, Any]:
         """Map the occurrences of the ids this rank owns, of every rank's request, each
         feature's as one batch in rank order; the rows (and prior counts) per feature and
         rank."""
@@ -349,42 +345,3 @@ class ShardRowReset:
             init_embedding_rows(self.shard.weight, local)
             self.shard.accumulator.index_fill_(0, local, 0.0)
         self._mark(self.table, rows)
-
-
-class JsonGather:
-    """Every rank's JSON value on every rank, usually in one all-gather: each rank sends its
-    size and payload in a buffer of an agreed room (`FIRST_ROOM`, then the largest payload any
-    rank sent); a payload larger than the room is sent again, in a second all-gather of the
-    largest size, which becomes the room. Every rank decides the same from the sizes."""
-
-    def __init__(self, group: GlooGroup, room: int = FIRST_ROOM) -> None:
-        self.group = group
-        self.room = room
-
-    def __call__(self, value: object) -> list[Any]:
-        group = self.group
-        data = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
-        size = len(data)
-        buffer = torch.zeros(8 + self.room, dtype=torch.uint8)
-        buffer[:8] = torch.frombuffer(bytearray(size.to_bytes(8, "little")), dtype=torch.uint8)
-        if size <= self.room:
-            buffer[8 : 8 + size] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        parts = [torch.empty_like(buffer) for _ in range(group.world_size)]
-        group.run("the id exchange", lambda: dist.all_gather(parts, buffer, group=group.group))
-        sizes = [int.from_bytes(p[:8].numpy().tobytes(), "little") for p in parts]
-        longest = max(sizes)
-        if longest > self.room:  # every rank sees it: all send again, in the larger room
-            self.room = longest
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[:size] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            again = [torch.empty_like(padded) for _ in range(group.world_size)]
-            group.run("the id exchange", lambda: dist.all_gather(again, padded, group=group.group))
-            payloads = [a[:n] for a, n in zip(again, sizes, strict=True)]
-        else:
-            payloads = [p[8 : 8 + n] for p, n in zip(parts, sizes, strict=True)]
-        return [json.loads(p.numpy().tobytes()) for p in payloads]
-
-
-def all_gather_json(group: GlooGroup, value: object) -> list[Any]:
-    """Every rank's JSON `value`, in rank order, on every rank (a collective; `JsonGather` once)."""
-    return JsonGather(group)(value)
