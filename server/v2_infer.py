@@ -121,11 +121,17 @@ def model_metadata(state: ServerState, name: str) -> dict[str, Any]:
 
 
 def input_metadata(predictor: Predictor, copy: ModelCopy) -> list[dict[str, Any]]:
-    """The model's inputs as v2 tensors (the module docstring's mapping)."""
-    raw = predictor.id_space(copy) is not None
+    """The model's inputs as v2 tensors (the module docstring's mapping). A model of your own
+    lists its adapter's id features (raw ids, BYTES); its other inputs' types are the adapter's
+    to know, so they are left out (`GET /v1/model` names them)."""
+    space = predictor.id_space(copy)
+    raw = space is not None
     out: list[dict[str, Any]] = []
     for feature in predictor.features(copy):
-        if feature.kind == "derived":
+        if feature.kind in ("derived", "input"):
+            continue
+        if feature.kind == "raw_id":
+            out.append({"name": feature.name, "datatype": BYTES, "shape": [-1]})
             continue
         if feature.kind == "dense":
             out.append({"name": feature.name, "datatype": "FP32", "shape": [-1]})
@@ -133,7 +139,7 @@ def input_metadata(predictor: Predictor, copy: ModelCopy) -> list[dict[str, Any]
         out.append({"name": feature.name, "datatype": BYTES if raw else "INT64", "shape": [-1]})
         if feature.kind == "bag":
             out.append({"name": feature.name + LENGTHS, "datatype": "INT64", "shape": [-1]})
-    if raw:
+    if space is not None and space.time_features:  # the event time the time inputs read
         out.append({"name": "ts", "datatype": "FP64", "shape": [-1]})
     return out
 

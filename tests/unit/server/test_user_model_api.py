@@ -209,3 +209,46 @@ def test_a_model_factory_needs_an_adapter_and_references_must_resolve(tmp_path: 
         create_app(settings(tmp_path, "deepfm", request_adapter="examples.deepfm"))
     with pytest.raises(PluginError, match="not callable"):
         create_app(settings(tmp_path, "deepfm", request_adapter="examples.deepfm:FEATURES"))
+
+
+def _v2_inputs(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A user model's examples as v2 tensors (docs/SERVER.md): a list per example as a bag (its
+    values flat and `<name>_lengths`), a string as BYTES, an integer as INT64."""
+    inputs: list[dict[str, Any]] = []
+    for name in examples[0]:
+        column = [ex[name] for ex in examples]
+        if isinstance(column[0], list):
+            flat = [v for values in column for v in values]
+            kind = "FP64" if any(isinstance(v, float) for v in flat) else "INT64"
+            inputs.append({"name": name, "datatype": kind, "shape": [len(flat)], "data": flat})
+            lengths = [len(values) for values in column]
+            inputs.append(
+                {
+                    "name": f"{name}_lengths",
+                    "datatype": "INT64",
+                    "shape": [len(column)],
+                    "data": lengths,
+                }
+            )
+        else:
+            kind = "BYTES" if isinstance(column[0], str) else "INT64"
+            inputs.append({"name": name, "datatype": kind, "shape": [len(column)], "data": column})
+    return inputs
+
+
+def test_a_user_model_answers_the_v2_protocol_as_v1(
+    tmp_path: Path, model: str, run: UserRun
+) -> None:
+    examples = run.requests(8)
+    with TestClient(create_app(settings(tmp_path, model))) as client:
+        wait_version(client, 1)
+        want = client.post("/v1/predict", json={"examples": examples}).json()
+        r = client.post(f"/v2/models/{model}/infer", json={"inputs": _v2_inputs(examples)})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["model_version"] == "1"
+        np.testing.assert_allclose(doc["outputs"][0]["data"], want["scores"], rtol=0, atol=1e-6)
+        meta = client.get(f"/v2/models/{model}").json()["inputs"]
+        # the adapter's id features, as raw ids; its other inputs are its own to type
+        ids = {"two_tower": {"user", "item"}, "deepfm": set()}[model]
+        assert {t["name"]: t["datatype"] for t in meta} == dict.fromkeys(ids, "BYTES")
