@@ -11,13 +11,17 @@ One DLRM (a 100,000-row int4 item table, a user table, a bag, 4 dense inputs; be
 - `naive`: bench/naive_endpoint.py, the FastAPI endpoint a user writes in an afternoon (json,
   a loop per feature, the forward, JSONResponse), in a process of its own;
 - `v1`: `checknrun serve`'s `/v1/predict` (JSON examples);
+- `v1 columns`: the same route with the columnar form (one JSON list per input);
 - `v2 http`: the same server's v2 REST infer with `tritonclient.http` (binary tensors);
 - `v2 grpc`: the same server's v2 gRPC infer with `tritonclient.grpc`.
 
 Each server holds the int4 tables quantized (the default) and runs one torch thread. Reported
 per arm and batch: p50 and p99 (ms), and p50 / the forward's; a PNG
-(docs/benchmarks/endpoint.png). Throughput under concurrent load is not measured here (no `wrk`
-on this machine; bench part `serving` loads /v1 open-loop).
+(docs/benchmarks/endpoint.png).
+
+Then throughput at batch 64: `wrk` (bench/wrk_load.py; `apt-get install wrk`) posting each HTTP
+arm's body over 8 connections for `--seconds`: requests/s, p50, p99 and failed requests (gRPC is
+HTTP/2, which wrk does not speak). Without wrk this phase is skipped, and says so.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from bench.machine import describe_machine, log
 from bench.predict_load import percentiles
 from bench.serving import bench_config
 from bench.synthetic_run import SyntheticRun, random_examples
+from bench.wrk_load import have_wrk, wrk_load
 from publisher.cli import positive_int
 from publisher.store import FileStore
 from server.feature_batch import build_batch
@@ -48,8 +53,11 @@ from server.feature_batch import build_batch
 MODEL = "endpoint"
 BATCHES = (1, 64, 1024)
 #: option -> (default, --quick).
-SIZES = {"rows": (100_000, 2_000), "requests": (200, 20)}
-ARMS = ("forward", "naive", "v1", "v2 http", "v2 grpc")
+SIZES = {"rows": (100_000, 2_000), "requests": (200, 20), "seconds": (10, 1)}
+ARMS = ("forward", "naive", "v1", "v1 columns", "v2 http", "v2 grpc")
+#: the arms loaded by wrk, at this batch over this many connections.
+LOADED = ("naive", "v1", "v1 columns", "v2 http")
+LOAD_BATCH, CONNECTIONS = 64, 8
 PNG = Path("docs/benchmarks/endpoint.png")
 
 
@@ -58,12 +66,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests", type=positive_int, help="requests per arm and batch (default 200)"
     )
+    parser.add_argument(
+        "--seconds", type=positive_int, help="seconds of wrk load per arm (default 10)"
+    )
 
 
-def run(quick: bool, *, rows: int | None = None, requests: int | None = None) -> dict[str, Any]:
+def run(
+    quick: bool,
+    *,
+    rows: int | None = None,
+    requests: int | None = None,
+    seconds: int | None = None,
+) -> dict[str, Any]:
     """Measure (see the module docstring); progress to stderr, the table to stdout."""
     n_rows = rows or SIZES["rows"][quick]
     n_requests = requests or SIZES["requests"][quick]
+    n_seconds = seconds or SIZES["seconds"][quick]
+    loads: dict[str, Any] = {}
     batches = BATCHES[:2] if quick else BATCHES
     torch.set_num_threads(1)
     config = bench_config(n_rows, 32)
@@ -93,6 +112,7 @@ def run(quick: bool, *, rows: int | None = None, requests: int | None = None) ->
                 log(f"endpoint: batch {batch}")
                 for arm, call in _arms(run_, examples, server, naive_port, grpc_port).items():
                     results[arm][str(batch)] = _timed(call, n_requests)
+            loads = _loads(config, server, naive_port, n_seconds)
         finally:
             server.stop()
             naive.terminate()
@@ -111,6 +131,7 @@ def run(quick: bool, *, rows: int | None = None, requests: int | None = None) ->
             }
             for arm in ARMS
         },
+        "load": loads,
     }
     _print(doc, batches)
     if not quick:
@@ -179,6 +200,14 @@ def _arms(
 
         return call
 
+    columns = json.dumps({"columns": _columns(tensors)}).encode()
+
+    def post_columns() -> object:
+        r = server.client.post("/v1/predict", content=columns, headers=headers)
+        r.raise_for_status()
+        assert len(r.json()["scores"]) == n
+        return r
+
     def infer(module: Any, client: Any) -> Callable[[], object]:
         inputs = []
         for name, array, datatype in tensors:
@@ -198,6 +227,7 @@ def _arms(
         "forward": forward,
         "naive": post(naive_client, "/predict"),
         "v1": post(server.client, "/v1/predict"),
+        "v1 columns": post_columns,
         "v2 http": infer(triton_http, http),
         "v2 grpc": infer(triton_grpc, grpc),
     }
@@ -217,6 +247,65 @@ def _tensors(config: Any, examples: list[dict[str, Any]]) -> list[tuple[str, np.
     for d in config.dense:
         out.append((d, np.asarray([ex[d] for ex in examples], dtype=np.float32), "FP32"))
     return out
+
+
+def _columns(tensors: list[tuple[str, np.ndarray, str]]) -> dict[str, list[Any]]:
+    """The columnar /v1 form of the v2 tensors: one JSON list per input."""
+    return {name: array.tolist() for name, array, _ in tensors}
+
+
+def _loads(config: Any, server: ChildServer, naive_port: int, seconds: int) -> dict[str, Any]:
+    """Each HTTP arm under wrk at `LOAD_BATCH` over `CONNECTIONS` connections (see the module
+    docstring); {"skipped": why} without wrk."""
+    import tritonclient.http as triton_http
+
+    if not have_wrk():
+        log("endpoint: wrk is not installed (apt-get install wrk): no throughput phase")
+        return {"skipped": "wrk is not installed"}
+    examples = random_examples(config, LOAD_BATCH, seed=LOAD_BATCH)
+    tensors = _tensors(config, examples)
+    inputs = []
+    for name, array, datatype in tensors:
+        tensor = triton_http.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array, binary_data=True)
+        inputs.append(tensor)
+    outputs = [triton_http.InferRequestedOutput("score", binary_data=True)]
+    v2_body, json_size = triton_http.InferenceServerClient.generate_request_body(inputs, outputs)
+    v2_headers = {"Content-Type": "application/octet-stream"}
+    if json_size is not None:
+        v2_headers["Inference-Header-Content-Length"] = str(json_size)
+    json_headers = {"Content-Type": "application/json"}
+    bodies = {
+        "naive": (
+            f"http://127.0.0.1:{naive_port}/predict",
+            json.dumps({"examples": examples}).encode(),
+            json_headers,
+        ),
+        "v1": (
+            f"{server.url}/v1/predict",
+            json.dumps({"examples": examples}).encode(),
+            json_headers,
+        ),
+        "v1 columns": (
+            f"{server.url}/v1/predict",
+            json.dumps({"columns": _columns(tensors)}).encode(),
+            json_headers,
+        ),
+        "v2 http": (f"{server.url}/v2/models/{MODEL}/infer", bytes(v2_body), v2_headers),
+    }
+    loads: dict[str, Any] = {"batch": LOAD_BATCH, "connections": CONNECTIONS, "seconds": seconds}
+    for arm in LOADED:
+        url, body, headers = bodies[arm]
+        log(f"endpoint: wrk on {arm}, {CONNECTIONS} connections, {seconds} s")
+        load = wrk_load(url, body, headers, connections=CONNECTIONS, seconds=seconds)
+        assert load is not None
+        loads[arm] = load.as_dict()
+    naive_rate = loads["naive"]["requests_per_s"]
+    loads["vs_naive"] = {
+        arm: round(loads[arm]["requests_per_s"] / naive_rate, 2) if naive_rate else None
+        for arm in LOADED
+    }
+    return loads
 
 
 def _timed(call: Callable[[], object], n: int) -> dict[str, float]:
@@ -242,6 +331,20 @@ def _print(doc: dict[str, Any], batches: tuple[int, ...]) -> None:
             for b in batches
         ]
         print(f"{arm:<10}" + "".join(f"{c:>26}" for c in cells))
+    load = doc["load"]
+    if "skipped" in load:
+        print(f"throughput: skipped ({load['skipped']})")
+        return
+    print(
+        f"throughput at batch {load['batch']}, wrk, {load['connections']} connections, "
+        f"{load['seconds']} s: requests/s [x naive], p50 / p99 ms, failed"
+    )
+    for arm in LOADED:
+        got = load[arm]
+        print(
+            f"{arm:<10}{got['requests_per_s']:>10.0f} [{load['vs_naive'][arm]}x]"
+            f"{got['p50_ms']:>10.2f} / {got['p99_ms']:.2f}{got['failed']:>8}"
+        )
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

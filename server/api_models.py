@@ -39,6 +39,16 @@ _EXAMPLE: JsonDict = {
         {"user": 12, "item": 345, "genres": [1, 7], "hour_sin": 0.3, "hour_cos": -0.95},
     ]
 }
+_COLUMNS_EXAMPLE: JsonDict = {
+    "columns": {
+        "user": [12, 13],
+        "item": [345, 9],
+        "genres": [1, 7, 3],
+        "genres_lengths": [2, 1],
+        "hour_sin": [0.3, 0.1],
+        "hour_cos": [-0.95, 0.99],
+    }
+}
 _RAW_EXAMPLE: JsonDict = {
     "examples": [
         {"user": "u1", "item": 42, "genres": ["Drama", "Comedy"], "ts": 1700000000},
@@ -58,10 +68,11 @@ class PredictRequest(BaseModel):
     """
 
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [_EXAMPLE, _RAW_EXAMPLE]}
+        extra="forbid", json_schema_extra={"examples": [_EXAMPLE, _COLUMNS_EXAMPLE, _RAW_EXAMPLE]}
     )
 
-    examples: list[SkipValidation[dict[str, FeatureValue]]] = Field(
+    examples: list[SkipValidation[dict[str, FeatureValue]]] | None = Field(
+        default=None,
         min_length=1,
         description="A model of encoded ids (GET /v1/model `id_space` null): each example maps "
         "every feature of the model config (GET /v1/model, `features`) to a value: dense "
@@ -78,16 +89,29 @@ class PredictRequest(BaseModel):
         "body above its byte cap, are a 413.",
     )
 
+    columns: SkipValidation[dict[str, list[FeatureValue]]] | None = Field(
+        default=None,
+        description="The columnar form, instead of `examples`: one list per input, named as "
+        "the v2 protocol's tensors (docs/SERVER.md): a single-valued feature one value per "
+        "example, a bag its ids flat plus `<bag>_lengths` (how many each example has). "
+        "Decoded column by column into arrays, with no step per example for a model of "
+        "encoded ids; the answer is the one the same examples get.",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _no_other_fields(cls, data: object) -> object:
         # What extra="forbid" (kept for the schema) would do with one error per unknown field.
         if isinstance(data, dict):
-            unknown = [k for k in data if k != "examples"]
+            unknown = [k for k in data if k not in ("examples", "columns")]
             if unknown:
                 names = ", ".join(f"'{shown_input(str(k))}'" for k in unknown[:5])
                 more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-                raise ValueError(f"unknown field(s) {names}{more}; a request holds `examples`")
+                raise ValueError(
+                    f"unknown field(s) {names}{more}; a request holds `examples` or `columns`"
+                )
+            if (data.get("examples") is None) == (data.get("columns") is None):
+                raise ValueError("a request holds exactly one of `examples` and `columns`")
         return data
 
 

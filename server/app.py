@@ -188,6 +188,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     )
     app.state.server = state
     app.include_router(predict.router)
+    predict.document_request_body(app)
     app.include_router(model.router)
     app.include_router(health.router)
     app.include_router(v2.router)

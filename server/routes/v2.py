@@ -11,7 +11,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from server.dependencies import StateDep
 from server.v2_infer import (
@@ -24,6 +23,7 @@ from server.v2_infer import (
     model_metadata,
 )
 from server.v2_tensors import V2RequestError, infer_response, parse_infer_request
+from server.work_placement import scored_where_cheapest
 
 router = APIRouter(prefix="/v2", tags=["v2"])
 
@@ -96,7 +96,9 @@ async def _infer(name: str, version: int | None, request: Request, state: StateD
             body, _header_length(request.headers.get(HEADER_LENGTH)), max_elements(state)
         )
         check_outputs(parsed.outputs)
-        outcome = await run_in_threadpool(infer, state, name, version, parsed.tensors)
+        outcome = await scored_where_cheapest(
+            len(body), infer, state, name, version, parsed.tensors
+        )
     except V2RequestError as exc:
         return v2_error(exc)
     asked = parsed.outputs

@@ -5,6 +5,7 @@ with its id maps (bench/synthetic_live.py) and announced on a file bus the serve
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -128,6 +129,17 @@ def test_raw_ids_are_mapped_and_unknown_ones_reported(served: RawServed) -> None
     assert 'checknrun_server_raw_ids_total{feature="user"} 3.0' in metrics
     assert 'checknrun_server_unknown_ids_total{feature="user"} 2.0' in metrics
     assert 'checknrun_server_unknown_ids_total{feature="genres"} 1.0' in metrics
+    # the same examples in the columnar form
+    names = ("user", "item", "ts", "price")
+    columns: dict[str, list[Any]] = {n: [ex.get(n) for ex in asked] for n in names}
+    columns["ts"] = [ex.get("ts", float("nan")) for ex in asked]  # NaN: none, the request time
+    columns["price"] = [12.5, float("nan"), float("nan"), float("nan")]  # NaN: missing
+    columns["genres"] = [g for ex in asked for g in ex.get("genres", [])]
+    columns["genres_lengths"] = [len(ex.get("genres", [])) for ex in asked]
+    r = served.client.post("/v1/predict", content=json.dumps({"columns": columns}))
+    assert r.status_code == 200, r.text
+    assert r.json()["unknown_ids"] == body["unknown_ids"]
+    np.testing.assert_allclose(r.json()["scores"], body["scores"], atol=1e-6)
 
 
 def test_a_new_id_is_served_once_its_version_is_applied(served: RawServed) -> None:
@@ -178,5 +190,7 @@ def test_openapi_documents_raw_ids(served: RawServed) -> None:
     assert {"IdSpaceInfo", "IdTableInfo"} <= set(schemas)
     request = schemas["PredictRequest"]
     examples = request["examples"]
-    assert any("ts" in e for ex in examples for e in ex["examples"])
+    assert any("ts" in e for ex in examples for e in ex.get("examples", []))
+    assert any("columns" in ex for ex in examples)
+    assert "columnar" in request["properties"]["columns"]["description"]
     assert "raw events" in request["properties"]["examples"]["description"]

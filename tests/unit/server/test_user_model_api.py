@@ -236,7 +236,7 @@ def _v2_inputs(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return inputs
 
 
-def test_a_user_model_answers_the_v2_protocol_as_v1(
+def test_a_user_model_answers_the_v2_protocol_and_v1_columns_as_v1(
     tmp_path: Path, model: str, run: UserRun
 ) -> None:
     examples = run.requests(8)
@@ -248,6 +248,11 @@ def test_a_user_model_answers_the_v2_protocol_as_v1(
         doc = r.json()
         assert doc["model_version"] == "1"
         np.testing.assert_allclose(doc["outputs"][0]["data"], want["scores"], rtol=0, atol=1e-6)
+        columns = {i["name"]: i["data"] for i in _v2_inputs(examples)}
+        r = client.post("/v1/predict", json={"columns": columns})
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] == 1 and r.json().get("unknown_ids") == want.get("unknown_ids")
+        np.testing.assert_allclose(r.json()["scores"], want["scores"], rtol=0, atol=1e-6)
         meta = client.get(f"/v2/models/{model}").json()["inputs"]
         # the adapter's id features, as raw ids; its other inputs are its own to type
         ids = {"two_tower": {"user", "item"}, "deepfm": set()}[model]

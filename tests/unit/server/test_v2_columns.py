@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from bench.synthetic_run import random_examples, small_config
+from server.column_request import column_arrays
 from server.feature_batch import build_batch
 from server.feature_columns import build_columnar_batch
 from server.feature_problems import FeatureValidationError
+from server.v2_tensors import BatchTooLargeError, V2RequestError
 from tests.unit.server.test_api import Served, examples, factory, served
 
 __all__ = ["factory", "served"]  # the fixtures, shared with the /v1 tests
@@ -58,6 +60,7 @@ def _broken(change: dict[str, Any]) -> dict[str, np.ndarray]:
 SINGLE = next(f for f in CONFIG.sparse if not f.bag)
 BAG = next(f for f in CONFIG.sparse if f.bag)
 DENSE = CONFIG.dense[0]
+_EX = random_examples(CONFIG, 1, seed=2)[0]
 
 
 @pytest.mark.parametrize(
@@ -117,3 +120,49 @@ def test_v2_infer_on_encoded_ids_scores_as_v1(served: Served) -> None:
             i.update(shape=[0], data=[])
     r = served.client.post("/v2/models/m/infer", json={"inputs": too_many})
     assert r.status_code == 413, r.text
+
+
+def test_v1_columns_score_as_the_same_examples(served: Served) -> None:
+    batch = examples(served, 6, seed=5)
+    want = served.client.post("/v1/predict", json={"examples": batch}).json()
+    columns = {n: a.reshape(-1).tolist() for n, a in _columns(served.run.config, batch).items()}
+    r = served.client.post("/v1/predict", json={"columns": columns})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["version"] == want["version"] and got["model"] == want["model"]
+    np.testing.assert_allclose(got["scores"], want["scores"], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({}, 422, "exactly one of"),
+        ({"examples": [{}], "columns": {"a": [1]}}, 422, "exactly one of"),
+        ({"columns": {}}, 422, "names no input"),
+        ({"columns": {DENSE: 1.5}}, 422, "is a list of values"),
+        ({"columns": {DENSE: [{"x": 1}]}}, 422, "values are numbers, or raw ids"),
+        ({"columns": {SINGLE.name: [2**70]}}, 422, "int64"),
+        ({"columns": {SINGLE.name: [10**6]}}, 422, "outside its table"),
+        ({"columns": {DENSE: ["a", 1]}}, 422, "needs numbers"),
+    ],
+    ids=["neither", "both", "empty", "not-a-list", "object", "int70", "outside", "text"],
+)
+def test_bad_v1_columns_are_refused_with_a_reason(
+    served: Served, body: dict[str, Any], status: int, message: str
+) -> None:
+    if set(body) == {"columns"} and body["columns"]:
+        good = {n: a.reshape(-1).tolist() for n, a in _columns(CONFIG, [_EX]).items()}
+        body = {"columns": good | body["columns"]}
+    r = served.client.post("/v1/predict", json=body)
+    assert r.status_code == status, r.text
+    assert message in r.text, r.text
+
+
+def test_the_value_cap_is_checked_before_a_column_is_converted() -> None:
+    with pytest.raises(BatchTooLargeError, match="11 values in all exceed the cap of 10"):
+        column_arrays({"a": [0] * 6, "b": ["x"] * 5}, 10)
+    got = column_arrays({"a": [1, 2], "b": [0.5, 1], "c": ["u", 7, None]}, 10)
+    assert got["a"].dtype == np.int64 and got["b"].dtype == np.float64
+    assert got["c"].tolist() == [b"u", b"7", b""]
+    with pytest.raises(V2RequestError, match="not UTF-8"):
+        column_arrays({"c": ["\ud800"]}, 10)
