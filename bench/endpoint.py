@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from bench.child_server import REPO, ChildServer, free_port
+from bench.endpoint_workers import measure_workers
 from bench.machine import describe_machine, log
 from bench.predict_load import percentiles
 from bench.serving import bench_config
@@ -58,6 +59,8 @@ ARMS = ("forward", "naive", "v1", "v1 columns", "v2 http", "v2 grpc")
 #: the arms loaded by wrk, at this batch over this many connections.
 LOADED = ("naive", "v1", "v1 columns", "v2 http")
 LOAD_BATCH, CONNECTIONS = 64, 8
+#: rows of the delta committed every second while `--workers` servers are loaded.
+DELTA_ROWS = 100_000
 PNG = Path("docs/benchmarks/endpoint.png")
 
 
@@ -117,6 +120,22 @@ def run(
             server.stop()
             naive.terminate()
             naive.wait(timeout=30)
+        try:
+            workers: dict[str, Any] = {"skipped": "wrk is not installed"}
+            if have_wrk():
+                tensors = _tensors(config, random_examples(config, LOAD_BATCH, seed=LOAD_BATCH))
+                body, headers = _v2_body(tensors)
+                workers = measure_workers(
+                    store_url,
+                    root,
+                    run_,
+                    MODEL,
+                    body,
+                    headers,
+                    seconds=n_seconds,
+                    delta_rows=min(DELTA_ROWS, n_rows),
+                )
+        finally:
             run_.close()
     doc = {
         "part": "endpoint",
@@ -132,6 +151,7 @@ def run(
             for arm in ARMS
         },
         "load": loads,
+        "workers": workers,
     }
     _print(doc, batches)
     if not quick:
@@ -254,26 +274,32 @@ def _columns(tensors: list[tuple[str, np.ndarray, str]]) -> dict[str, list[Any]]
     return {name: array.tolist() for name, array, _ in tensors}
 
 
-def _loads(config: Any, server: ChildServer, naive_port: int, seconds: int) -> dict[str, Any]:
-    """Each HTTP arm under wrk at `LOAD_BATCH` over `CONNECTIONS` connections (see the module
-    docstring); {"skipped": why} without wrk."""
+def _v2_body(tensors: list[tuple[str, np.ndarray, str]]) -> tuple[bytes, dict[str, str]]:
+    """A v2 REST infer body of `tensors` in binary tensor data, as tritonclient sends it."""
     import tritonclient.http as triton_http
 
-    if not have_wrk():
-        log("endpoint: wrk is not installed (apt-get install wrk): no throughput phase")
-        return {"skipped": "wrk is not installed"}
-    examples = random_examples(config, LOAD_BATCH, seed=LOAD_BATCH)
-    tensors = _tensors(config, examples)
     inputs = []
     for name, array, datatype in tensors:
         tensor = triton_http.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array, binary_data=True)
         inputs.append(tensor)
     outputs = [triton_http.InferRequestedOutput("score", binary_data=True)]
-    v2_body, json_size = triton_http.InferenceServerClient.generate_request_body(inputs, outputs)
-    v2_headers = {"Content-Type": "application/octet-stream"}
+    body, json_size = triton_http.InferenceServerClient.generate_request_body(inputs, outputs)
+    headers = {"Content-Type": "application/octet-stream"}
     if json_size is not None:
-        v2_headers["Inference-Header-Content-Length"] = str(json_size)
+        headers["Inference-Header-Content-Length"] = str(json_size)
+    return bytes(body), headers
+
+
+def _loads(config: Any, server: ChildServer, naive_port: int, seconds: int) -> dict[str, Any]:
+    """Each HTTP arm under wrk at `LOAD_BATCH` over `CONNECTIONS` connections (see the module
+    docstring); {"skipped": why} without wrk."""
+    if not have_wrk():
+        log("endpoint: wrk is not installed (apt-get install wrk): no throughput phase")
+        return {"skipped": "wrk is not installed"}
+    examples = random_examples(config, LOAD_BATCH, seed=LOAD_BATCH)
+    tensors = _tensors(config, examples)
+    v2_body, v2_headers = _v2_body(tensors)
     json_headers = {"Content-Type": "application/json"}
     bodies = {
         "naive": (
@@ -291,7 +317,7 @@ def _loads(config: Any, server: ChildServer, naive_port: int, seconds: int) -> d
             json.dumps({"columns": _columns(tensors)}).encode(),
             json_headers,
         ),
-        "v2 http": (f"{server.url}/v2/models/{MODEL}/infer", bytes(v2_body), v2_headers),
+        "v2 http": (f"{server.url}/v2/models/{MODEL}/infer", v2_body, v2_headers),
     }
     loads: dict[str, Any] = {"batch": LOAD_BATCH, "connections": CONNECTIONS, "seconds": seconds}
     for arm in LOADED:
@@ -331,6 +357,7 @@ def _print(doc: dict[str, Any], batches: tuple[int, ...]) -> None:
             for b in batches
         ]
         print(f"{arm:<10}" + "".join(f"{c:>26}" for c in cells))
+    _print_workers(doc["workers"])
     load = doc["load"]
     if "skipped" in load:
         print(f"throughput: skipped ({load['skipped']})")
@@ -345,6 +372,30 @@ def _print(doc: dict[str, Any], batches: tuple[int, ...]) -> None:
             f"{arm:<10}{got['requests_per_s']:>10.0f} [{load['vs_naive'][arm]}x]"
             f"{got['p50_ms']:>10.2f} / {got['p99_ms']:.2f}{got['failed']:>8}"
         )
+
+
+def _print_workers(workers: dict[str, Any]) -> None:
+    if "skipped" in workers:
+        print(f"--workers: skipped ({workers['skipped']})")
+        return
+    print(
+        f"serve --workers N, v2 http at batch {LOAD_BATCH}, wrk {CONNECTIONS} connections, "
+        f"{workers['seconds']} s: idle and while a {workers['delta_rows']}-row delta commits "
+        "every second"
+    )
+    for n in ("1", "2"):
+        got = workers[n]
+        idle, busy = got["idle"], got["applying"]
+        print(
+            f"workers {n}: {idle['requests_per_s']:.0f} req/s, p99 {idle['p99_ms']:.2f} ms idle, "
+            f"{busy['p99_ms']:.2f} ms applying [{got['p99_applying_vs_idle']}x], failed "
+            f"{idle['failed'] + busy['failed']}, {got['deltas_committed']} deltas, "
+            f"PSS {got['pss_bytes'] / 2**20:.0f} MiB"
+        )
+    print(
+        f"2 workers vs 1: throughput {workers['throughput_2_vs_1']}x, memory (PSS) "
+        f"{workers['pss_2_vs_1']}x"
+    )
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

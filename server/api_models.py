@@ -248,6 +248,11 @@ class ModelInfo(BaseModel):
     pinned_version: int | None
     consistency: Literal["double-buffer", "rwlock"]
     model_memory_bytes: int = Field(description="bytes of model tensors held, every copy")
+    process: int = Field(
+        default=0,
+        description="the request process that answered: 0 follows the versions, 1..N-1 are "
+        "the other workers of `serve --workers N` (each reads the same copies)",
+    )
     hashing: bool = Field(description="ids outside a table are folded in by modulo")
     features: list[FeatureInfo]
     id_space: IdSpaceInfo | None = Field(

@@ -35,10 +35,9 @@ from publisher.read import (
     Subscriber,
     SubscriberOptions,
 )
-from publisher.read.live_model import LiveModel
 from publisher.read.sinks import dlrm_sink
 from publisher.store import StoreUnavailableError, open_store
-from server.dependencies import ServerState
+from server.dependencies import ServedModel, ServerState
 from server.errors import shown_input
 from server.feature_problems import MAX_REPORTED_ERRORS, FeatureValidationError
 from server.heap_policy import return_large_blocks
@@ -48,6 +47,17 @@ from server.plugins import load_callable
 from server.predictors import AdapterPredictor, DLRMPredictor, Predictor, RequestAdapterError
 from server.routes import health, model, predict, v2
 from server.settings import ServerSettings
+from server.workers.links import ApplySideEnds, WorkerEnd
+from server.workers.mirror import (
+    MirrorLive,
+    MirrorSink,
+    MirrorSlot,
+    RpcClient,
+    SyncReceiver,
+    WorkerFollower,
+)
+from server.workers.rpc import ApplySideRpc
+from server.workers.shared_slot import SharedDoubleBufferSlot
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +87,7 @@ def subscriber_options(settings: ServerSettings) -> SubscriberOptions:
 def _bind_gauges(metrics: ServerMetrics, state: ServerState) -> None:
     from server.routes.health import readiness
 
-    def live() -> LiveModel | None:
+    def live() -> ServedModel | None:
         return state.live
 
     metrics.bind(
@@ -111,13 +121,40 @@ def served_model(settings: ServerSettings) -> tuple[ModelFactory | None, Predict
     return factory, predictor
 
 
-def create_app(settings: ServerSettings) -> FastAPI:
+def create_app(
+    settings: ServerSettings,
+    *,
+    apply_side: ApplySideEnds | None = None,
+    worker: WorkerEnd | None = None,
+) -> FastAPI:
     """The server application for `settings` (nothing is opened before its lifespan starts,
-    but the model factory and request adapter are imported now: PluginError if they do not)."""
+    but the model factory and request adapter are imported now: PluginError if they do not).
+
+    With `--workers` (server/workers/): `apply_side` makes this the process that follows the
+    versions and shares its copies with the workers; `worker` makes it a worker, serving
+    mirrors of them (no store, no bus: the apply side follows)."""
     metrics = ServerMetrics()
     factory, predictor = served_model(settings)
     state = ServerState(settings=settings, metrics=metrics, predictor=predictor)
+    if worker is not None:
+        state.process = worker.gate.index
     _bind_gauges(metrics, state)
+
+    @asynccontextmanager
+    async def worker_lifespan(app: FastAPI) -> AsyncIterator[None]:
+        assert worker is not None
+        torch.set_num_threads(settings.torch_threads)
+        slot = MirrorSlot(worker.gate)
+        SyncReceiver(slot, worker.control).start()
+        state.subscriber = WorkerFollower(
+            MirrorLive(settings.model, MirrorSink(slot), RpcClient(worker.rpc))
+        )
+        with ExitStack() as resources:
+            _start_grpc(state, settings, resources)
+            try:
+                yield
+            finally:
+                state.subscriber = None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -139,6 +176,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 if factory is None
                 else ModuleSink(factory, scheme=scheme, quantized=quantized, memory_budget=budget)
             )
+            if apply_side is not None:  # the copies every worker process reads
+                sink.slot = SharedDoubleBufferSlot.replacing(
+                    sink.slot, apply_side.gate, apply_side.pipes
+                )
             subscriber = Subscriber(  # reads `store` and `source`, which `resources` closes
                 store,
                 settings.model,
@@ -149,13 +190,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
             )
             resources.callback(subscriber.close)
             state.subscriber = subscriber
-            if settings.grpc_port is not None:
-                from server.grpc_v2.service import start_grpc  # grpcio only when asked for
-
-                grpc_server, bound = start_grpc(state, settings.host, settings.grpc_port)
-                resources.callback(grpc_server.stop, 1.0)
-                state.grpc_port = bound
-                log.info("v2 gRPC on %s:%d", settings.host, bound)
+            if apply_side is not None:
+                ApplySideRpc(subscriber, apply_side.rpcs).start()
+            _start_grpc(state, settings, resources)
             task = (
                 asyncio.create_task(asyncio.to_thread(subscriber.run)) if settings.follow else None
             )
@@ -184,7 +221,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         title="checknrun server",
         version="1",
         description=API_DESCRIPTION,
-        lifespan=lifespan,
+        lifespan=lifespan if worker is None else worker_lifespan,
     )
     app.state.server = state
     app.include_router(predict.router)
@@ -197,6 +234,18 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app
+
+
+def _start_grpc(state: ServerState, settings: ServerSettings, resources: ExitStack) -> None:
+    """The v2 gRPC server, if `settings` ask for one (grpcio is imported only then)."""
+    if settings.grpc_port is None:
+        return
+    from server.grpc_v2.service import start_grpc
+
+    grpc_server, bound = start_grpc(state, settings.host, settings.grpc_port)
+    resources.callback(grpc_server.stop, 1.0)
+    state.grpc_port = bound
+    log.info("v2 gRPC on %s:%d", settings.host, bound)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -98,6 +98,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default on; off = float32 tables)",
     )
     p.add_argument("--torch-threads", type=int)
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="request processes reading one copy of the model from shared memory "
+        "(default 1; use the machine's cores)",
+    )
     p.add_argument("--max-batch", type=int, help="examples per request (default 1024)")
     p.add_argument("--max-body-bytes", type=int, help="request body cap (default 1 MiB)")
     p.add_argument(
@@ -137,6 +143,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         consistency=args.consistency,
         quantized_tables=None if args.quantized_tables is None else args.quantized_tables == "on",
         torch_threads=args.torch_threads,
+        workers=args.workers,
         max_batch=args.max_batch,
         max_body_bytes=args.max_body_bytes,
         ready_max_staleness_s=args.ready_max_staleness,
@@ -198,7 +205,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bus_url(settings.bus, settings.bus_start)
     check_store_exists(settings.store, settings.model)
     app = create_app(settings)  # imports --model-factory and --request-adapter (PluginError)
-    # One process: the model lives in this process' memory; scale out with more replicas.
+    if settings.workers > 1:
+        from server.workers import serve_with_workers
+
+        del app  # imported the plugins; each process builds its own
+        return serve_with_workers(settings, args.log_level)
     uvicorn.run(
         app,
         host=settings.host,

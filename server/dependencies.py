@@ -8,34 +8,76 @@ tests can swap settings by building another app.
 from __future__ import annotations
 
 import hmac
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from publisher.read import Subscriber
-from publisher.read.live_model import LiveModel
+from publisher.read import ModelCopy, ServedVersion, VersionSink
+from publisher.read.live_model import ApplyTimes
 from server.metrics import ServerMetrics
 from server.predictors import Predictor
 from server.settings import ServerSettings
 
 
+class ServedModel(Protocol):
+    """The live model as the routes read it: the subscriber's `LiveModel` in a one-process
+    server (and the apply side of `--workers`), a `server.workers.mirror.MirrorLive` in a
+    worker process."""
+
+    @property
+    def sink(self) -> VersionSink: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def version(self) -> int | None: ...
+    @property
+    def pinned(self) -> int | None: ...
+    @property
+    def versions_applied(self) -> int: ...
+    @property
+    def bytes_fetched(self) -> int: ...
+    @property
+    def last_times(self) -> ApplyTimes | None: ...
+    def reader(self) -> AbstractContextManager[ModelCopy]: ...
+    def staleness_s(self, now: float | None = None) -> float: ...
+    def age_s(self, now: float | None = None) -> float | None: ...
+    def latest_known(self) -> int | None: ...
+    def nbytes(self) -> int: ...
+    def pin(self, version: int) -> ServedVersion: ...
+    def unpin(self) -> bool: ...
+    def digest(self) -> tuple[int, dict[str, str]]: ...
+
+
+class Follower(Protocol):
+    """What moves the served model: the `Subscriber`, or a worker's `WorkerFollower`."""
+
+    @property
+    def live(self) -> ServedModel: ...
+    @property
+    def rejected(self) -> int: ...
+    def request_catch_up(self) -> None: ...
+
+
 @dataclass
 class ServerState:
-    """What the app holds: its settings, metrics and predictor, and the subscriber the lifespan
+    """What the app holds: its settings, metrics and predictor, and the follower the lifespan
     created (None until the lifespan has run)."""
 
     settings: ServerSettings
     metrics: ServerMetrics
     predictor: Predictor
-    subscriber: Subscriber | None = None
+    subscriber: Follower | None = None
     #: the port the v2 gRPC server bound (`grpc_port`), None without one.
     grpc_port: int | None = None
+    #: this request process' index (`--workers`: 0 applies the versions).
+    process: int = 0
 
     @property
-    def live(self) -> LiveModel | None:
-        """The served model (the subscriber's), None until the lifespan has run."""
+    def live(self) -> ServedModel | None:
+        """The served model (the follower's), None until the lifespan has run."""
         return None if self.subscriber is None else self.subscriber.live
 
 
@@ -59,7 +101,7 @@ def get_predictor(state: StateDep) -> Predictor:
     return state.predictor
 
 
-def get_live_model(state: StateDep) -> LiveModel:
+def get_live_model(state: StateDep) -> ServedModel:
     if state.live is None:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, "the server is starting")
     return state.live
@@ -67,7 +109,7 @@ def get_live_model(state: StateDep) -> LiveModel:
 
 SettingsDep = Annotated[ServerSettings, Depends(get_settings)]
 MetricsDep = Annotated[ServerMetrics, Depends(get_metrics)]
-LiveModelDep = Annotated[LiveModel, Depends(get_live_model)]
+LiveModelDep = Annotated[ServedModel, Depends(get_live_model)]
 PredictorDep = Annotated[Predictor, Depends(get_predictor)]
 
 _bearer = HTTPBearer(

@@ -134,6 +134,13 @@ class ServerSettings(BaseSettings):
         "copying rows (server/held_tables.py); off = every table float32",
     )
     torch_threads: int = Field(default=1, ge=1, le=256, description="torch intra-op threads")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="request processes sharing one copy of the model in shared memory "
+        "(server/workers/): 1 is this process alone",
+    )
     max_batch: int = Field(default=1024, ge=1, description="examples per predict request")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024, description="request body cap")
     max_ids_per_bag: int = Field(default=4096, ge=1, description="ids per bag feature value")
@@ -199,6 +206,15 @@ class ServerSettings(BaseSettings):
             raise ValueError(
                 "a model factory needs a request adapter (request_adapter, "
                 "--request-adapter MODULE:FUNCTION): the server cannot guess a model's inputs"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _workers_share_a_double_buffer(self) -> ServerSettings:
+        if self.workers > 1 and self.consistency != "double-buffer":
+            raise ValueError(
+                "workers > 1 share the double buffer's two copies; the rwlock scheme would "
+                "make every worker wait for each write (use consistency double-buffer)"
             )
         return self
 

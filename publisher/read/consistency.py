@@ -212,6 +212,11 @@ class DoubleBufferSlot(ModelSlot):
             old, self._live = self._live, buffer
         return old, time.perf_counter() - started
 
+    def _written(self, buffer: ModelCopy, touched: Touched | None) -> None:
+        """`buffer`, which no reader sees, has been written: with `touched` (a plan or its
+        replay), or whole (None: built, cloned). A hook for readers in other processes
+        (server/workers/); nothing to do here."""
+
     def _drain(self, buffer: ModelCopy) -> None:
         """Wait until no prediction reads `buffer` (no new one can: it is not live)."""
         started = time.monotonic()
@@ -234,6 +239,7 @@ class DoubleBufferSlot(ModelSlot):
             # A failed rebuild dropped the standby (see _rebuild); a plan on top of the live
             # model needs it back, not a rebuild from a full.
             self._standby = self.builder.clone(self._live)
+            self._written(self._standby, None)
         if self._live is None or self._standby is None or not self._standby.fits(first):
             # No reference to either copy may be held here: the rebuild frees the standby.
             return self._rebuild(plan, fetch)
@@ -249,11 +255,13 @@ class DoubleBufferSlot(ModelSlot):
             # The standby is hidden, so a failed write tore nothing anyone sees; put it back.
             standby.copy_from(live, touched)
             raise
+        self._written(standby, touched)
         old, pause = self._swap_in(standby)
         assert old is live
         self._drain(live)
         live.replay(standby, touched)
         self._standby = live
+        self._written(live, touched)
         assert standby.served is not None
         return UpdateResult(
             standby.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=False
@@ -265,11 +273,13 @@ class DoubleBufferSlot(ModelSlot):
         # kept for a failed build either: `update` clones the live copy when a plan needs it.
         self._standby = None
         fresh, fetched_bytes = _build_fresh(self, plan, fetch)
+        self._written(fresh, None)
         old, pause = self._swap_in(fresh)
         if old is not None:
             self._drain(old)
             del old  # freed before the standby is cloned: 2 copies again, not 3
         self._standby = self.builder.clone(fresh)
+        self._written(self._standby, None)
         assert fresh.served is not None
         return UpdateResult(
             fresh.served, tuple(r.version for r in plan), fetched_bytes, pause, rebuilt=True

@@ -331,6 +331,36 @@ class HeldTable(ABC):
     def rows_of(self, blob: DeltaBlob) -> TableRows:
         """`blob`'s rows in this table's format, not written."""
 
+    @property
+    @abstractmethod
+    def tensor(self) -> torch.Tensor:
+        """The tensor whose memory `array` views (what the lookup module reads)."""
+
+    def share_memory(self) -> None:
+        """Move the table's memory to shared memory (`checknrun serve --workers`), in place:
+        the module reads the same tensor, and `array` views the new memory. (Moving frees the
+        old memory, so a view taken before would dangle: the view is taken again here.)"""
+        self.tensor.share_memory_()  # type: ignore[no-untyped-call]
+        self._view()
+
+    @abstractmethod
+    def _view(self) -> None:
+        """Take `array` again from `tensor`."""
+
+    def __getstate__(self) -> dict[str, object]:
+        # Pickled (to a worker process, with the tensor in shared memory) without the numpy
+        # view, which pickle would copy: the view is taken again from the tensor.
+        state = dict(self.__dict__)
+        state.pop(self._VIEW, None)
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._view()
+
+    #: the attribute holding the numpy view of `tensor`.
+    _VIEW = ""
+
     @abstractmethod
     def empty_like(self) -> HeldTable:
         """A table of the same format, shape and lookup, contents undefined."""
@@ -409,6 +439,15 @@ class Float32Table(HeldTable):
     def array(self) -> np.ndarray:
         return self.weights
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    _VIEW = "weights"
+
+    def _view(self) -> None:
+        self.weights = self.embedding.weight.data.numpy()
+
     def values(self) -> torch.Tensor:
         return self.embedding.weight.data
 
@@ -431,7 +470,18 @@ class FusedLookup(nn.Module):
         super().__init__()
         self.fused = fused
         self.lookup = lookup
+        self.bits = bits
         self._kernel = _LOOKUP[bits]
+
+    def __getstate__(self) -> dict[str, object]:
+        # torch's kernel is not picklable: it is looked up again by its bits.
+        state = dict(self.__dict__)
+        del state["_kernel"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._kernel = _LOOKUP[self.bits]
 
     def forward(
         self,
@@ -514,6 +564,15 @@ class FusedTable(HeldTable):
     @property
     def array(self) -> np.ndarray:
         return self.fused
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.fused_tensor
+
+    _VIEW = "fused"
+
+    def _view(self) -> None:
+        self.fused = self.fused_tensor.numpy()
 
     def values(self) -> torch.Tensor:
         out = np.empty((self.rows, self.dim), dtype=np.float32)

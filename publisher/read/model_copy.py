@@ -188,6 +188,20 @@ class ModelCopy:
         maps = sum(m.nbytes for m in self.id_maps.values())
         return sum(t.nbytes for t in self.tables.values()) + dense + maps
 
+    def share_memory(self) -> None:
+        """Move every table and dense tensor to shared memory, in place (`checknrun serve
+        --workers`: each worker process maps the same copy, pickled to it with torch's
+        multiprocessing reductions, which then pass the memory, not its bytes)."""
+        for table in self.tables.values():
+            table.share_memory()
+        for tensor in self.dense.values():
+            tensor.share_memory_()  # type: ignore[no-untyped-call]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["readers"] = 0  # this process's readers; none in another
+        return state
+
     def values(self, name: str) -> torch.Tensor:
         """Table `name` as float32 (rows, dim): what a lookup of one row returns."""
         return self.tables[name].values()

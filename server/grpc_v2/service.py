@@ -208,12 +208,15 @@ def service_handler(service: InferenceService) -> grpc.GenericRpcHandler:
 
 
 def start_grpc(state: ServerState, host: str, port: int) -> tuple[grpc.Server, int]:
-    """The v2 gRPC server on `host:port` (0: any free port), started; and the port bound."""
+    """The v2 gRPC server on `host:port` (0: any free port), started; and the port bound.
+
+    The port is bound without SO_REUSEPORT (a port in use is an error, not silently shared)
+    except under `--workers`, whose processes all bind it (the kernel spreads connections)."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=GRPC_THREADS, thread_name_prefix="grpc-v2"),
         options=[
             ("grpc.max_receive_message_length", state.settings.max_body_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(state.settings.workers > 1)),
         ],
     )
     server.add_generic_rpc_handlers((service_handler(InferenceService(state)),))

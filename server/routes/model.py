@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, status
 
 from publisher.id_map import UNKNOWN_ROW
 from publisher.read import ModelCopy, NotBootstrappedError, NoVersionError
-from publisher.read.live_model import ApplyTimes, LiveModel
+from publisher.read.live_model import ApplyTimes
 from publisher.store import StoreError
 from schemas.errors import BadDataError
 from server.api_models import (
@@ -24,7 +24,7 @@ from server.api_models import (
     ServedLossInfo,
     UnpinResponse,
 )
-from server.dependencies import AdminDep, LiveModelDep, StateDep
+from server.dependencies import AdminDep, LiveModelDep, ServedModel, StateDep
 from server.predictors import Predictor
 
 router = APIRouter(prefix="/v1/model", tags=["model"])
@@ -71,14 +71,16 @@ def id_space_info(predictor: Predictor, copy: ModelCopy) -> IdSpaceInfo | None:
     )
 
 
-def model_info(live: LiveModel, predictor: Predictor, rejected: int) -> ModelInfo:
+def model_info(live: ServedModel, predictor: Predictor, rejected: int) -> ModelInfo:
     """The /v1/model document of the served version (read under one reader, so the id maps
     described are the served version's)."""
     with live.reader() as copy:
         return _model_info(live, predictor, copy, rejected)
 
 
-def _model_info(live: LiveModel, predictor: Predictor, copy: ModelCopy, rejected: int) -> ModelInfo:
+def _model_info(
+    live: ServedModel, predictor: Predictor, copy: ModelCopy, rejected: int
+) -> ModelInfo:
     if copy.served is None:
         raise NotBootstrappedError("no version is served yet")
     served = copy.served
@@ -143,7 +145,9 @@ def _rejected(state: StateDep) -> int:
 
 @router.get("", summary="The served model version and its provenance", responses=_NOT_READY)
 def get_model(live: LiveModelDep, state: StateDep) -> ModelInfo:
-    return model_info(live, state.predictor, _rejected(state))
+    info = model_info(live, state.predictor, _rejected(state))
+    info.process = state.process
+    return info
 
 
 @router.post(

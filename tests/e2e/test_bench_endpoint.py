@@ -36,3 +36,10 @@ def test_the_endpoint_part_measures_every_arm(tmp_path: Path) -> None:
         for arm in ("naive", "v1", "v1 columns", "v2 http"):
             assert load[arm]["requests"] > 0 and load[arm]["failed"] == 0, (arm, load[arm])
             assert 0 < load[arm]["p50_ms"] <= load[arm]["p99_ms"]
+        workers = doc["workers"]
+        for n in ("1", "2"):
+            got = workers[n]
+            assert got["idle"]["failed"] == got["applying"]["failed"] == 0, got
+            assert got["deltas_committed"] > 0 and got["pss_bytes"] > 0
+            assert got["served_after"] > 1  # the deltas reached the server under load
+        assert workers["throughput_2_vs_1"] > 0 and "2 workers vs 1" in proc.stdout
