@@ -398,8 +398,19 @@ def _print_workers(workers: dict[str, Any]) -> None:
     )
 
 
+def _throughput_bars(doc: dict[str, Any]) -> dict[str, float]:
+    """requests/s per loaded arm and per worker count, when wrk ran."""
+    load, workers = doc.get("load", {}), doc.get("workers", {})
+    if "skipped" in load or "skipped" in workers or not load:
+        return {}
+    bars = {arm: float(load[arm]["requests_per_s"]) for arm in LOADED}
+    for n in ("1", "2"):
+        bars[f"v2 http, --workers {n}"] = float(workers[n]["idle"]["requests_per_s"])
+    return bars
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
-    """p50 per arm and batch, log scale."""
+    """p50 per arm and batch, log scale; beside it, throughput per arm when wrk ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -407,7 +418,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     arms = doc["arms"]
     batches = list(arms["forward"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    throughput = _throughput_bars(doc)
+    fig, axes = plt.subplots(1, 2 if throughput else 1, figsize=(13 if throughput else 8, 4))
+    ax = axes[0] if throughput else axes
     width = 0.8 / len(ARMS)
     for i, arm in enumerate(ARMS):
         xs = [j + i * width for j in range(len(batches))]
@@ -418,6 +431,15 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("p50 latency (ms), sequential")
     ax.set_title(f"one answer, each way in ({doc['machine'].get('cpu_model', 'CPU')})")
     ax.legend(fontsize=8)
+    if throughput:
+        right = axes[1]
+        names = list(throughput)
+        right.barh(names, [throughput[n] for n in names], color="tab:purple")
+        right.invert_yaxis()
+        right.set_xlabel(f"requests/s at batch {LOAD_BATCH}, wrk, {CONNECTIONS} connections")
+        right.set_title("throughput")
+        for y, n in enumerate(names):
+            right.text(throughput[n], y, f" {throughput[n]:,.0f}", va="center", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

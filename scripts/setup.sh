@@ -30,4 +30,11 @@ if [ "$there" != "$here" ]; then
   echo "setup: pointing the editable install at $here" >&2
   "$VENV/bin/pip" install -q --no-deps -e . >&2
 fi
+# wrk (Debian's) loads the servers in `checknrun bench endpoint`; without it that phase is
+# skipped, and says so. Installed here where we may (root with apt), never required.
+if ! command -v wrk >/dev/null && ((EUID == 0)) && command -v apt-get >/dev/null; then
+  echo "setup: installing wrk (apt-get)" >&2
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; } >&2 \
+    || echo "setup: could not install wrk; bench endpoint will skip its throughput phase" >&2
+fi
 echo "$VENV"

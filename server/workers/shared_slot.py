@@ -51,14 +51,20 @@ class WorkerPipes:
         """Send `message` to every worker and wait until each has applied it (ApplyError if a
         worker fails to, or does not answer within ACK_TIMEOUT_S)."""
         with self._lock:
-            for conn in self.controls:
-                conn.send(message)
-            for w, conn in enumerate(self.controls, 1):
-                if not conn.poll(ACK_TIMEOUT_S):
-                    raise ApplyError(f"worker {w} did not apply a sync in {ACK_TIMEOUT_S:.0f} s")
-                problem = conn.recv()
-                if problem is not None:
-                    raise ApplyError(f"worker {w} could not apply a sync: {problem}")
+            w = 0
+            try:
+                for w, conn in enumerate(self.controls, 1):  # noqa: B007 (w: in the error)
+                    conn.send(message)
+                for w, conn in enumerate(self.controls, 1):
+                    if not conn.poll(ACK_TIMEOUT_S):
+                        raise ApplyError(
+                            f"worker {w} did not apply a sync in {ACK_TIMEOUT_S:.0f} s"
+                        )
+                    problem = conn.recv()
+                    if problem is not None:
+                        raise ApplyError(f"worker {w} could not apply a sync: {problem}")
+            except (EOFError, OSError) as exc:  # the supervisor stops the server
+                raise ApplyError(f"worker {w} is gone ({type(exc).__name__})") from exc
 
 
 class SharedDoubleBufferSlot(DoubleBufferSlot):

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 
 from bench.child_server import ChildServer, free_port
 from bench.synthetic_live import SyntheticLiveRun
@@ -65,16 +66,18 @@ def tree(tmp_path: Path) -> Iterator[tuple[SyntheticLiveRun, ChildServer]]:
     train(run, [f"u{i}" for i in range(6)])
     run.publish()
     env = {**os.environ, "CHECKNRUN_SERVER_ADMIN_TOKEN": TOKEN}
+    grpc_port = free_port()
     with ChildServer(
         f"file://{tmp_path / 'store'}",
         "m",
         tmp_path / "serve.log",
         env=env,
         workers="2",
-        grpc_port=str(free_port()),
+        grpc_port=str(grpc_port),
         poll_head_after="0.2",
     ) as child:
         child.wait_ready()
+        child.grpc_port = grpc_port  # type: ignore[attr-defined]
         yield run, child
     run.close()
 
@@ -107,6 +110,15 @@ def test_every_process_serves_each_version_as_the_trainer_scores(
         if len(digests) == 2:
             break
     assert digests[0] == digests[1] and digests[0]["version"] == 4
+    # gRPC: every process binds the one port; fresh channels land on either
+    users = np.array([e["user"].encode() for e in EXAMPLES], dtype=object)
+    for _ in range(6):
+        client = triton_grpc.InferenceServerClient(f"127.0.0.1:{child.grpc_port}")  # type: ignore[attr-defined]
+        tensor = triton_grpc.InferInput("user", [3], "BYTES")
+        tensor.set_data_from_numpy(users)
+        result = client.infer("m", [tensor])
+        assert result.get_response().model_version == "4"
+        client.close()
     assert any(name.endswith(".id_map") for name in digests[0]["tensors"])
 
 
