@@ -43,11 +43,14 @@ from publisher.read import ModelCopy, NotBootstrappedError, ServedVersion, Versi
 from server.api_models import FeatureKind
 from server.errors import shown_input
 from server.feature_batch import FeatureBatch, build_batch, check_scores
-from server.feature_columns import build_columnar_batch
-from server.feature_problems import Problems
+from server.feature_columns import build_columnar_batch, examples_as_columns
+from server.feature_problems import FeatureValidationError, Problems
 from server.raw_ids import RawExamples, keys_of, parse_raw_examples
 from server.v2_tensors import BatchTooLargeError
 
+#: examples from which a batch of encoded ids is checked as columns: measured (bench_config,
+#: Intel Xeon) 0.025 vs 0.052 ms at 1 example, 0.33 vs 0.11 ms at 64, 4.8 vs 0.74 ms at 1024.
+COLUMNS_FROM = 8
 #: the largest number of problems an adapter's refusal is reported with.
 _ADAPTER_MESSAGE_CHARS = 300
 
@@ -200,6 +203,16 @@ class DLRMPredictor(Predictor):
     def check(self, examples: Sequence[object], copy: ModelCopy, now: float) -> object:
         config, spec = self.model(copy)
         if spec is None:
+            columns = (
+                examples_as_columns(examples, config) if len(examples) >= COLUMNS_FROM else None
+            )
+            if columns is not None:  # well-formed: checked column by column
+                try:
+                    return build_columnar_batch(
+                        columns, config, max_ids_per_bag=self.max_ids_per_bag
+                    )
+                except FeatureValidationError:
+                    pass  # reported example by example, as below
             return build_batch(examples, config, max_ids_per_bag=self.max_ids_per_bag)
         return parse_raw_examples(examples, spec, now=now, max_ids_per_bag=self.max_ids_per_bag)
 

@@ -14,7 +14,7 @@ import torch
 from bench.synthetic_run import random_examples, small_config
 from server.column_request import column_arrays
 from server.feature_batch import build_batch
-from server.feature_columns import build_columnar_batch
+from server.feature_columns import build_columnar_batch, examples_as_columns
 from server.feature_problems import FeatureValidationError
 from server.v2_tensors import BatchTooLargeError, V2RequestError
 from tests.unit.server.test_api import Served, examples, factory, served
@@ -166,3 +166,54 @@ def test_the_value_cap_is_checked_before_a_column_is_converted() -> None:
     assert got["c"].tolist() == [b"u", b"7", b""]
     with pytest.raises(V2RequestError, match="not UTF-8"):
         column_arrays({"c": ["\ud800"]}, 10)
+
+
+@pytest.mark.parametrize("hashing", [False, True])
+def test_well_formed_examples_are_checked_as_columns(hashing: bool) -> None:
+    config = replace(CONFIG, hashing=hashing)
+    batch = random_examples(config, 11, seed=7)
+    batch[0] = {**batch[0], BAG.name: []}  # an empty bag
+    columns = examples_as_columns(batch, config)
+    assert columns is not None
+    got, want = build_columnar_batch(columns, config), build_batch(batch, config)
+    assert torch.equal(got.dense, want.dense)
+    for name, sparse in want.sparse.items():
+        assert torch.equal(got.sparse[name].values, sparse.values), name
+        assert torch.equal(got.sparse[name].offsets, sparse.offsets), name
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"extra": 1},
+        {DENSE: None},
+        {DENSE: "1.5"},
+        {DENSE: True},
+        {DENSE: 10**400},
+        {SINGLE.name: 1.0},
+        {SINGLE.name: True},
+        {SINGLE.name: 2**70},
+        {BAG.name: 3},
+        {BAG.name: [1, "2"]},
+    ],
+    ids=[
+        "extra",
+        "null",
+        "text",
+        "bool",
+        "int400",
+        "float-id",
+        "bool-id",
+        "int70",
+        "bag-int",
+        "bag-text",
+    ],
+)
+def test_any_malformed_example_goes_the_per_example_way(change: dict[str, Any]) -> None:
+    batch = random_examples(CONFIG, 3, seed=1)
+    batch[1] = {**batch[1], **change}
+    assert examples_as_columns(batch, CONFIG) is None
+    missing = [dict(batch[0]), *batch[1:]]
+    del missing[0][DENSE]
+    assert examples_as_columns(missing, CONFIG) is None
+    assert examples_as_columns([*batch[:1], [1, 2]], CONFIG) is None  # type: ignore[list-item]
