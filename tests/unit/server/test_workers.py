@@ -22,6 +22,7 @@ from bench.synthetic_live import SyntheticLiveRun
 from publisher.store import FileStore
 from tests.support import wait_for
 from tests.unit.server.test_raw_id_api import SPEC, TS, train
+from tests.user_model_runs import RUNS
 
 pytestmark = pytest.mark.slow  # a server process tree
 
@@ -164,3 +165,40 @@ def test_workers_need_the_double_buffer(tmp_path: Path) -> None:
     wait_for(lambda: child.proc.poll() is not None, timeout_s=60, what="serve to refuse")
     assert child.proc.returncode == 1
     assert "workers > 1 share the double buffer" in child.log.read_text()
+
+
+@pytest.mark.parametrize("model", sorted(RUNS))
+def test_a_model_of_your_own_is_served_by_every_worker(tmp_path: Path, model: str) -> None:
+    pytest.importorskip("torchrec")
+    run = RUNS[model](f"file://{tmp_path / 'store'}", model, codec="int4")
+    run.train(5)
+    run.checkpoint()
+    examples = run.requests(6)
+    try:
+        with ChildServer(
+            f"file://{tmp_path / 'store'}",
+            model,
+            tmp_path / "serve.log",
+            workers="2",
+            model_factory=f"examples.{model}:build",
+            request_adapter=f"examples.{model}:requests",
+            poll_head_after="0.2",
+        ) as child:
+            child.wait_ready()
+            for version in (1, 2):
+                if version == 2:
+                    run.train(3)
+                    run.checkpoint()
+                got: dict[int, dict[str, Any]] = {}
+                deadline = time.monotonic() + 60
+                while len(got) < 2 and time.monotonic() < deadline:
+                    with httpx.Client(base_url=child.url, timeout=10) as client:
+                        process = client.get("/v1/model").json()["process"]
+                        r = client.post("/v1/predict", json={"examples": examples})
+                        assert r.status_code == 200, r.text
+                        if r.json()["version"] == version:
+                            got.setdefault(process, r.json())
+                assert sorted(got) == [0, 1], f"v{version} served by {sorted(got)}"
+                assert got[0]["scores"] == got[1]["scores"]  # the same memory, bit for bit
+    finally:
+        run.close()
