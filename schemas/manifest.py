@@ -347,6 +347,11 @@ class ServedLoss(_Frozen):
     auc_rel_loss: float = Field(allow_inf_nan=False)
     #: (logloss_served - logloss_fp32) / logloss_fp32.
     logloss_rel_increase: float = Field(allow_inf_nan=False)
+    #: positive labels among the samples (None in records written before it existed).
+    positives: int | None = Field(default=None, ge=0)
+    #: the 95% paired DeLong interval of auc_fp32 - auc_served (both or neither).
+    auc_loss_low: float | None = Field(default=None, allow_inf_nan=False)
+    auc_loss_high: float | None = Field(default=None, allow_inf_nan=False)
 
     @classmethod
     def of(
@@ -357,8 +362,11 @@ class ServedLoss(_Frozen):
         auc_served: float,
         logloss_fp32: float,
         logloss_served: float,
+        positives: int | None = None,
+        auc_loss: tuple[float, float] | None = None,
     ) -> ServedLoss:
-        """The record of one paired measurement, its relative figures computed here."""
+        """The record of one paired measurement, its relative figures computed here;
+        `auc_loss`: the (low, high) interval of auc_fp32 - auc_served."""
         return cls(
             samples=samples,
             auc_fp32=auc_fp32,
@@ -367,7 +375,33 @@ class ServedLoss(_Frozen):
             logloss_served=logloss_served,
             auc_rel_loss=_relative(auc_fp32 - auc_served, auc_fp32),
             logloss_rel_increase=_relative(logloss_served - logloss_fp32, logloss_fp32),
+            positives=positives,
+            auc_loss_low=None if auc_loss is None else auc_loss[0],
+            auc_loss_high=None if auc_loss is None else auc_loss[1],
         )
+
+    @property
+    def auc_rel_loss_low(self) -> float | None:
+        """The interval's low end as a relative loss (`auc_loss_low / auc_fp32`): above 0 the
+        loss is significant (docs/FORMAT.md 3.2); None without an interval."""
+        if self.auc_loss_low is None:
+            return None
+        return _relative(self.auc_loss_low, self.auc_fp32)
+
+    @model_validator(mode="after")
+    def _interval(self) -> ServedLoss:
+        if self.positives is not None and self.positives > self.samples:
+            raise ValueError(f"{self.positives} positives among {self.samples} samples")
+        low, high = self.auc_loss_low, self.auc_loss_high
+        if (low is None) != (high is None):
+            raise ValueError("auc_loss_low and auc_loss_high come together or not at all")
+        if low is not None and high is not None:
+            loss = self.auc_fp32 - self.auc_served
+            if not low - _RELATIVE_SLACK <= loss <= high + _RELATIVE_SLACK:
+                raise ValueError(
+                    f"the AUC loss interval [{low}, {high}] does not hold the loss {loss}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _relatives(self) -> ServedLoss:

@@ -11,6 +11,7 @@ import torch
 
 from publisher.codecs import decode_rows, encode_rows
 from publisher.dlrm import DLRM, DLRMConfig, SparseFeature, table_weight_names
+from publisher.paired_quality import delong_auc_diff
 from publisher.read.catalog import Catalog
 from publisher.served_loss import (
     MeterOrderError,
@@ -137,9 +138,16 @@ def test_fp32_is_served_exactly_and_a_codec_loss_is_the_decoded_models() -> None
     for codec in ("fp32", "int2"):
         loss = _measure(meter, _snapshot(model, codec, scored=samples))
         assert loss is not None and loss.samples == 2000
+        assert loss.positives == int(labels.sum())  # what the AUCs rest on
         assert loss.auc_fp32 == pytest.approx(roc_auc(_score(model, samples), labels))
+        # the paired DeLong interval of the loss, on the same samples
+        paired = delong_auc_diff(labels, _score(model, samples), _served_scores(codec, samples))
+        assert paired is not None
+        assert loss.auc_loss_low == pytest.approx(paired[2].low, abs=1e-9)
+        assert loss.auc_loss_high == pytest.approx(paired[2].high, abs=1e-9)
         if codec == "fp32":
             assert loss.auc_served == loss.auc_fp32 and loss.logloss_served == loss.logloss_fp32
+            assert loss.auc_loss_low == loss.auc_loss_high == 0.0
             continue
         # The served copy is the model with every row as int2 decodes it.
         quantized = _model()
@@ -150,6 +158,17 @@ def test_fp32_is_served_exactly_and_a_codec_loss_is_the_decoded_models() -> None
                 w[:] = decode_rows(encode_rows("int2", w))
         assert loss.auc_served == pytest.approx(roc_auc(_score(quantized, samples), labels))
         assert loss.logloss_served != loss.logloss_fp32
+
+
+def _served_scores(codec: str, samples: tuple[ScoredBatch, ...]) -> np.ndarray:
+    """What the model with every row as `codec` decodes it scores on `samples`."""
+    quantized = _model()
+    with torch.no_grad():
+        for emb in quantized.embeddings.values():
+            assert isinstance(emb, torch.nn.EmbeddingBag)
+            w = emb.weight.numpy()
+            w[:] = decode_rows(encode_rows(codec, w))
+    return _score(quantized, samples)
 
 
 def test_nothing_is_measured_before_a_full_version_or_without_samples() -> None:

@@ -328,11 +328,37 @@ def test_served_loss_round_trips_and_old_manifests_read_without_it() -> None:
         {"auc_served": 1.5},
         {"logloss_fp32": -0.1},
         {"extra": 1},
+        {"positives": 16385},  # more than the samples
+        {"positives": -1},
+        {"auc_loss_low": -0.01},  # without its high end
+        {"auc_loss_low": 0.011, "auc_loss_high": 0.02},  # not holding the loss (0.01)
+        {"auc_loss_low": -0.01, "auc_loss_high": float("inf")},
     ],
 )
 def test_served_loss_rejections(change: dict[str, Any]) -> None:
     with pytest.raises(ManifestError):
         parse(manifest_doc(served_loss={**SERVED, **change}))
+
+
+def test_served_loss_says_how_many_positives_and_how_sure_it_is() -> None:
+    loss = ServedLoss.of(
+        16384,
+        auc_fp32=0.8,
+        auc_served=0.79,
+        logloss_fp32=0.5,
+        logloss_served=0.51,
+        positives=80,
+        auc_loss=(-0.002, 0.022),
+    )
+    m = parse(manifest_doc(served_loss=json.loads(loss.model_dump_json())))
+    assert m.served_loss == loss and Manifest.from_json(m.to_json()) == m
+    assert loss.auc_rel_loss_low == pytest.approx(-0.002 / 0.8)  # not significant
+    assert (
+        ServedLoss.of(
+            10, auc_fp32=0.8, auc_served=0.79, logloss_fp32=0.5, logloss_served=0.51
+        ).auc_rel_loss_low
+        is None
+    )  # a record written before the interval existed
 
 
 def test_served_loss_refuses_non_finite_figures() -> None:
