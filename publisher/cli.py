@@ -336,7 +336,19 @@ def _print_served_loss(loss: ServedLoss | None) -> None:
         f"served loss on {loss.samples:,} recent samples, as served vs fp32: "
         f"AUC {loss.auc_served:.6f} vs {loss.auc_fp32:.6f} "
         f"({-100 * loss.auc_rel_loss:+.4f}%), log loss {loss.logloss_served:.6f} vs "
-        f"{loss.logloss_fp32:.6f} ({100 * loss.logloss_rel_increase:+.4f}%)"
+        f"{loss.logloss_fp32:.6f} ({100 * loss.logloss_rel_increase:+.4f}%)" + _certainty(loss)
+    )
+
+
+def _certainty(loss: ServedLoss) -> str:
+    """What the AUC loss rests on: its positives and the 95% interval, when recorded."""
+    if loss.auc_loss_low is None or loss.auc_loss_high is None:
+        return ""
+    low, high = loss.auc_loss_low, loss.auc_loss_high
+    verdict = "significant" if low > 0 else "within the samples' noise"
+    return (
+        f"; {loss.positives:,} positives, AUC loss 95% interval [{low:+.6f}, {high:+.6f}]: "
+        f"{verdict}"
     )
 
 

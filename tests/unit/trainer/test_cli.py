@@ -448,9 +448,9 @@ def test_every_version_records_its_served_loss(
     assert latest is not None and 2048 <= latest.samples <= 6144
     assert f"served loss on {latest.samples:,} recent samples" in capsys.readouterr().out
     assert store_main(["inspect", "--store", store, "--model", "synthetic", "--version", "1"]) == 0
-    assert "served loss on 2,048 recent samples, as served vs fp32: AUC" in (
-        capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    assert "served loss on 2,048 recent samples, as served vs fp32: AUC" in out
+    assert " positives, AUC loss 95% interval [" in out  # what the figure rests on
 
 
 @pytest.mark.parametrize("publish_in", ["thread", "process"])
