@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from publisher.bus.base import (
     AnnouncementSource,
     Announcer,
@@ -14,10 +16,12 @@ from schemas.manifest import check_model_name
 
 
 def _file_path(url: str) -> str:
+    """The log's path: absolute (`file:///var/log.log`) or, as a store's may be, relative to
+    the working directory (`file://./live-store/announcements.log`), made absolute here."""
     path = url.removeprefix("file://")
-    if not path.startswith("/"):
-        raise BusError(f"{url!r}: expected file:///ABSOLUTE/PATH")
-    return path
+    if not path:
+        raise BusError(f"{url!r}: expected file:///PATH of an announcement log")
+    return os.path.abspath(path)
 
 
 def open_announcer(url: str, model: str) -> Announcer:

@@ -146,11 +146,24 @@ def test_bus_urls() -> None:
     ):
         with pytest.raises(BusError):
             parse_kafka_url(bad, environ={})
-    for bad in ("mqtt://h/t", "file://relative/path"):
+    for bad in ("mqtt://h/t", "file://"):
         with pytest.raises(BusError):
             open_announcer(bad, "m")
         with pytest.raises(BusError):
             open_source(bad)
+
+
+def test_a_relative_log_path_is_the_working_directorys_as_a_stores_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "live-store").mkdir()
+    url = "file://./live-store/announcements.log"
+    with open_source(url, start="earliest") as source, open_announcer(url, "m") as announcer:
+        announcer.announce(announcement("m", 1))
+        monkeypatch.chdir("/")  # resolved when opened, not at each read
+        assert versions(source.poll(1.0)) == [("m", 1)]
+    assert (tmp_path / "live-store" / "announcements.log").exists()
 
 
 def _within(seconds: float, action: Callable[[], _T]) -> _T:
