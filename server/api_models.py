@@ -196,6 +196,15 @@ class ServedLossInfo(BaseModel):
     logloss_rel_increase: float = Field(
         description="(logloss_served - logloss_fp32) / logloss_fp32"
     )
+    positives: int | None = Field(
+        default=None, description="positive labels among the samples (null: not recorded)"
+    )
+    auc_loss_low: float | None = Field(
+        default=None,
+        description="95% paired DeLong interval of auc_fp32 - auc_served, low end: above 0 "
+        "the loss is beyond the samples' noise (null: not recorded)",
+    )
+    auc_loss_high: float | None = Field(default=None, description="its high end")
 
 
 class ApplyTimesInfo(BaseModel):
