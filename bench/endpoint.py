@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from bench.child_server import REPO, ChildServer, free_port
-from bench.endpoint_workers import measure_workers
+from bench.endpoint_workers import bench_server, measure_workers
 from bench.machine import describe_machine, log
 from bench.predict_load import percentiles
 from bench.serving import bench_config
@@ -97,15 +97,8 @@ def run(
         store_url = f"file://{root / 'store'}"
         naive, naive_port = _naive(store_url, root)
         grpc_port = free_port()
-        server = ChildServer(
-            store_url,
-            MODEL,
-            root / "serve.log",
-            grpc_port=str(grpc_port),
-            max_batch="4096",
-            max_body_bytes=str(16 * 2**20),
-            log_level="warning",
-            poll_head_after="30",
+        server = bench_server(
+            store_url, MODEL, root / "serve.log", grpc_port=str(grpc_port), poll_head_after="30"
         )
         try:
             server.wait_ready()
@@ -115,7 +108,13 @@ def run(
                 log(f"endpoint: batch {batch}")
                 for arm, call in _arms(run_, examples, server, naive_port, grpc_port).items():
                     results[arm][str(batch)] = _timed(call, n_requests)
-            loads = _loads(config, server, naive_port, n_seconds)
+            # one body per arm for both wrk phases (the v2 one is the --workers phase's too)
+            load_examples = random_examples(config, LOAD_BATCH, seed=LOAD_BATCH)
+            load_tensors = _tensors(config, load_examples)
+            v2_body, v2_headers = _v2_body(load_tensors)
+            loads = _loads(
+                server, naive_port, n_seconds, load_examples, load_tensors, v2_body, v2_headers
+            )
         finally:
             server.stop()
             naive.terminate()
@@ -123,15 +122,13 @@ def run(
         try:
             workers: dict[str, Any] = {"skipped": "wrk is not installed"}
             if have_wrk():
-                tensors = _tensors(config, random_examples(config, LOAD_BATCH, seed=LOAD_BATCH))
-                body, headers = _v2_body(tensors)
                 workers = measure_workers(
                     store_url,
                     root,
                     run_,
                     MODEL,
-                    body,
-                    headers,
+                    v2_body,
+                    v2_headers,
                     seconds=n_seconds,
                     delta_rows=min(DELTA_ROWS, n_rows),
                 )
@@ -291,15 +288,20 @@ def _v2_body(tensors: list[tuple[str, np.ndarray, str]]) -> tuple[bytes, dict[st
     return bytes(body), headers
 
 
-def _loads(config: Any, server: ChildServer, naive_port: int, seconds: int) -> dict[str, Any]:
-    """Each HTTP arm under wrk at `LOAD_BATCH` over `CONNECTIONS` connections (see the module
-    docstring); {"skipped": why} without wrk."""
+def _loads(
+    server: ChildServer,
+    naive_port: int,
+    seconds: int,
+    examples: list[dict[str, Any]],
+    tensors: list[tuple[str, np.ndarray, str]],
+    v2_body: bytes,
+    v2_headers: dict[str, str],
+) -> dict[str, Any]:
+    """Each HTTP arm under wrk posting `examples` (as `tensors`, as `v2_body`) over
+    `CONNECTIONS` connections (see the module docstring); {"skipped": why} without wrk."""
     if not have_wrk():
         log("endpoint: wrk is not installed (apt-get install wrk): no throughput phase")
         return {"skipped": "wrk is not installed"}
-    examples = random_examples(config, LOAD_BATCH, seed=LOAD_BATCH)
-    tensors = _tensors(config, examples)
-    v2_body, v2_headers = _v2_body(tensors)
     json_headers = {"Content-Type": "application/json"}
     bodies = {
         "naive": (

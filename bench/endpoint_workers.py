@@ -26,6 +26,22 @@ from bench.wrk_load import wrk_load
 WORKER_COUNTS = (1, 2)
 
 
+def bench_server(store_url: str, model: str, log_path: Path, **flags: str) -> ChildServer:
+    """A `checknrun serve` as every arm of `checknrun bench endpoint` runs it (batches of
+    1,024 examples fit, only warnings logged), with `flags` on top."""
+    return ChildServer(
+        store_url,
+        model,
+        log_path,
+        port=0,
+        env=None,
+        max_batch="4096",
+        max_body_bytes=str(16 * 2**20),
+        log_level="warning",
+        **flags,
+    )
+
+
 def tree_pss_bytes(pid: int) -> int:
     """PSS of `pid` and every descendant (bytes)."""
     total = 0
@@ -89,14 +105,11 @@ def measure_workers(
     """The phase (see the module docstring) for each of WORKER_COUNTS."""
     out: dict[str, Any] = {"delta_rows": delta_rows, "seconds": seconds}
     for workers in WORKER_COUNTS:
-        server = ChildServer(
+        server = bench_server(
             store_url,
             model,
             root / f"serve-workers-{workers}.log",
             workers=str(workers),
-            max_batch="4096",
-            max_body_bytes=str(16 * 2**20),
-            log_level="warning",
             poll_head_after="0.2",
         )
         try:

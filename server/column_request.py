@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from server.errors import shown_input
+from server.feature_columns import NUMBER_TYPES
 from server.v2_tensors import BatchTooLargeError, V2RequestError
 
 
@@ -37,11 +38,10 @@ def column_arrays(columns: Mapping[str, object], max_elements: int) -> dict[str,
 
 def _array(name: str, values: list[object]) -> np.ndarray:
     shown = shown_input(name)
-    numbers = all(type(v) in (int, float) for v in values)
-    if numbers:
-        kind = float if any(type(v) is float for v in values) else int
+    kinds = set(map(type, values))  # C-level, as server.feature_columns checks its columns
+    if kinds <= NUMBER_TYPES:
         try:
-            return np.asarray(values, dtype=np.float64 if kind is float else np.int64)
+            return np.asarray(values, dtype=np.float64 if float in kinds else np.int64)
         except OverflowError as exc:
             raise V2RequestError(f"column {shown!r}: an integer is out of int64 range") from exc
     encoded: list[bytes] = []

@@ -164,7 +164,8 @@ def _ids(
     return values
 
 
-_NUMBER_TYPES = frozenset({int, float})
+#: the Python types a JSON number arrives as (bool, an int subclass, is not one).
+NUMBER_TYPES = frozenset({int, float})
 
 
 def examples_as_columns(
@@ -187,7 +188,7 @@ def examples_as_columns(
     columns: dict[str, np.ndarray] = {}
     for name in config.dense:
         column = [ex[name] for ex in rows]
-        if not set(map(type, column)) <= _NUMBER_TYPES:
+        if not set(map(type, column)) <= NUMBER_TYPES:
             return None
         try:
             columns[name] = np.asarray(column, dtype=np.float64)

@@ -70,7 +70,36 @@ class ApplyTimes:
     finished_at: float
 
 
-class LiveModel:
+class SinkView:
+    """What a holder of a sink reads of it: the served version, its number and age (a
+    `LiveModel`, and a `checknrun serve --workers` worker's view of one)."""
+
+    sink: VersionSink
+
+    def reader(self) -> AbstractContextManager[ModelCopy]:
+        """Borrow the served model for one prediction (NotBootstrappedError before bootstrap)."""
+        return self.sink.reader()
+
+    @property
+    def served(self) -> ServedVersion | None:
+        buffer = self.sink.current()
+        return None if buffer is None else buffer.served
+
+    @property
+    def version(self) -> int | None:
+        served = self.served
+        return None if served is None else served.version
+
+    def age_s(self, now: float | None = None) -> float | None:
+        """Seconds since the served version was created by the trainer."""
+        served = self.served
+        if served is None:
+            return None
+        now = time.time() if now is None else now
+        return max(0.0, now - served.manifest.created_at.timestamp())
+
+
+class LiveModel(SinkView):
     """The served model of one store model name, and everything that moves its version."""
 
     def __init__(
@@ -103,20 +132,6 @@ class LiveModel:
 
     # --- reading ---------------------------------------------------------------------------------
 
-    def reader(self) -> AbstractContextManager[ModelCopy]:
-        """Borrow the served model for one prediction (NotBootstrappedError before bootstrap)."""
-        return self.sink.reader()
-
-    @property
-    def served(self) -> ServedVersion | None:
-        buffer = self.sink.current()
-        return None if buffer is None else buffer.served
-
-    @property
-    def version(self) -> int | None:
-        served = self.served
-        return None if served is None else served.version
-
     @property
     def pinned(self) -> int | None:
         """The version pinned, or None while following."""
@@ -130,14 +145,6 @@ class LiveModel:
             return 0.0
         now = time.time() if now is None else now
         return max(0.0, now - min(created).timestamp())
-
-    def age_s(self, now: float | None = None) -> float | None:
-        """Seconds since the served version was created by the trainer."""
-        served = self.served
-        if served is None:
-            return None
-        now = time.time() if now is None else now
-        return max(0.0, now - served.manifest.created_at.timestamp())
 
     def latest_known(self) -> int | None:
         """The newest committed version this server has heard of (served or pending)."""

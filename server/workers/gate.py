@@ -22,7 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
+
+from publisher.read.errors import NotBootstrappedError
+
+T = TypeVar("T")
 
 #: slots per gate: the double buffer's two copies.
 SLOTS = 2
@@ -59,6 +63,16 @@ class ReadGate:
         finally:
             with lock:
                 self._busy[self.index * SLOTS + slot] -= 1
+
+    @contextmanager
+    def read(self, slots: Sequence[T | None]) -> Iterator[T]:
+        """`enter`, yielding what `slots` holds at the live slot (a process' copies);
+        NotBootstrappedError while it holds nothing."""
+        with self.enter() as slot:
+            held = slots[slot]
+            if held is None:
+                raise NotBootstrappedError("no version is served yet")
+            yield held
 
     def flip(self, slot: int) -> None:
         """Make `slot` live in every process at once (apply side only)."""

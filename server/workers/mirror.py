@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 from publisher.read.consistency import ModelSlot, UpdateResult
-from publisher.read.errors import NotBootstrappedError
-from publisher.read.live_model import ApplyTimes
+from publisher.read.live_model import ApplyTimes, SinkView
 from publisher.read.model_copy import ModelCopy, ServedVersion
 from publisher.read.scheme_names import ConsistencyScheme
 from publisher.read.sinks import VersionSink
@@ -41,13 +38,8 @@ class MirrorSlot(ModelSlot):
         self.max_reader_wait_s = 0.0
         self._slots: list[ModelCopy | None] = [None] * SLOTS
 
-    @contextmanager
-    def reader(self) -> Iterator[ModelCopy]:
-        with self.gate.enter() as slot:
-            buffer = self._slots[slot]
-            if buffer is None:
-                raise NotBootstrappedError("no version is served yet")
-            yield buffer
+    def reader(self) -> AbstractContextManager[ModelCopy]:
+        return self.gate.read(self._slots)
 
     def current(self) -> ModelCopy | None:
         return self._slots[self.gate.live]
@@ -132,26 +124,14 @@ class RpcClient:
         return value
 
 
-class MirrorLive:
-    """The live model as a worker's routes read it (see the module docstring)."""
+class MirrorLive(SinkView):
+    """The live model as a worker's routes read it (see the module docstring): its reads are
+    this process' (`SinkView`), its status the apply side's."""
 
     def __init__(self, model_name: str, sink: MirrorSink, rpc: RpcClient) -> None:
         self.model_name = model_name
         self.sink = sink
         self.rpc = rpc
-
-    def reader(self) -> Any:
-        return self.sink.reader()
-
-    @property
-    def served(self) -> ServedVersion | None:
-        copy = self.sink.current()
-        return None if copy is None else copy.served
-
-    @property
-    def version(self) -> int | None:
-        served = self.served
-        return None if served is None else served.version
 
     def _status(self) -> dict[str, Any]:
         status: dict[str, Any] = self.rpc.ask("status")
@@ -164,13 +144,6 @@ class MirrorLive:
 
     def staleness_s(self, now: float | None = None) -> float:
         return float(self._status()["staleness_s"])
-
-    def age_s(self, now: float | None = None) -> float | None:
-        served = self.served
-        if served is None:
-            return None
-        now = time.time() if now is None else now
-        return max(0.0, now - served.manifest.created_at.timestamp())
 
     def latest_known(self) -> int | None:
         known: int | None = self._status()["latest_known"]

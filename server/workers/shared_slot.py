@@ -28,7 +28,7 @@ from typing import Any
 from publisher.memory_budget import MemoryBudget
 from publisher.read.consistency import DRAIN_WARN_S, DoubleBufferSlot
 from publisher.read.copy_builders import CopyBuilder
-from publisher.read.errors import ApplyError, NotBootstrappedError
+from publisher.read.errors import ApplyError
 from publisher.read.model_copy import ModelCopy, Touched
 from server.workers.gate import SLOTS, ReadGate
 from server.workers.messages import CopySync, RowSync
@@ -98,10 +98,7 @@ class SharedDoubleBufferSlot(DoubleBufferSlot):
 
     @contextmanager
     def reader(self) -> Iterator[ModelCopy]:
-        with self.gate.enter() as slot:
-            buffer = self._slots[slot]
-            if buffer is None:
-                raise NotBootstrappedError("no version is served yet")
+        with self.gate.read(self._slots) as buffer:
             yield buffer
 
     def _slot_of(self, buffer: ModelCopy) -> int:
