@@ -131,15 +131,20 @@ EOF
 
 # --- processes -------------------------------------------------------------------
 
+# Succeeds while process $1 exists and is not a zombie.
+pid_alive() {
+  local stat
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
 # Prints the pid of the service if its recorded process is alive and still ours.
 running_pid() {
-  local pid_file=$DIR/$1.pid pid stat
+  local pid_file=$DIR/$1.pid pid
   [[ -f $pid_file ]] || return 1
   pid=$(<"$pid_file")
-  [[ $pid =~ ^[0-9]+$ ]] && [[ -r /proc/$pid/stat ]] || return 1
-  stat=$(<"/proc/$pid/stat")
-  stat=${stat##*) }
-  [[ ${stat%% *} != Z ]] || return 1
+  [[ $pid =~ ^[0-9]+$ ]] && pid_alive "$pid" || return 1
   # After a reboot the pid may belong to some other program; ours name the run dir.
   # Read whole, then matched: `tr | grep -q` under pipefail fails when grep exits before tr
   # has written (SIGPIPE), and a live service was once reported dead that way.
@@ -182,11 +187,13 @@ stop_service() {
   fi
   log "$name: stopping (pid $pid)"
   kill -TERM "$pid" 2>/dev/null || true
-  while running_pid "$name" >/dev/null && ((waited < STOP_TIMEOUT * 2)); do
+  # Waited on by pid, not by running_pid: an exiting process has already let go of
+  # its memory, so its command line reads empty while it may still hold its port.
+  while pid_alive "$pid" && ((waited < STOP_TIMEOUT * 2)); do
     sleep 0.5
     waited=$((waited + 1))
   done
-  if running_pid "$name" >/dev/null; then
+  if pid_alive "$pid"; then
     log "$name: still running after ${STOP_TIMEOUT}s, sending SIGKILL"
     kill -KILL "$pid" 2>/dev/null || true
     sleep 0.5
@@ -205,11 +212,16 @@ fail_with_log() {
 }
 
 # Polls "$2..." until it succeeds, failing early if the service process died.
+# Death is judged by pid alone: the service was just spawned (or found running),
+# and while it execs (setsid, nohup, the server) its command line reads empty for
+# a moment, which running_pid takes for a dead process; CI once failed on that
+# with a healthy MinIO ("exited during startup", its banner printed after).
 wait_until() {
-  local name=$1 deadline=$((SECONDS + READY_TIMEOUT))
+  local name=$1 deadline=$((SECONDS + READY_TIMEOUT)) pid
   shift
+  pid=$(<"$DIR/$name.pid")
   until "$@"; do
-    running_pid "$name" >/dev/null || fail_with_log "$name" "$name exited during startup"
+    pid_alive "$pid" || fail_with_log "$name" "$name exited during startup"
     ((SECONDS < deadline)) || fail_with_log "$name" "$name not ready after ${READY_TIMEOUT}s"
     sleep 1
   done
