@@ -12,6 +12,8 @@ Every command, built in or plugged in, runs through `run_command` (and its argum
 `parse_command_line`), so all of them report failures the same way.
 The store commands here open the store read-only (`open_store(url, create=False)`): they never
 create anything, and a missing directory, bucket or model is an error (exit 1).
+A manifest on HEAD's chain that cannot be read is not a failure of `ls` or `gc`: they name it
+(in their report and in a warning on stderr) and exit 0 (`cmd_ls`, `cmd_gc` say why).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
-from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.catalog import Catalog, CatalogError, UnreadableManifest, VersionRef
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 from schemas.manifest import IDS_HELD_METRIC, Manifest, ServedLoss, TableEntry, ratio_to_full_fp32
@@ -194,39 +196,118 @@ def _version_row(ref: VersionRef) -> dict[str, Any]:
     }
 
 
-def _served_auc(row: Mapping[str, Any]) -> str:
-    """The served model's AUC change against fp32, as `ls` prints it ("-" when unmeasured)."""
+def _served_auc_loss(row: Mapping[str, Any]) -> str:
+    """The served model's relative AUC loss against fp32 (the manifest's `auc_rel_loss`, in %:
+    positive when the served model ranks worse), as `ls` prints it ("-" when unmeasured)."""
     loss = row["served_loss"]
-    return "-" if loss is None else f"{-100 * loss['auc_rel_loss']:+.4f}%"
+    return "-" if loss is None else f"{100 * loss['auc_rel_loss']:+.4f}%"
+
+
+def _unreadable_doc(unreadable: UnreadableManifest) -> dict[str, Any]:
+    return {
+        "version": unreadable.version,
+        "manifest": unreadable.key,
+        "error": type(unreadable.error).__name__,
+        "message": error_message(unreadable.error),
+    }
+
+
+def _warn_unreadable(command: str, unreadable: Sequence[UnreadableManifest]) -> None:
+    """One line on stderr naming the manifests a store command could not read (its report on
+    stdout, text or JSON, says more)."""
+    if unreadable:
+        named = ", ".join(f"{u.key} (version {u.version})" for u in unreadable)
+        print(f"checknrun {command}: warning: unreadable manifests: {named}", file=sys.stderr)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    """List the committed versions, and each manifest that could not be read.
+
+    A manifest on HEAD's chain that cannot be read cuts it: the versions above it are listed
+    as committed, it is named with its typed error, and the manifests stored behind it are
+    listed as unverified (nothing links them to HEAD any more). The exit status is 0 when HEAD's
+    version could be listed: the listing is what was asked for, its problems are reported in it
+    (`unreadable` in JSON, and a warning on stderr), and a script that tells a model with a
+    broken history apart reads them. Only when HEAD's own manifest cannot be read is nothing
+    listable: a CatalogError, exit 1.
+    """
     with open_store(args.store, create=False) as store:
         catalog = Catalog(store, args.model)
-        rows = [_version_row(r) for r in catalog.versions()]
+        history = catalog.history()
+        broken = history.unreadable
+        if broken is not None and not history.versions:
+            raise CatalogError(
+                f"model {args.model!r}: the manifest of its latest version {broken.version} "
+                f"cannot be read, so no version can be listed: {broken.key}: {broken.reason}"
+            ) from broken.error
+        behind: list[VersionRef] = []
+        unreadable = [] if broken is None else [broken]
+        if broken is not None and broken.version is not None:
+            behind, unreadable_behind = catalog.stored_below(broken.version)
+            unreadable += unreadable_behind
+        rows = [_version_row(r) for r in history.versions]
+        unverified = [_version_row(r) for r in behind]
         if not rows:
             catalog.require_model()
+    _warn_unreadable("ls", unreadable)
     if args.json:
-        print(json.dumps({"model": args.model, "versions": rows}))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "versions": rows,
+                    "unreadable": [_unreadable_doc(u) for u in unreadable],
+                    "unverified": unverified,
+                }
+            )
+        )
         return 0
     if not rows:
         print(f"model {args.model!r} has no committed version in {args.store}")
         return 0
-    id_maps = any(r["id_map_bytes"] for r in rows)
+    _print_listing(rows, unverified, unreadable)
+    return 0
+
+
+#: `ls`'s mark on a manifest stored behind one that cut HEAD's chain.
+UNVERIFIED_MARK = "(unverified)"
+
+
+def _print_listing(
+    rows: list[dict[str, Any]],
+    unverified: list[dict[str, Any]],
+    unreadable: list[UnreadableManifest],
+) -> None:
+    """`ls`'s table, oldest first: the committed versions, the manifests behind a broken link
+    (marked unverified), and a line for each manifest that could not be read."""
+    id_maps = any(r["id_map_bytes"] for r in (*rows, *unverified))
     id_map_column = f" {'id maps':>10}" if id_maps else ""
     print(
         f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12}{id_map_column} {'vs fp32':>8} "
-        f"{'codec':<6} {'served AUC':>10}  created_at"
+        f"{'codec':<6} {'served AUC loss':>15}  created_at"
     )
-    for r in rows:
+    lines: list[tuple[int, str]] = []
+    for r, note in [(r, "") for r in rows] + [(r, f"  {UNVERIFIED_MARK}") for r in unverified]:
         parent = "-" if r["parent"] is None else r["parent"]
         id_map_bytes = f" {r['id_map_bytes']:>10,}" if id_maps else ""
-        print(
-            f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,}{id_map_bytes} "
-            f"{r['ratio_vs_full_fp32']:>7}x {r['codec']:<6} {_served_auc(r):>10}  "
-            f"{r['created_at']}"
+        lines.append(
+            (
+                r["version"],
+                f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,}{id_map_bytes} "
+                f"{r['ratio_vs_full_fp32']:>7}x {r['codec']:<6} {_served_auc_loss(r):>15}  "
+                f"{r['created_at']}{note}",
+            )
         )
-    return 0
+    for u in unreadable:
+        version = "?" if u.version is None else u.version
+        lines.append((u.version or 0, f"{version:>8} UNREADABLE {u.key}: {u.reason}"))
+    for _, line in sorted(lines, key=lambda item: item[0]):
+        print(line)
+    if unverified:
+        print(
+            f"{UNVERIFIED_MARK}: a manifest stored behind an unreadable one: nothing links it to "
+            "HEAD (it may be a crashed publish's orphan), so inspect and restore refuse it"
+        )
 
 
 def _ids_held(m: Manifest, t: TableEntry) -> int | None:
@@ -366,7 +447,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     model.update({name: torch.from_numpy(value) for name, value in state.dense.items()})
     payload: dict[str, Any] = model
     if not args.model_only:
-        # The layout README.md "Restore files" documents: the model's state_dict plus each
+        # The layout docs/COMMANDS.md "Restore files" documents: the model's state_dict plus each
         # table's per-row optimizer columns, then the rest of the optimizer state.
         rows = {
             f"{name}.{OPTIMIZER_ROWS}": torch.from_numpy(t.aux)
@@ -418,11 +499,19 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    """Delete what no kept version needs (publisher/read/retention.py).
+
+    A manifest on HEAD's chain that cannot be read does not stop gc: it is named (in the report
+    and in a warning on stderr) with what gc did about it, and the exit status is 0, as gc
+    deleted only what it could prove no kept version needs.
+    """
     from publisher.read.retention import plan_gc, run_gc
 
     with open_store(args.store, create=False) as store:
         plan = plan_gc(store, args.model, keep_baselines=args.keep_baselines, grace_s=args.grace)
         deleted = 0 if args.dry_run else run_gc(store, plan)
+    unreadable = [] if plan.unreadable is None else [plan.unreadable]
+    _warn_unreadable("gc", unreadable)
     doc = {
         "model": args.model,
         "dry_run": args.dry_run,
@@ -432,16 +521,30 @@ def cmd_gc(args: argparse.Namespace) -> int:
         "keys_deleted": deleted,
         "bytes_freed": plan.bytes_freed,
         "bytes_kept": plan.bytes_kept,
+        "unreadable": [_unreadable_doc(u) for u in unreadable],
+        "keeps_behind_unreadable": plan.keeps_behind_unreadable,
+        "kept_behind_unreadable": plan.kept_behind_unreadable,
     }
     if args.json:
         print(json.dumps(doc))
-    else:
-        verb = "would delete" if args.dry_run else "deleted"
-        print(
-            f"{args.model}: {verb} versions {plan.deleted_versions or 'none'} and "
-            f"{len(plan.orphan_keys)} orphan objects ({plan.bytes_freed:,} bytes); "
-            f"kept {len(plan.kept_versions)} versions ({plan.bytes_kept:,} bytes)"
-        )
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    print(
+        f"{args.model}: {verb} versions {plan.deleted_versions or 'none'} and "
+        f"{len(plan.orphan_keys)} orphan objects ({plan.bytes_freed:,} bytes); "
+        f"kept {len(plan.kept_versions)} versions ({plan.bytes_kept:,} bytes)"
+    )
+    if plan.unreadable is not None:
+        u = plan.unreadable
+        if plan.keeps_behind_unreadable:
+            fate = (
+                f"it is kept, with the {plan.kept_behind_unreadable} objects of its version and "
+                "older (a kept version may need them; without it they cannot be told from orphans)"
+            )
+        else:
+            fate = "it is older than the oldest kept baseline: it and all behind it are orphans"
+        print(f"{args.model}: unreadable manifest {u.key} (version {u.version}): {u.reason}")
+        print(f"{args.model}: {fate}")
     return 0
 
 

@@ -17,9 +17,13 @@ Every module that builds or recognises a key does it here, so the layout is spel
 
 from __future__ import annotations
 
+import re
+
 from schemas.errors import ManifestError
 
 MAX_KEY_CHARS = 1024
+#: the version a manifest or blob key names: `VVVVVVVVVVVV-` right after its prefix.
+_KEY_VERSION_RE = re.compile(r"(\d{12,})-", re.ASCII)
 
 
 def model_prefix(model: str) -> str:
@@ -60,6 +64,16 @@ def rank_blob_prefix(model: str, version: int, token: str, rank: int | None) -> 
     (None: a single process)."""
     prefix = blob_prefix(model, version, token)
     return prefix if rank is None else f"{prefix}r{rank:04d}/"
+
+
+def key_version(model: str, key: str) -> int | None:
+    """The version a key under `model`'s `manifests/` or `blobs/` names (`manifest_key`,
+    `blob_prefix`), or None for a key of another shape."""
+    for prefix in (manifests_prefix(model), blobs_prefix(model)):
+        if key.startswith(prefix):
+            named = _KEY_VERSION_RE.match(key, len(prefix))
+            return None if named is None else int(named.group(1))
+    return None
 
 
 def table_blob_name(index: int, table: str, suffix: str, row_start: int | None = None) -> str:

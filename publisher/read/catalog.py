@@ -3,6 +3,11 @@
 Everything fetched is validated (schemas/) and checked to belong to the model asked for. A version
 is committed iff it is reachable from HEAD through `parent_manifest` links (docs/FORMAT.md
 section 2), so listing walks that chain and never shows an orphan of a crashed publish.
+
+A manifest on that chain that cannot be read (bytes that do not validate, a link that disagrees)
+cuts the chain: what lies behind it can no longer be told from a crash's orphans. `versions`
+(restore, inspect, follow) raises its typed error; `history` (ls, gc) returns the versions above
+it and names it (`UnreadableManifest`), so one bad old manifest does not hide the whole model.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from schemas.manifest import (
     Manifest,
     check_model_name,
 )
-from schemas.store_keys import head_key, model_prefix
+from schemas.store_keys import head_key, key_version, manifests_prefix, model_prefix
 
 
 class CatalogError(BadDataError):
@@ -46,6 +51,33 @@ class VersionRef:
     @property
     def version(self) -> int:
         return self.manifest.version
+
+
+@dataclass(frozen=True)
+class UnreadableManifest:
+    """A manifest that cannot be read as a version, and why.
+
+    `version` is the one the key was expected to hold: what HEAD or the child naming it says, or,
+    for a manifest found by listing (`Catalog.stored_below`), what its key's name says.
+    """
+
+    key: str
+    version: int | None
+    error: BadDataError
+
+    @property
+    def reason(self) -> str:
+        """The typed error and its message, on one line."""
+        return f"{type(self.error).__name__}: {' '.join(str(self.error).split())}"
+
+
+@dataclass(frozen=True)
+class History:
+    """HEAD's chain as far as it can be read: its committed versions, oldest first, and the
+    manifest the walk stopped at (`unreadable`) when one on the chain could not be read."""
+
+    versions: list[VersionRef]
+    unreadable: UnreadableManifest | None = None
 
 
 class Catalog:
@@ -132,26 +164,74 @@ class Catalog:
         return VersionRef(manifest, head.manifest)
 
     def versions(self, since: int = 0) -> list[VersionRef]:
-        """Committed versions newer than `since`, oldest first (walks back from HEAD)."""
+        """Committed versions newer than `since`, oldest first (walks back from HEAD).
+
+        The typed error of the first manifest on the way that cannot be read (`history`).
+        """
+        history = self.history(since)
+        if history.unreadable is not None:
+            raise history.unreadable.error
+        return history.versions
+
+    def history(self, since: int = 0) -> History:
+        """Committed versions newer than `since`, oldest first, walking back from HEAD until
+        `since`, the start of history (a parent manifest gc removed) or a manifest that cannot
+        be read (`History.unreadable`: HEAD's own, missing, included). A HEAD record that cannot
+        be read raises: then nothing is known."""
+        head = self.head()
+        if head is None:
+            return History([])
+        try:
+            ref = self.at_head(head)
+        except BadDataError as exc:
+            return History([], UnreadableManifest(head.manifest, head.version, exc))
         found: list[VersionRef] = []
-        ref = self.latest()
-        while ref is not None and ref.version > since:
+        unreadable = None
+        while ref.version > since:
             found.append(ref)
-            parent_key = ref.manifest.parent_manifest
-            if parent_key is None:
+            parent, parent_key = ref.manifest.parent, ref.manifest.parent_manifest
+            if parent is None or parent_key is None or parent <= since:
                 break
             try:
-                parent = self.manifest(parent_key)
+                ref = self._parent(ref, parent, parent_key)
             except NotFoundError:
                 break  # history before this version was removed by gc
-            if parent.version != ref.manifest.parent:
-                raise ManifestError(
-                    f"{ref.key} names parent {ref.manifest.parent} but {parent_key} holds "
-                    f"{parent.version}"
-                )
-            ref = VersionRef(parent, parent_key)
+            except BadDataError as exc:
+                unreadable = UnreadableManifest(parent_key, parent, exc)
+                break
         found.reverse()
-        return found
+        return History(found, unreadable)
+
+    def _parent(self, child: VersionRef, parent: int, parent_key: str) -> VersionRef:
+        """The parent `child` names, its link checked."""
+        manifest = self.manifest(parent_key)
+        if manifest.version != parent:
+            raise ManifestError(
+                f"{child.key} names parent {parent} but {parent_key} holds {manifest.version}"
+            )
+        return VersionRef(manifest, parent_key)
+
+    def stored_below(self, version: int) -> tuple[list[VersionRef], list[UnreadableManifest]]:
+        """The manifests stored under the model's `manifests/` whose keys name a version older
+        than `version`, read: those that validate (oldest first) and those that do not.
+
+        Nothing says they are committed (a crash's orphan reads the same): this is what `ls`
+        shows behind a manifest that cut HEAD's chain (`history`), marked as unverified.
+        """
+        readable: list[VersionRef] = []
+        unreadable: list[UnreadableManifest] = []
+        for info in self.store.list(manifests_prefix(self.model)):
+            named = key_version(self.model, info.key)
+            if named is None or named >= version:
+                continue
+            try:
+                readable.append(VersionRef(self.manifest(info.key), info.key))
+            except NotFoundError:
+                continue  # deleted since it was listed (a gc)
+            except BadDataError as exc:
+                unreadable.append(UnreadableManifest(info.key, named, exc))
+        readable.sort(key=lambda ref: (ref.version, ref.key))
+        return readable, unreadable
 
     def find(self, version: int | None = None) -> VersionRef:
         """The committed `version` (the latest when None)."""

@@ -12,6 +12,20 @@ oldest kept version's `parent_manifest` naming a deleted manifest is normal (doc
 gc deletes only keys under the model's `manifests/` and `blobs/` prefixes, whatever a manifest
 says: `run_gc` refuses a plan naming anything else (HEAD, LEASE, another model) before deleting
 anything, so that guarantee does not rest on manifest validation alone.
+
+A manifest on HEAD's chain that cannot be read (`Catalog.history`) hides what it references and
+everything behind it, and gc never reads keys out of it. What gc does about it depends on
+whether a kept version may need that history:
+
+- the readable versions above it hold the `keep_baselines` fulls: every kept version's chain
+  ends at a readable full newer than it, so it and all behind it is old history like any other,
+  unreferenced by a kept version, and goes as orphans do (after the grace period);
+- they do not (too few fulls above it, or it is HEAD's own manifest): normal retention would keep
+  that history, and without the manifest its committed versions cannot be told from a crash's
+  orphans, so every key naming its version or an older one (`key_version`) is kept
+  (`GcPlan.kept_behind_unreadable`). Above it, gc works as always.
+
+Either way the plan names it (`GcPlan.unreadable`).
 """
 
 from __future__ import annotations
@@ -19,10 +33,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from publisher.read.catalog import Catalog, VersionRef
+from publisher.read.catalog import Catalog, UnreadableManifest, VersionRef
 from publisher.store import ObjectStore
 from schemas.errors import BadDataError
-from schemas.store_keys import blobs_prefix, manifests_prefix
+from schemas.store_keys import blobs_prefix, key_version, manifests_prefix
 
 
 class RetentionError(BadDataError):
@@ -40,6 +54,12 @@ class GcPlan:
     orphan_keys: list[str] = field(default_factory=list)
     bytes_freed: int = 0
     bytes_kept: int = 0
+    #: the manifest that cut HEAD's chain, if one did (see the module docstring).
+    unreadable: UnreadableManifest | None = None
+    #: whether gc keeps what lies behind `unreadable` (a kept version may need it), and the
+    #: keys that kept; False: it is old history, gone as orphans (see the module docstring).
+    keeps_behind_unreadable: bool = False
+    kept_behind_unreadable: int = 0
 
 
 def plan_gc(
@@ -49,10 +69,10 @@ def plan_gc(
     if keep_baselines < 1:
         raise ValueError(f"keep_baselines must be >= 1, got {keep_baselines}")
     now = time.time() if now is None else now
-    catalog = Catalog(store, model)
-    versions = catalog.versions()
-    plan = GcPlan(model)
-    if not versions:
+    history = Catalog(store, model).history()
+    versions = history.versions
+    plan = GcPlan(model, unreadable=history.unreadable)
+    if not versions and history.unreadable is None:
         return plan
     fulls = [r for r in versions if r.manifest.kind == "full"]
     oldest_kept = fulls[-keep_baselines].version if len(fulls) >= keep_baselines else 0
@@ -67,12 +87,18 @@ def plan_gc(
         plan.delete_keys.append(ref.key)
         plan.delete_keys.extend(b.key for b in ref.manifest.blobs if b.key not in referenced)
     dropped = set(plan.delete_keys)
+    # No kept full above the unreadable manifest: kept versions may need what lies behind it.
+    unknown = None if oldest_kept else history.unreadable
+    plan.keeps_behind_unreadable = unknown is not None
     for prefix in (manifests_prefix(model), blobs_prefix(model)):
         for info in store.list(prefix):
             if info.key in referenced:
                 plan.bytes_kept += info.size
             elif info.key in dropped:
                 plan.bytes_freed += info.size
+            elif unknown is not None and _behind(model, info.key, unknown):
+                plan.kept_behind_unreadable += 1
+                plan.bytes_kept += info.size
             elif now - info.modified >= grace_s:
                 plan.orphan_keys.append(info.key)
                 plan.bytes_freed += info.size
@@ -81,6 +107,13 @@ def plan_gc(
     plan.kept_versions = [r.version for r in keep]
     plan.deleted_versions = [r.version for r in drop]
     return plan
+
+
+def _behind(model: str, key: str, unreadable: UnreadableManifest) -> bool:
+    """Whether `key` may belong to `unreadable`'s version or an older one (a key whose name
+    gives no version, or an unreadable manifest of unknown version: it may)."""
+    named = key_version(model, key)
+    return named is None or unreadable.version is None or named <= unreadable.version
 
 
 def run_gc(store: ObjectStore, plan: GcPlan) -> int:

@@ -8,6 +8,7 @@ parameter).
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import threading
 import time
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 
 from publisher.cli import EXIT_ERROR, main
+from publisher.read.catalog import Catalog
+from publisher.read.planner import restore_plan
 from publisher.store import (
     ConditionalWritesIgnoredError,
     PreconditionFailedError,
@@ -29,6 +32,7 @@ from publisher.store import (
 )
 from publisher.store.s3_store import S3Settings, S3Store
 from publisher.write.version_writer import VersionWriter
+from schemas.store_keys import key_version
 from server.cli import check_store_exists
 from tests.contracts.test_store_contract import draft
 
@@ -322,3 +326,45 @@ def test_an_existing_bucket_without_the_model(
     with VersionWriter(store, "m") as writer:
         writer.commit(draft("full", 0))
     assert main(["ls", "--store", store.url, "--model", "m", "--json"]) == 0
+
+
+# --- an unreadable manifest: ls lists past it, gc keeps working ---------------------------------
+
+
+def test_ls_and_gc_work_past_an_unreadable_manifest(
+    services: Any,
+    store: S3Store,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in s3_environ(services).items():
+        monkeypatch.setenv(name, value)
+    with VersionWriter(store, "m") as writer:
+        for step, kind in enumerate(["full", "delta", "delta", "full", "delta"]):
+            writer.commit(draft(kind, step))  # versions 1..5, fulls at 1 and 4
+    (bad,) = (i.key for i in store.list("m/manifests/") if key_version("m", i.key) == 2)
+    store.put(bad, store.get(bad)[:-40])  # truncated
+    url = ["--store", store.url, "--model", "m"]
+    assert main(["ls", *url, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [r["version"] for r in listing["versions"]] == [3, 4, 5]
+    assert [(u["version"], u["manifest"]) for u in listing["unreadable"]] == [(2, bad)]
+    assert [r["version"] for r in listing["unverified"]] == [1]
+    # One full above it, two kept: the history behind it may be needed, and all of it stays.
+    before = {i.key for i in store.list("m/")}
+    assert main(["gc", *url, "--keep-baselines", "2", "--grace", "0", "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["keeps_behind_unreadable"] and kept["keys_deleted"] == 0
+    assert [u["manifest"] for u in kept["unreadable"]] == [bad]
+    assert {i.key for i in store.list("m/")} == before
+    # One kept: it is old history; it and what lies behind it go, the kept chains stay whole.
+    assert main(["gc", *url, "--keep-baselines", "1", "--grace", "0", "--json"]) == 0
+    dropped = json.loads(capsys.readouterr().out)
+    assert dropped["deleted_versions"] == [3] and dropped["kept_versions"] == [4, 5]
+    assert not any(key_version("m", i.key) in (1, 2, 3) for i in store.list("m/"))
+    catalog = Catalog(store, "m")
+    for ref in restore_plan(catalog, 5):
+        for blob in ref.manifest.blobs:
+            store.get_verified(blob.key, blob.size, blob.sha256)
+    assert main(["ls", *url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unreadable"] == []

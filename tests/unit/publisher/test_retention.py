@@ -135,7 +135,8 @@ def test_a_key_the_store_refuses_is_refused_in_the_manifest_before_gc_deletes(
 ) -> None:
     # `m/./...` passed the manifest's key check but not the store's, so gc deleted the old
     # manifest and then stopped at its blob with BadKeyError: half a version gone. One key rule
-    # (schemas/store_keys.py) refuses the manifest when it is read, before anything is deleted.
+    # (schemas/store_keys.py) refuses the manifest when it is read, so gc never reads a key out
+    # of it: the manifest is unreadable old history, and gc deletes only keys it listed.
     store = FileStore(tmp_path)
     publish(store, "FdFd")
     old = Catalog(store, "m").find(1)
@@ -143,16 +144,23 @@ def test_a_key_the_store_refuses_is_refused_in_the_manifest_before_gc_deletes(
     blob_key = old.manifest.tables[0].blob.key
     path.write_bytes(path.read_bytes().replace(blob_key.encode(), b"m/./" + blob_key[2:].encode()))
     age_everything(tmp_path, 3600)
-    before = sorted(i.key for i in store.list("m/"))
     with pytest.raises(ManifestError, match="not a safe key"):
-        run_gc(store, plan_gc(store, "m", keep_baselines=1, grace_s=0))
-    assert sorted(i.key for i in store.list("m/")) == before
+        Catalog(store, "m").versions()
+    plan = plan_gc(store, "m", keep_baselines=1, grace_s=0)
+    assert plan.unreadable is not None and plan.unreadable.key == old.key
+    assert "not a safe key" in plan.unreadable.reason
+    listed = {i.key for i in store.list("m/")}
+    assert set(plan.delete_keys) | set(plan.orphan_keys) <= listed
+    run_gc(store, plan)
+    assert [r.version for r in Catalog(store, "m").versions()] == [3, 4]
+    assert not any("/000000000001-" in i.key for i in store.list("m/"))
 
 
 def test_gc_never_deletes_head_or_lease_an_old_manifest_names_as_blobs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 11.3: an old manifest naming HEAD and LEASE as blob keys made gc delete them."""
+    """Issue 11.3: an old manifest naming HEAD and LEASE as blob keys made gc delete them. Such
+    a manifest does not validate: gc names it as unreadable and never reads a key out of it."""
     from publisher.cli import main
 
     store = FileStore(tmp_path)
@@ -162,11 +170,15 @@ def test_gc_never_deletes_head_or_lease_an_old_manifest_names_as_blobs(
     doc["tables"][0]["blob"]["key"] = "m/HEAD"
     doc["dense"]["key"] = "m/LEASE"
     store.put(v1, json.dumps(doc).encode())
-    before = {i.key: store.get(i.key) for i in store.list("")}
+    before = {i.key: store.get(i.key) for i in store.list("") if "/manifests/" not in i.key}
+    assert {"m/HEAD", "m/LEASE"} <= set(before)
     args = ["gc", "--store", f"file://{tmp_path}", "--model", "m", "--keep-baselines", "1"]
-    assert main([*args, "--grace", "0", "--json"]) == 1
-    assert "not under 'm/blobs/'" in capsys.readouterr().err
-    assert {i.key: store.get(i.key) for i in store.list("")} == before  # nothing deleted
+    assert main([*args, "--grace", "0", "--json"]) == 0
+    (unreadable,) = json.loads(capsys.readouterr().out)["unreadable"]
+    assert unreadable["manifest"] == v1 and "not under 'm/blobs/'" in unreadable["message"]
+    for key in ("m/HEAD", "m/LEASE"):
+        assert store.get(key) == before[key]
+    assert [r.version for r in Catalog(store, "m").versions()] == [3, 4]
 
 
 @pytest.mark.parametrize("key", ["m/HEAD", "m/LEASE", "n/blobs/x", "m/other/x"])

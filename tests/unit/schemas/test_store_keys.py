@@ -9,7 +9,14 @@ import pytest
 from publisher.store import BadKeyError, FileStore
 from publisher.store.base import check_key as store_check_key
 from schemas.errors import ManifestError
-from schemas.store_keys import check_key, is_safe_key, is_safe_prefix
+from schemas.store_keys import (
+    blob_prefix,
+    check_key,
+    is_safe_key,
+    is_safe_prefix,
+    key_version,
+    manifest_key,
+)
 
 KEYS = [
     "m/blobs/000000000001-aa/0000-t.cnrd",
@@ -73,3 +80,20 @@ def test_the_file_store_lists_by_the_one_prefix_rule(tmp_path: Path, prefix: str
     else:
         with pytest.raises(BadKeyError, match="unsafe list prefix"):
             list(store.list(prefix))
+
+
+@pytest.mark.parametrize(
+    ("key", "version"),
+    [
+        (manifest_key("m", 7, "tok"), 7),
+        (f"{blob_prefix('m', 12, 'tok')}r0001/0000-t.cnrd", 12),
+        (manifest_key("m", 10**13, "tok"), 10**13),
+        ("m/manifests/7-tok.json", None),  # not the layout's 12 digits
+        ("m/blobs/" + "\u0661" * 12 + "-t/x", None),  # digits, but not ASCII ones
+        (manifest_key("n", 7, "tok"), None),  # another model's
+        ("m/HEAD", None),
+        ("m/probe-000000000007-x", None),
+    ],
+)
+def test_key_version_reads_the_version_a_key_names(key: str, version: int | None) -> None:
+    assert key_version("m", key) == version
