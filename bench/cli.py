@@ -30,6 +30,7 @@ from typing import Any
 
 from bench.machine import describe_machine, log, write_json
 from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
+from publisher.cli_logging import quiet_library_loggers
 
 #: every part and what it measures.
 PARTS = {
@@ -105,6 +106,7 @@ def part_parser(prog: str, part: str) -> argparse.ArgumentParser:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run the named part (or the default ones) and write the JSON document."""
+    quiet_library_loggers()  # the serving parts send thousands of requests through httpx
     if args.part is None:
         doc: dict[str, Any] = {
             "bench": "all",

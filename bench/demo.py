@@ -38,6 +38,7 @@ import torch
 from bench.child_server import ChildServer, ChildServerError
 from bench.demo_options import add_demo_parser
 from publisher.cli import CommandError, run_command
+from publisher.cli_logging import quiet_library_loggers
 from trainer.checkpointer import CheckpointRecord, IncrementalCheckpointer
 from trainer.online import build_dlrm, build_optimizers, train_online
 from trainer.progressive_metrics import ProgressiveMetrics
@@ -87,6 +88,7 @@ def _fresh_workdir(path: Path) -> Path:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
+    quiet_library_loggers()  # httpx logs each of the demo's requests to the server at INFO
     workdir = _fresh_workdir(Path(args.dir))
     (workdir / "store").mkdir()  # the server waits on an empty store but refuses a missing one
     store_url = f"file://{(workdir / 'store').resolve()}"

@@ -28,6 +28,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
+from publisher.cli_logging import configure_logging
 from publisher.read.catalog import Catalog, CatalogError, UnreadableManifest, VersionRef
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
@@ -640,11 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(arguments)
     args = parse_command_line(parser, arguments)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     return run_command(args)
 
 

@@ -34,7 +34,8 @@ fi
 # skipped, and says so. Installed here where we may (root with apt), never required.
 if ! command -v wrk >/dev/null && ((EUID == 0)) && command -v apt-get >/dev/null; then
   echo "setup: installing wrk (apt-get)" >&2
-  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; } >&2 \
+  # Its listing goes nowhere (30 lines on a fresh setup); apt's errors still reach stderr.
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk; } >/dev/null \
     || echo "setup: could not install wrk; bench endpoint will skip its throughput phase" >&2
 fi
 echo "$VENV"

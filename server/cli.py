@@ -35,6 +35,7 @@ from publisher.cli import (
     parse_command_line,
     run_command,
 )
+from publisher.cli_logging import configure_logging, quiet_library_loggers
 from publisher.read.catalog import Catalog
 from publisher.store import StoreMissingError, open_store
 from schemas.errors import CheckNRunError
@@ -199,6 +200,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     logging.getLogger().setLevel(args.log_level.upper())
+    quiet_library_loggers()  # after the level: `--log-level debug` shows the libraries' lines
     if settings.admin_token is None:
         log.info("no admin token configured: admin endpoints disabled")
     # Here rather than in the lifespan: uvicorn would turn them into a traceback and exit 3.
@@ -227,11 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register(sub)
     args = parse_command_line(parser, argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     return run_command(args)
 
 

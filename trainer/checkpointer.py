@@ -543,6 +543,11 @@ class IncrementalCheckpointer:
         return results[-1].ref.version if results else None
 
     @property
+    def versions_committed(self) -> int:
+        """How many versions this checkpointer has committed."""
+        return len(self.background.results)
+
+    @property
     def non_finite_skipped(self) -> int:
         """Snapshots not published because they held NaN or inf (`on_non_finite="skip"`)."""
         return self.background.non_finite_skipped

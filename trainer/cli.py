@@ -22,8 +22,8 @@ Registered through the `checknrun.commands` entry point `train = "trainer.comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import sys
 import threading
 import warnings
@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from publisher.bus import BusError
 from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
+from publisher.cli_logging import configure_logging, quiet_library_loggers
 from publisher.dlrm import DLRM
 from publisher.read.catalog import Catalog, NoVersionError
 from publisher.write.snapshot import NonFiniteSnapshotError
@@ -58,11 +59,12 @@ from trainer.options import (
     resume_version,
     whole_batches,
 )
+from trainer.progress import TrainingProgress
 from trainer.progressive_metrics import ProgressiveMetrics
-from trainer.report_text import served_text
+from trainer.report_text import served_text, summary_lines
 from trainer.signals import stop_on_signals
 from trainer.sources import open_stream
-from trainer.streams.base import Batch, InteractionStream
+from trainer.streams.base import InteractionStream
 from trainer.streams.kafka_events import KafkaEventStream, live_model_extra
 
 
@@ -96,6 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from trainer.sharded.launch import run_job  # TorchRec loads only for a sharded job
 
         return run_job(args)
+    quiet_library_loggers()  # under `checknrun`, publisher/cli.py configured the root logger
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.set_num_threads(args.threads)
     auto = args.codec == "auto"
@@ -110,6 +113,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     extra = live_model_extra(live.spec) if live is not None else {"source": stream.source}
     model, optimizers = build_model(args, stream, extra=extra)
     show = not args.no_progress
+    # tqdm draws nothing without a terminal: there, TrainingProgress writes lines instead.
+    on_terminal = sys.stderr.isatty()
     bar: tqdm[Any] | None = None
 
     def published(record: CheckpointRecord) -> None:
@@ -166,17 +171,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         if live is not None:
             live.open(args.batch_size)  # start-up (and a bad topic) before the clock starts
-        bar = tqdm(
-            total=None if stop is None else stop - start,
-            unit="sample",
-            unit_scale=True,
-            file=sys.stderr,
-            disable=True if not show else None,
-            desc=model_name,
-            dynamic_ncols=True,
-        )
+        if show and on_terminal:
+            bar = tqdm(
+                total=None if stop is None else stop - start,
+                unit="sample",
+                unit_scale=True,
+                file=sys.stderr,
+                desc=model_name,
+                dynamic_ncols=True,
+            )
+        progress = TrainingProgress(model_name, ckpt, live, bar=bar)
         try:
-            with bar, stop_on_signals(stop_event):
+            with contextlib.nullcontext() if bar is None else bar, stop_on_signals(stop_event):
                 report = train_online(
                     model,
                     optimizers,
@@ -186,7 +192,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                     stop=stop,
                     checkpointer=ckpt,
                     metrics=ProgressiveMetrics(),
-                    on_batch=_Progress(bar, ckpt, live),
+                    on_batch=progress.on_batch if show else None,
+                    on_wait=progress.on_wait if show else None,
                     stop_event=stop_event,
                 )
             ckpt.flush()
@@ -206,7 +213,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        _print_summary(doc)
+        print("\n".join(summary_lines(doc)))
     return 0
 
 
@@ -259,45 +266,6 @@ def _check_new_history(
     )
 
 
-class _Progress:
-    """Moves the bar every batch; refreshes AUC / version / bytes every `every` batches."""
-
-    def __init__(
-        self,
-        bar: tqdm[Any],
-        ckpt: IncrementalCheckpointer,
-        live: KafkaEventStream | None = None,
-        every: int = 20,
-    ) -> None:
-        self.bar = bar
-        self.ckpt = ckpt
-        self.live = live
-        self.every = every
-        self.calls = 0
-
-    def __call__(self, batch: Batch, metrics: ProgressiveMetrics) -> None:
-        self.bar.update(batch.size)
-        self.calls += 1
-        if self.calls % self.every:
-            return
-        window = metrics.window() or metrics.cumulative()
-        auc = window.get("auc", window.get("auc_cumulative", float("nan")))
-        live: dict[str, Any] = {}
-        if self.live is not None:
-            live = {"lag": self.live.lag, "bad": self.live.bad.total, "ids": self._ids_held()}
-        self.bar.set_postfix(
-            auc=f"{auc:.4f}",
-            version=self.ckpt.last_version or "-",
-            written=human_bytes(self.ckpt.bytes_written),
-            **live,
-            refresh=False,
-        )
-
-    def _ids_held(self) -> int:
-        assert self.live is not None
-        return sum(len(m) for m in self.live.id_maps.values())
-
-
 def _published_line(record: CheckpointRecord) -> str:
     auc = record.metrics.get("auc")
     return (
@@ -340,24 +308,6 @@ def _report_json(
     }
 
 
-def _print_summary(doc: dict[str, Any]) -> None:
-    s = doc["summary"]
-    m = doc["metrics"]
-    print(
-        f"trained {doc['samples']:,} samples ({doc['start_offset']:,} -> {doc['end_offset']:,}) "
-        f"in {doc['seconds']:.1f} s ({doc['samples_per_s']:,.0f} samples/s)"
-    )
-    if "auc_cumulative" in m:
-        print(f"progressive AUC {m['auc_cumulative']:.4f}, log loss {m['logloss_cumulative']:.4f}")
-    print(
-        f"{s['versions']} version(s) published (last v{s['last_version']}), {s['merged']} merged; "
-        f"stall median {s['stall_ms_median']} ms, max {s['stall_ms_max']} ms; "
-        f"{human_bytes(s['bytes_written'])} written, {s['ratio']}x smaller than full fp32"
-    )
-    if s["non_finite_skipped"]:
-        print(f"{s['non_finite_skipped']} checkpoint(s) not published: they held NaN or inf")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m trainer.cli train ...`: the command without the entry point installed."""
     parser: argparse.ArgumentParser = CommandParser(prog="python -m trainer.cli")
@@ -366,11 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_train_args(train)
     train.set_defaults(func=cmd_train)
     args = parse_command_line(parser, argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     return run_command(args)
 
 

@@ -185,6 +185,7 @@ def train_online(
     metrics: ProgressiveMetrics | None = None,
     final_checkpoint: bool = True,
     on_batch: Callable[[Batch, ProgressiveMetrics], None] | None = None,
+    on_wait: Callable[[], None] | None = None,
     stop_event: threading.Event | None = None,
 ) -> TrainingReport:
     """Train on `stream` from offset `start` to `stop` (or its end), checkpointing on the way.
@@ -192,7 +193,9 @@ def train_online(
     Checkpoints happen only at batch boundaries, with the reader position of the next sample,
     so a resumed run replays exactly the batches an uninterrupted run would. With
     `final_checkpoint`, the samples after the last interval boundary are checkpointed at the
-    end (or when `stop_event` is set, which is checked between batches).
+    end (or when `stop_event` is set, which is checked between batches). `on_batch` is called
+    after each batch trained, `on_wait` each time a live stream waited for events in vain
+    (`InteractionStream.on_idle`, every `POLL_S` of trainer/streams/kafka_events.py).
     """
     metrics = metrics or ProgressiveMetrics()
     model.train()
@@ -213,6 +216,8 @@ def train_online(
         # The stream is quiet: publish what was trained once the interval has passed, or a
         # new id would wait for the next event to be served.
         nonlocal checkpointed_reader, untrained
+        if on_wait is not None:
+            on_wait()
         if checkpointer is None or untrained:
             return
         reader = stream.reader_state(position)

@@ -98,7 +98,9 @@ class ProgressiveMetrics:
             counts.positives += n_pos
 
     def cumulative(self) -> dict[str, float]:
-        """auc_cumulative, logloss_cumulative, ctr_cumulative, samples_cumulative."""
+        """auc_cumulative, logloss_cumulative, ctr_cumulative, samples_cumulative: since this
+        object was made, so a resumed trainer's start again (an AUC cannot be carried on from a
+        manifest's: that needs the histograms, which no manifest keeps)."""
         return self._total.metrics("_cumulative")
 
     def window(self) -> dict[str, float]:

@@ -8,11 +8,13 @@ an open id space into the trainer's own `IdMap` objects, in place. Rows no versi
 carried (the free rows a full of a table with a dynamic id map leaves out, docs/FORMAT.md 7.1)
 keep the values the model had before the load (a model just built, as a resume's is: its own
 initialisation) and their per-row optimizer state goes back to its initial value. The counters
-and the reader position are the caller's: `state.position`.
+and the reader position are the caller's: `state.position`; the load logs where it resumes
+(`resumed_text`: after a SIGKILL and `--resume`, the one line that says where training goes on).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,7 +31,34 @@ from publisher.state_dicts import (
     state_dict_misfits,
 )
 from publisher.write.tracker import EmbeddingModule, find_embedding_tables
+from schemas.manifest import Position
 from trainer.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def resumed_text(version: int, position: Position) -> str:
+    """Where training goes on from `version`: the next offset of each partition for a Kafka
+    source (docs/FORMAT.md 8.3), the next sample for a file replay, each rank's for a job:
+    `resumed from v7 at offsets 0:1,204 1:998 of topic 'events' (step 40, 20,480 samples)`."""
+    if position.ranks:
+        where = "; ".join(f"rank {r.rank} {_reader_text(r.reader)}" for r in position.ranks)
+    else:
+        where = _reader_text(position.reader)
+    return (
+        f"resumed from v{version} {where} "
+        f"(step {position.step:,}, {position.samples_seen:,} samples)"
+    )
+
+
+def _reader_text(reader: Mapping[str, int | str | dict[str, int]]) -> str:
+    offsets, offset = reader.get("offsets"), reader.get("offset")
+    if isinstance(offsets, dict):
+        shown = " ".join(f"{p}:{o:,}" for p, o in offsets.items()) or "none yet"
+        return f"at offsets {shown} of topic {reader.get('topic')!r}"
+    if isinstance(offset, int):
+        return f"at sample {offset:,} of {reader.get('source')!r}"
+    return f"at reader position {dict(reader)!r}"
 
 
 def load_restored(
@@ -80,6 +109,7 @@ def load_restored(
     if not _hashed_without_maps(state, id_maps or {}):
         for name, id_map in (id_maps or {}).items():
             id_map.load_from(state.id_maps[name])
+    log.info("%s", resumed_text(state.version, state.position))
 
 
 def _reset_unwritten(

@@ -22,10 +22,10 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import socket
-import sys
 import threading
 from typing import Any
 
+from publisher.cli_logging import configure_logging
 from server.settings import ServerSettings
 from server.workers.links import WorkerEnd, make_links
 
@@ -71,7 +71,7 @@ def run_worker(
 
     from server.app import create_app
 
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    configure_logging(log_level.upper(), fmt=LOG_FORMAT)
     app = create_app(settings, worker=end)
     uvicorn.Server(_uvicorn_config(app, log_level, settings)).run(sockets=[sock])
 
