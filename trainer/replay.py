@@ -37,6 +37,7 @@ from publisher.bus.base import BusError, KafkaAddress, parse_kafka_url
 from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
 from schemas.errors import UnavailableError
 from schemas.events import encode_event
+from trainer.progress import PROGRESS_EVERY_S
 from trainer.replay_options import add_replay_parser
 from trainer.signals import stop_on_signals
 from trainer.sources import open_stream
@@ -238,6 +239,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
         disable=True if args.no_progress or args.json else None,
         desc=address.topic,
     )
+    lines = not (args.no_progress or args.json) and bar.disable  # no terminal: lines instead
+    if not args.json:
+        pace = (
+            f"{args.rate:g} events/s"
+            if args.rate
+            else f"{args.speedup:g}x event time"
+            if args.speedup
+            else "full speed"
+        )
+        print(
+            f"replay: {'all' if expected is None else f'{expected:,}'} events to {address.topic} "
+            f"({partitions} partition(s)) at {pace}",
+            file=sys.stderr,
+            flush=True,
+        )
+    next_line = started + PROGRESS_EVERY_S
     with bar, stop_on_signals(stop_event):
         for chunk in event_chunks(stream, args.start, stop):
             if first_ts is None and len(chunk.ts):
@@ -250,6 +267,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 producer.send(key, value)
                 sent += 1
             bar.update(len(chunk.values))
+            if lines and time.monotonic() >= next_line:
+                next_line += PROGRESS_EVERY_S
+                line = _progress_line(address.topic, sent, expected, time.monotonic() - started)
+                print(line, file=sys.stderr, flush=True)
             if stop_event.is_set():
                 break
         producer.flush()
@@ -271,6 +292,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
             f"{seconds:.1f} s ({doc['events_per_s'] or 0:,.0f} events/s)"
         )
     return 0
+
+
+def _progress_line(topic: str, sent: int, expected: int | None, seconds: float) -> str:
+    """The line a replay without a terminal prints every PROGRESS_EVERY_S seconds."""
+    of = "" if expected is None else f" of {expected:,}"
+    rate = sent / seconds if seconds > 0 else 0.0
+    return f"replay: {sent:,}{of} events to {topic} ({rate:,.0f} events/s)"
 
 
 def _sleep_until(deadline: float) -> None:
