@@ -338,8 +338,8 @@ def test_restore_model_only_loads_strictly_into_the_model(
     model.load_state_dict(state_dict, strict=True)
     assert set(state_dict) == set(model.state_dict())
 
-    # The default file (README "Restore files"): the state_dict carries each table's per-row
-    # optimizer columns too, so a strict load needs them dropped (or --model-only).
+    # The default file (docs/COMMANDS.md, "Restore files"): the state_dict carries each table's
+    # per-row optimizer columns too, so a strict load needs them dropped (or --model-only).
     payload = torch.load(full, weights_only=True)
     assert set(payload) == {"state_dict", "optimizer", "optimizer_meta", "manifest"}
     rows = {k for k in payload["state_dict"] if k.endswith(".__optimizer_rows__")}
