@@ -20,12 +20,12 @@ publisher runs, on rows its snapshot has already checked for NaN and inf
 (`encode_rows(..., checked_finite=True, max_abs=...)`: the snapshot's check also measures the
 largest magnitude, which tells that no fp16 scale or bias can overflow), whose cost over the
 kernel is the call's own.
-`embedding_bag_byte_prepack` quantises with float32 scale and bias, which a blob does not carry,
-so int8 encodes with the codec's own code (`encode_on_kernel` false) and its ratio compares two
-different quantisations. Nor could a format with float32 fields adopt it: a build without the
-kernel must write the same bytes, and some of the kernel's codes differ by one from its stated
-rule evaluated with torch's elementwise ops (near ties, where the order of its float arithmetic
-decides); `byte_kernel_codes_off_rule` counts them on the measured rows.
+int8 encodes on `embedding_bag_byte_prepack` and stores its float32 scale and bias (blob format
+version 3), so its ratios compare the same quantisation. A build without the kernel runs the
+kernel's stated rule on torch's elementwise ops, which decodes within the same bound but need not
+write the same bytes: some of the kernel's codes differ by one from that rule (near ties, where
+the order of its float arithmetic decides); `byte_kernel_codes_off_rule` counts them on the
+measured rows.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class CodecResult:
     checked_encode_vs_kernel: float | None = None
     #: int8 only: codes of FBGEMM's byte kernel that differ from its own stated rule,
     #: rint((x - min) * 255 / (max - min + 1e-8)), evaluated by torch's elementwise ops on the
-    #: same rows: a fallback could not write the kernel's bytes (module docstring).
+    #: same rows, as a build without the kernel encodes (by one each; module docstring).
     byte_kernel_codes_off_rule: int | None = None
 
 

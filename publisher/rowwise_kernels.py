@@ -1,26 +1,35 @@
 """torch's row-wise quantization kernels (FBGEMM's, shipped inside torch), as codec steps.
 
-`torch.ops.quantized.embedding_bag_{4bit,2bit}_prepack` quantize float32 rows into fused rows
-and `embedding_bag_{4bit,2bit}_unpack` turn fused rows back into float32::
+`torch.ops.quantized.embedding_bag_{byte,4bit,2bit}_prepack` quantize float32 rows into fused
+rows and `embedding_bag_{byte,4bit,2bit}_unpack` turn fused rows back into float32::
 
-    | codes: ceil(dim * bits / 8) bytes | scale: fp16 | bias: fp16 |
+    8 bits:     | codes: dim bytes                  | scale: fp32 | bias: fp32 |
+    4, 2 bits:  | codes: ceil(dim * bits / 8) bytes | scale: fp16 | bias: fp16 |
 
 The codes are packed LSB first (element j at bit j*bits), the layout of a delta blob's codes
-section (docs/FORMAT.md section 4), so fused rows and blob sections differ only by where the
-scale and bias sit; `fuse` and `split` move them, with one cache-resident copy per chunk.
+section (docs/FORMAT.md section 4), so fused rows and blob sections differ only by where (and,
+for 8 bits, how wide) the scale and bias sit; `fields`, `split` and `fuse` move them, with one
+cache-resident copy per chunk.
 
-The prepack kernels quantize exactly by the uniform rule of publisher/codecs/affine_rule.py (which
-adopted theirs, so that its own code, used where a kernel is missing, writes the same bytes): bias
-= fp16(min), scale = fp16((max - bias) / L), 1 where that is 0, code = clamp(rint((x - bias) * (1 /
-scale)), 0, L). They need dim to be a multiple of 8 / bits, and they do not look for NaN (it is
-quantised to code 0), so the caller checks its input. The unpack kernels compute bias + code *
-scale in float32, as `codecs.decode_rows` does (the product is exact), for any dim: a fused row of
-dim' = 8 * code bytes / bits elements decodes the padding codes too, which are dropped.
+The 4- and 2-bit prepack kernels quantize exactly by the uniform rule of
+publisher/codecs/affine_rule.py (which adopted theirs, so that its own code, used where a kernel
+is missing, writes the same bytes): bias = fp16(min), scale = fp16((max - bias) / L), 1 where that
+is 0, code = clamp(rint((x - bias) * (1 / scale)), 0, L). They need dim to be a multiple of
+8 / bits. The byte kernel quantizes against the float32 range: scale = (max - min) / 255, bias =
+min, code = rint((x - min) * (255 / ((max - min) + 1e-8))), any dim; the int8 codec stores these
+float32 fields as they are (docs/FORMAT.md section 4.1). Its vectorised arithmetic
+runs in another order than that rule evaluated elementwise, so a code may differ by one at a near
+tie (52 of 16.8M on `checknrun bench codec`'s rows): the codec's own code, used without the
+kernel, decodes within the same bound but need not write the same bytes. No prepack kernel looks
+for NaN (it is quantised to code 0; the vectorised min and max drop it), so the caller checks its
+input.
 
-The 8-bit kernels are not used. `embedding_bag_byte_prepack` quantises against the float32
-range / 255 (plus 1e-8), so its codes do not fit the fp16 scale and bias a blob stores; and 8-bit
-codes need no unpacking, so the codec's own bias + code * scale decodes at 1.2x the speed of
-`embedding_bag_byte_unpack` once the fused rows (float32 scale and bias) have been assembled.
+The unpack kernels compute bias + code * scale in float32 with one rounding (a fused multiply-add,
+which `embedding_bag_byte_rowwise_offsets`, the server's lookup, computes too), for any dim: a
+fused row of dim' = 8 * code bytes / bits elements decodes the padding codes too, which are
+dropped. With a fp16 scale the product is exact, so a multiplication then an addition (the codec's
+own decoding) gives the same floats; with the int8 codec's fp32 one it is not, and the kernel's
+single rounding is the value to give.
 
 A kernel is used only if this torch has it and it turns the probe rows below into the expected
 bytes or floats (checked once, at import); otherwise the codec's own code runs.
@@ -43,6 +52,7 @@ __all__ = [
     "decodes",
     "encode_fused",
     "encodes",
+    "field_dtype",
     "fields",
     "fuse",
     "fused_row_bytes",
@@ -52,7 +62,8 @@ __all__ = [
 _Kernel = Callable[..., torch.Tensor]
 
 #: rows a prepack kernel must turn into exactly `PROBE_FUSED`: 0.5 steps up from -1 (codes LSB
-#: first); a constant row (scale 1, codes 0); a range measured from fp16(1000.3) = 1000.5.
+#: first); a constant row (scale 1, codes 0; 8 bits: scale 0); a range measured from fp16(1000.3)
+#: = 1000.5 (8 bits: from float32 1000.3, with no code near a tie).
 PROBE_ROWS: Final = np.array(
     [
         [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 6.5],
@@ -63,14 +74,37 @@ PROBE_ROWS: Final = np.array(
 )
 #: the fused rows of `PROBE_ROWS`, one hex string per row.
 PROBE_FUSED: Final = {
+    8: b"".join(
+        map(
+            bytes.fromhex,
+            (
+                "00112233445566fff1f0f03c000080bf",
+                "0000000000000000000000000000003f",
+                "00ff18417a81b1daf1f0f03c33137a44",
+            ),
+        )
+    ),
     4: b"".join(map(bytes.fromhex, ("103254f6003800bc", "00000000003c0038", "f03177dac937d163"))),
     2: b"".join(map(bytes.fromhex, ("40d5004100bc", "0000003c0038", "4ce5de40d163"))),
 }
-#: the first probe row's fused bytes and the floats an unpack kernel must turn them into.
+#: a fused row and the float32 bytes an unpack kernel must turn it into. The 8-bit row (codes
+#: 248..255, fp32 scale 0.1, bias -12.7) decodes differently with two roundings in four places:
+#: the kernel must round once, as the server's lookup kernel does.
 _UNPACK_PROBES: Final = {
-    4: (bytes.fromhex("103254f6003800bc"), [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 6.5]),
-    2: (bytes.fromhex("40d5004100bc"), [-1.0, -1.0, -1.0, 1.5, 1.5, 1.5, 1.5, 6.5]),
+    8: (
+        bytes.fromhex("f8f9fafbfcfdfeffcdcccc3d33334bc1"),
+        bytes.fromhex("9a99414134334341cdcc444167664641010048419a99494134334b41cdcc4c41"),
+    ),
+    4: (
+        bytes.fromhex("103254f6003800bc"),
+        np.array([-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 6.5], np.float32).tobytes(),
+    ),
+    2: (
+        bytes.fromhex("40d5004100bc"),
+        np.array([-1.0, -1.0, -1.0, 1.5, 1.5, 1.5, 1.5, 6.5], np.float32).tobytes(),
+    ),
 }
+_NAMES: Final = {8: "byte", 4: "4bit", 2: "2bit"}
 
 
 def _op(name: str, works: Callable[[_Kernel], bool]) -> _Kernel | None:
@@ -94,24 +128,24 @@ def _unpack_works(bits: int) -> Callable[[_Kernel], bool]:
 
     def works(op: _Kernel) -> bool:
         fused = torch.from_numpy(np.frombuffer(row, dtype=np.uint8).reshape(1, -1).copy())
-        return bool(op(fused).numpy().tobytes() == np.array([expected], np.float32).tobytes())
+        return bool(op(fused).numpy().tobytes() == expected)
 
     return works
 
 
 _PREPACK: Final = {
     bits: op
-    for bits, name in ((4, "embedding_bag_4bit_prepack"), (2, "embedding_bag_2bit_prepack"))
-    if (op := _op(name, _prepack_works(bits))) is not None
+    for bits, name in _NAMES.items()
+    if (op := _op(f"embedding_bag_{name}_prepack", _prepack_works(bits))) is not None
 }
 _UNPACK: Final = {
     bits: op
-    for bits, name in ((4, "embedding_bag_4bit_unpack"), (2, "embedding_bag_2bit_unpack"))
-    if (op := _op(name, _unpack_works(bits))) is not None
+    for bits, name in _NAMES.items()
+    if (op := _op(f"embedding_bag_{name}_unpack", _unpack_works(bits))) is not None
 }
 #: bit widths whose uniform encoding runs on a torch kernel (where dim allows, see `encodes`).
 ENCODE_BITS: frozenset[int] = frozenset(_PREPACK)
-#: bit widths whose decoding runs on a torch kernel.
+#: bit widths whose decoding can run on a torch kernel.
 DECODE_BITS: frozenset[int] = frozenset(_UNPACK)
 
 
@@ -125,9 +159,14 @@ def decodes(bits: int) -> bool:
     return bits in DECODE_BITS
 
 
+def field_dtype(bits: int) -> type[np.floating]:
+    """The dtype of a `bits`-bit fused row's scale and bias: float32 for 8 bits, else float16."""
+    return np.float32 if bits == 8 else np.float16
+
+
 def fused_row_bytes(bits: int, dim: int) -> int:
-    """Bytes of one fused row: the codes, then fp16 scale and bias."""
-    return (dim * bits + 7) // 8 + 4
+    """Bytes of one fused row: the codes, then the scale and the bias."""
+    return (dim * bits + 7) // 8 + 2 * np.dtype(field_dtype(bits)).itemsize
 
 
 def encode_fused(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -140,29 +179,40 @@ def decode_fused(fused: torch.Tensor, bits: int) -> torch.Tensor:
     return _UNPACK[bits](fused)
 
 
-def split(fused: torch.Tensor, codes: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> None:
-    """Copy fused rows into contiguous `codes` (m, rb) and fp16 `scale`, `bias` (m,)."""
-    rb = codes.shape[1]
-    rows = fused.numpy()
-    _copy_rows(codes, rows[:, :rb])
-    fields = rows[:, rb : rb + 4].view(np.uint16)
-    scale.view(np.uint16)[:] = fields[:, 0]
-    bias.view(np.uint16)[:] = fields[:, 1]
+def fields(fused: np.ndarray, bits: int, rb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Views of `bits`-bit fused rows (m, rb + fields): the codes (m, rb), the scale and the bias
+    (m,) in `field_dtype(bits)`."""
+    width = 2 * np.dtype(field_dtype(bits)).itemsize
+    pair = fused[:, rb : rb + width].view(field_dtype(bits))
+    return fused[:, :rb], pair[:, 0], pair[:, 1]
 
 
-def fields(fused: np.ndarray, rb: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Views of fused rows (m, rb + 4): the codes (m, rb), fp16 scale and bias (m,)."""
-    halves = fused[:, rb : rb + 4].view(np.float16)
-    return fused[:, :rb], halves[:, 0], halves[:, 1]
+def split(
+    fused: np.ndarray, bits: int, codes: np.ndarray, scale: np.ndarray, bias: np.ndarray
+) -> None:
+    """Copy `bits`-bit fused rows into contiguous `codes` (m, rb) and `scale`, `bias` (m,), each
+    converted to its array's dtype as numpy assigns (float32 into float16 rounds to nearest)."""
+    fused_codes, fused_scale, fused_bias = fields(fused, bits, codes.shape[1])
+    _copy_rows(codes, fused_codes)
+    scale[:] = fused_scale
+    bias[:] = fused_bias
 
 
-def fuse(fused: np.ndarray, codes: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> None:
-    """Fill `fused` (m, fused_row_bytes) from codes (m, rb) and fp16 `scale`, `bias` (m,)."""
+def fuse(
+    fused: np.ndarray, bits: int, codes: np.ndarray, scale: np.ndarray, bias: np.ndarray
+) -> None:
+    """Fill `bits`-bit `fused` rows (m, fused_row_bytes) from codes (m, rb) and `scale`, `bias`
+    (m,): their values, widened to the fused rows' fields where narrower (fp16 into fp32 is
+    exact)."""
     rb = codes.shape[1]
     _copy_rows(fused[:, :rb], codes)
-    fields = fused[:, rb : rb + 4].view(np.uint16)
-    fields[:, 0] = scale.view(np.uint16)
-    fields[:, 1] = bias.view(np.uint16)
+    _, fused_scale, fused_bias = fields(fused, bits, rb)
+    if fused_scale.dtype == scale.dtype == bias.dtype == np.float16:  # move the bits
+        fused_scale.view(np.uint16)[:] = scale.view(np.uint16)
+        fused_bias.view(np.uint16)[:] = bias.view(np.uint16)
+    else:
+        fused_scale[:] = scale
+        fused_bias[:] = bias
 
 
 def _copy_rows(dst: np.ndarray, src: np.ndarray) -> None:

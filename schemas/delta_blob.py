@@ -5,7 +5,7 @@ A blob holds either every row of a table (a full checkpoint) or the modified row
 
     offset      size        field
     0           8           magic  b"CNRDELTA"
-    8           2           format_version u16 = 1, or 2 for a bfloat16 aux
+    8           2           format_version u16 = 1; 2 for a bfloat16 aux; 3 for fp32 fields
     10          2           flags u16 = 0 (reserved, MUST be 0)
     12          4           header_len u32 (1 .. 65536)
     16          header_len  header: UTF-8 JSON object, exactly the fields below
@@ -16,12 +16,15 @@ A blob holds either every row of a table (a full checkpoint) or the modified row
             table_rows (1..2^31), n_rows (0..table_rows), aux_dim (0..65536),
             row_encoding ("all" | "bitmap" | "varint"; "all" only if n_rows == table_rows),
             sections: exactly 4 x {name, compression ("none" | "zstd"), stored_len, raw_len},
-            and in version 2 only: aux_encoding ("float32" | "bfloat16")
+            in versions 2 and 3: aux_encoding ("float32" | "bfloat16"),
+            in version 3 only: scale_bias_encoding ("float16" | "float32"; "float32" only for
+            a codec whose layout stores fp32 fields, schemas.codec_names)
 
     section      raw bytes                       contents
     rows         0 | ceil(table_rows/8) | varint  see schemas.row_index
     codes        n_rows * row_bytes(codec, dim)   row-major; int codes packed LSB first
-    scale_bias   4 * n_rows (int codecs) | 0      n_rows fp16 scales, then n_rows fp16 biases
+    scale_bias   4|8 * n_rows (int codecs) | 0    n_rows scales, then n_rows biases: fp16, or
+                                                 fp32 with scale_bias_encoding "float32"
     aux          4|2 * n_rows * aux_dim           optimizer state, row-major: float32, or
                                                  bfloat16 (a float32's upper 16 bits)
 
@@ -64,7 +67,17 @@ import numpy.typing as npt
 import zstandard
 
 from schemas import strict_json
-from schemas.codec_names import CODEC_BITS, CODECS, is_integer_codec, row_bytes, scale_bias_bytes
+from schemas.codec_names import (
+    CODEC_BITS,
+    CODECS,
+    FIELD_BYTES,
+    LAYOUTS,
+    SCALE_BIAS_ENCODINGS,
+    ScaleBiasEncoding,
+    is_integer_codec,
+    row_bytes,
+    scale_bias_bytes,
+)
 from schemas.errors import (
     BadHeaderError,
     BadMagicError,
@@ -91,7 +104,14 @@ MAGIC: Final[bytes] = b"CNRDELTA"
 FORMAT_VERSION: Final[int] = 1
 #: the version that adds the header field `aux_encoding` (docs/FORMAT.md section 4).
 AUX_ENCODING_VERSION: Final[int] = 2
-FORMAT_VERSIONS: Final[tuple[int, ...]] = (FORMAT_VERSION, AUX_ENCODING_VERSION)
+#: the version that adds `scale_bias_encoding` (fp32 fields: int8, whose codes are the byte
+#: kernel's).
+SCALE_BIAS_ENCODING_VERSION: Final[int] = 3
+FORMAT_VERSIONS: Final[tuple[int, ...]] = (
+    FORMAT_VERSION,
+    AUX_ENCODING_VERSION,
+    SCALE_BIAS_ENCODING_VERSION,
+)
 _PREFIX: Final[struct.Struct] = struct.Struct("<8sHHI")
 _CRC: Final[struct.Struct] = struct.Struct("<I")
 PREFIX_BYTES: Final[int] = _PREFIX.size
@@ -126,6 +146,14 @@ _HEADER_FIELDS: Final[tuple[str, ...]] = (
     "sections",
 )
 _V2_HEADER_FIELDS: Final[tuple[str, ...]] = (*_HEADER_FIELDS, "aux_encoding")
+_V3_HEADER_FIELDS: Final[tuple[str, ...]] = (*_V2_HEADER_FIELDS, "scale_bias_encoding")
+_FIELDS_OF_VERSION: Final[dict[int, tuple[str, ...]]] = {
+    FORMAT_VERSION: _HEADER_FIELDS,
+    AUX_ENCODING_VERSION: _V2_HEADER_FIELDS,
+    SCALE_BIAS_ENCODING_VERSION: _V3_HEADER_FIELDS,
+}
+#: numpy dtype of a stored scale or bias, by encoding (little-endian, as the format stores it).
+_FIELD_DTYPE: Final[dict[ScaleBiasEncoding, str]] = {"float16": "<f2", "float32": "<f4"}
 _SECTION_FIELDS: Final[tuple[str, ...]] = ("name", "compression", "stored_len", "raw_len")
 # Bytes per decoded row id (int64): part of what a blob costs to decode, so it counts to the cap.
 _ROW_ID_BYTES: Final[int] = 8
@@ -160,13 +188,15 @@ class BlobLimits:
         what a reader that knows the blob's table (its manifest entry) passes, so a blob
         declaring more rows, wider rows or bigger sections than that table is refused from its
         header, before anything is inflated. Any row encoding fits: the row index may take
-        up to a bitmap's or n_rows varints' length, whichever is larger."""
+        up to a bitmap's or n_rows varints' length, whichever is larger, and the aux and the
+        scale and bias any encoding the format has."""
         rows_len = max(bitmap_size(table_rows), MAX_VARINT_BYTES * n_rows)
         return cls(
             max_total_bytes=max(size, MIN_BLOB_BYTES),
             max_decoded_bytes=max(
-                _decoded_bytes(codec, dim, n_rows, aux_dim, rows_len, encoding)
+                _decoded_bytes(codec, dim, n_rows, aux_dim, rows_len, encoding, fields)
                 for encoding in AUX_ENCODINGS
+                for fields in SCALE_BIAS_ENCODINGS
             ),
             max_dim=dim,
             max_aux_dim=aux_dim,
@@ -216,6 +246,8 @@ class BlobHeader:
     header_len: int
     #: "float32" for a version 1 blob, which has no such field.
     aux_encoding: AuxEncoding = "float32"
+    #: "float16" for a version 1 or 2 blob, which has no such field.
+    scale_bias_encoding: ScaleBiasEncoding = "float16"
 
     @property
     def data_offset(self) -> int:
@@ -233,7 +265,9 @@ class DeltaBlob:
     """The decoded content of a delta blob: the encoded rows `row_ids` of one table.
 
     Row `row_ids[i]` is `codes[i]` (bytes of the codec), with `scale[i]`/`bias[i]` for integer
-    codecs (both empty for fp32/fp16) and optimizer state `aux[i]`, float32 in memory whatever
+    codecs (both empty for fp32/fp16; both fp16 or, for a codec whose layout stores fp32 fields,
+    both fp32: their dtype is the blob's `scale_bias_encoding`, and fp32 makes a version 3 blob)
+    and optimizer state `aux[i]`, float32 in memory whatever
     `aux_encoding` stores: with "bfloat16" every aux value must be a bfloat16 value (its low 16
     bits zero; `round_to_bfloat16` makes one). A decoded blob's arrays are read-only and may be
     views into the decoded bytes. Equality compares every array bit for bit (so NaN payloads
@@ -246,10 +280,16 @@ class DeltaBlob:
     table_rows: int
     row_ids: npt.NDArray[np.int64]
     codes: npt.NDArray[np.uint8]
-    scale: npt.NDArray[np.float16]
-    bias: npt.NDArray[np.float16]
+    scale: npt.NDArray[np.float16] | npt.NDArray[np.float32]
+    bias: npt.NDArray[np.float16] | npt.NDArray[np.float32]
     aux: npt.NDArray[np.float32]
     aux_encoding: AuxEncoding = "float32"
+
+    @property
+    def scale_bias_encoding(self) -> ScaleBiasEncoding:
+        """How the blob stores its scale and bias: as `scale`'s dtype holds them."""
+        itemsize = getattr(getattr(self.scale, "dtype", None), "itemsize", 2)
+        return "float32" if itemsize == FIELD_BYTES["float32"] else "float16"
 
     @property
     def n_rows(self) -> int:
@@ -274,6 +314,10 @@ class DeltaBlob:
         _check_table_name(self.table, ValueError)
         if not isinstance(self.codec, str) or self.codec not in CODEC_BITS:
             raise ValueError(f"codec {self.codec!r} unknown, expected one of {CODECS}")
+        if not LAYOUTS[self.codec].reads_fields(self.scale_bias_encoding):
+            raise ValueError(
+                f"scale is {self.scale_bias_encoding}, expected float16 for codec {self.codec}"
+            )
         _check_int("dim", self.dim, 1, MAX_DIM, ValueError)
         _check_int("table_rows", self.table_rows, 1, MAX_TABLE_ROWS, ValueError)
         ids = _check_array("row_ids", self.row_ids, "i", 8, 1)
@@ -298,8 +342,9 @@ class DeltaBlob:
                 f"codes shape {codes.shape}, expected (n_rows, row_bytes) = {(n, self.row_bytes)}"
             )
         per_row = (n,) if is_integer_codec(self.codec) else (0,)
+        encoding = self.scale_bias_encoding
         for name, arr in (("scale", self.scale), ("bias", self.bias)):
-            if _check_array(name, arr, "f", 2, 1).shape != per_row:
+            if _check_array(name, arr, "f", FIELD_BYTES[encoding], 1).shape != per_row:
                 raise ValueError(
                     f"{name} shape {arr.shape}, expected {per_row} for codec {self.codec}"
                 )
@@ -402,14 +447,18 @@ def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int
     """
     blob.validate()
     encoding = choose_encoding(blob.row_ids, blob.table_rows)
+    fields = blob.scale_bias_encoding
+    scale_bias = b""
     if is_integer_codec(blob.codec):
-        scale_bias = np.concatenate([blob.scale.astype("<f2"), blob.bias.astype("<f2")])
-    else:
-        scale_bias = np.zeros(0, dtype="<f2")
+        dtype = _FIELD_DTYPE[fields]
+        scale_bias = (
+            blob.scale.astype(dtype, copy=False).tobytes()
+            + blob.bias.astype(dtype, copy=False).tobytes()
+        )
     raws: tuple[bytes, ...] = (
         encode_row_ids(blob.row_ids, blob.table_rows, encoding),
         blob.codes.tobytes(),
-        scale_bias.tobytes(),
+        scale_bias,
         _aux_bytes(blob.aux, blob.aux_encoding),
     )
     compressor = zstandard.ZstdCompressor(level=zstd_level) if compress else None
@@ -441,9 +490,14 @@ def encode_delta_blob(blob: DeltaBlob, *, compress: bool = True, zstd_level: int
         "row_encoding": encoding,
         "sections": sections,
     }
-    # A float32 aux stays version 1, byte for byte what readers before version 2 read.
+    # A float32 aux with fp16 fields stays version 1, byte for byte what readers before version
+    # 2 read; fp32 fields make a version 3 blob, which names both encodings.
     version = FORMAT_VERSION
-    if blob.aux_encoding != "float32":
+    if fields != "float16":
+        header["aux_encoding"] = blob.aux_encoding
+        header["scale_bias_encoding"] = fields
+        version = SCALE_BIAS_ENCODING_VERSION
+    elif blob.aux_encoding != "float32":
         header["aux_encoding"] = blob.aux_encoding
         version = AUX_ENCODING_VERSION
     header_bytes = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -518,8 +572,8 @@ def decode_delta_blob(data: BytesLike, *, limits: BlobLimits = DEFAULT_LIMITS) -
     n = header.n_rows
     row_ids = decode_row_ids(rows, header.row_encoding, header.table_rows, n)
     codes_arr = np.frombuffer(codes, dtype=np.uint8).reshape(n, row_bytes(header.codec, header.dim))
-    sb = np.frombuffer(scale_bias, dtype="<f2")
-    # For fp codecs the section is empty, so both slices are the (0,) arrays the blob wants.
+    # For fp codecs the section is empty, so both are the (0,) arrays the blob wants.
+    sb = np.frombuffer(scale_bias, dtype=_FIELD_DTYPE[header.scale_bias_encoding])
     scale, bias = sb[:n], sb[n:]
     if header.aux_encoding == "float32":
         aux_arr = np.frombuffer(aux, dtype="<f4").reshape(n, header.aux_dim)
@@ -590,18 +644,28 @@ def _parse_header(raw: bytes, version: int) -> BlobHeader:
     """The header from its JSON bytes, with every field's type and range checked (the fields of
     format `version`)."""
     obj = strict_json.loads(raw, BadHeaderError, "header")
-    names = _HEADER_FIELDS if version == FORMAT_VERSION else _V2_HEADER_FIELDS
-    fields = _exact_fields(obj, names, f"a version {version} header")
+    fields = _exact_fields(obj, _FIELDS_OF_VERSION[version], f"a version {version} header")
     aux_encoding = fields.get("aux_encoding", "float32")
     if not isinstance(aux_encoding, str) or aux_encoding not in AUX_ENCODINGS:
         raise BadHeaderError(
             f"aux_encoding {aux_encoding!r} unknown, expected one of {AUX_ENCODINGS}"
+        )
+    scale_bias_encoding = fields.get("scale_bias_encoding", "float16")
+    if not isinstance(scale_bias_encoding, str) or scale_bias_encoding not in SCALE_BIAS_ENCODINGS:
+        raise BadHeaderError(
+            f"scale_bias_encoding {scale_bias_encoding!r} unknown, expected one of "
+            f"{SCALE_BIAS_ENCODINGS}"
         )
 
     table = _check_table_name(fields["table"], BadHeaderError)
     codec = fields["codec"]
     if not isinstance(codec, str) or codec not in CODEC_BITS:
         raise BadHeaderError(f"codec {codec!r} unknown, expected one of {CODECS}")
+    if not LAYOUTS[codec].reads_fields(scale_bias_encoding):
+        raise BadHeaderError(
+            f"scale_bias_encoding {scale_bias_encoding!r} for codec {codec}, whose scale and "
+            "bias are float16"
+        )
     dim = _check_int("dim", fields["dim"], 1, MAX_DIM, BadHeaderError)
     table_rows = _check_int("table_rows", fields["table_rows"], 1, MAX_TABLE_ROWS, BadHeaderError)
     n_rows = _check_int("n_rows", fields["n_rows"], 0, table_rows, BadHeaderError)
@@ -627,6 +691,7 @@ def _parse_header(raw: bytes, version: int) -> BlobHeader:
         sections=sections,
         header_len=len(raw),
         aux_encoding=aux_encoding,
+        scale_bias_encoding=scale_bias_encoding,
     )
 
 
@@ -692,28 +757,46 @@ def _expected_raw_len(header: BlobHeader, name: SectionName) -> int:
             return bitmap_size(header.table_rows)
         return 0  # "all"; varint lengths are a range, handled by the caller
     return _row_sections(
-        header.codec, header.dim, header.n_rows, header.aux_dim, header.aux_encoding
+        header.codec,
+        header.dim,
+        header.n_rows,
+        header.aux_dim,
+        header.aux_encoding,
+        header.scale_bias_encoding,
     )[name]
 
 
 def _row_sections(
-    codec: str, dim: int, n_rows: int, aux_dim: int, aux_encoding: AuxEncoding
+    codec: str,
+    dim: int,
+    n_rows: int,
+    aux_dim: int,
+    aux_encoding: AuxEncoding,
+    scale_bias_encoding: ScaleBiasEncoding,
 ) -> dict[SectionName, int]:
     """The raw lengths of the sections that hold `n_rows` rows: codes, scale_bias and aux."""
     return {
         "codes": n_rows * row_bytes(codec, dim),
-        "scale_bias": scale_bias_bytes(codec, n_rows),
+        "scale_bias": scale_bias_bytes(codec, n_rows, scale_bias_encoding),
         "aux": _AUX_ITEMSIZE[aux_encoding] * n_rows * aux_dim,
     }
 
 
 def _decoded_bytes(
-    codec: str, dim: int, n_rows: int, aux_dim: int, rows_len: int, aux_encoding: AuxEncoding
+    codec: str,
+    dim: int,
+    n_rows: int,
+    aux_dim: int,
+    rows_len: int,
+    aux_encoding: AuxEncoding,
+    scale_bias_encoding: ScaleBiasEncoding,
 ) -> int:
     """What decoding costs (`BlobLimits.max_decoded_bytes` caps it): every raw section, the
     `rows_len` bytes of the row index included, plus 8 bytes per decoded row id and, for a
     bfloat16 aux, the float32 values it widens to."""
-    sections = sum(_row_sections(codec, dim, n_rows, aux_dim, aux_encoding).values())
+    sections = sum(
+        _row_sections(codec, dim, n_rows, aux_dim, aux_encoding, scale_bias_encoding).values()
+    )
     widened = 0 if aux_encoding == "float32" else 4 * n_rows * aux_dim
     return _ROW_ID_BYTES * n_rows + rows_len + sections + widened
 
@@ -752,6 +835,7 @@ def _check_sizes(header: BlobHeader, limits: BlobLimits) -> None:
         header.aux_dim,
         expected["rows"],
         header.aux_encoding,
+        header.scale_bias_encoding,
     )
     if decoded > limits.max_decoded_bytes:
         raise BlobTooLargeError(

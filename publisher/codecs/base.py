@@ -1,7 +1,8 @@
 """What a codec is (`Codec`) and what every codec encodes rows to (`QuantizedRows`).
 
 A codec is one object: its name and wire layout (`schemas.codec_names.CodecLayout`: bits per
-element, whether rows carry a fp16 scale and bias), the arithmetic that encodes float32 rows into
+element, whether rows carry a scale and a bias, and how wide its writer stores them), the
+arithmetic that encodes float32 rows into
 that layout and decodes them back, and the per-row error bound its tests hold it to. The codecs
 themselves are in `publisher.codecs.CODECS` (publisher/codecs/table.py).
 """
@@ -40,11 +41,15 @@ def layout_of(codec: str) -> CodecLayout:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedRows:
-    """Encoded rows: `codes` (n x row_bytes uint8) plus, for affine codecs, fp16 scale and bias.
+    """Encoded rows: `codes` (n x row_bytes uint8) plus, for affine codecs, a scale and a bias per
+    row.
 
-    `scale` and `bias` have shape (0,) for fp32 and fp16. The constructor checks every shape and
-    dtype against the codec's layout, so a `QuantizedRows` built from blob bytes is safe to
-    decode. (eq=False: numpy arrays have no single truth value.)
+    `scale` and `bias` are both fp16, or both fp32 for a codec whose layout stores fp32 fields
+    (int8; its rows from a blob of version 1 or 2 have fp16 ones, which decode alike). They have
+    shape
+    (0,) for fp32 and fp16. The constructor checks every shape and dtype against the codec's
+    layout, so a `QuantizedRows` built from blob bytes is safe to decode. (eq=False: numpy arrays
+    have no single truth value.)
     """
 
     codec: str
@@ -72,13 +77,19 @@ class QuantizedRows:
                 f"contiguous and apart, got shape {codes.shape}, strides {codes.strides}"
             )
         n_sb = codes.shape[0] if layout.scale_bias else 0
+        half = np.dtype(np.float16)
+        types = (half, np.dtype(np.float32)) if layout.scale_bias_encoding == "float32" else (half,)
         for name in ("scale", "bias"):
             arr = getattr(self, name)
-            if not isinstance(arr, np.ndarray) or arr.dtype != np.float16 or arr.shape != (n_sb,):
+            if not isinstance(arr, np.ndarray) or arr.dtype not in types or arr.shape != (n_sb,):
                 raise CodecError(
-                    f"{name} must be a float16 array of shape ({n_sb},) for {self.codec}, "
-                    f"got {describe(arr)}"
+                    f"{name} must be a {' or '.join(t.name for t in types)} array of shape "
+                    f"({n_sb},) for {self.codec}, got {describe(arr)}"
                 )
+        if self.scale.dtype != self.bias.dtype:
+            raise CodecError(
+                f"scale and bias must have one dtype, got {self.scale.dtype} and {self.bias.dtype}"
+            )
 
     @property
     def n_rows(self) -> int:
@@ -115,8 +126,15 @@ class Codec(ABC):
 
     @property
     def affine(self) -> bool:
-        """Whether a row decodes as bias + code * scale with a fp16 scale and bias per row."""
+        """Whether a row decodes as bias + code * scale with a scale and a bias per row."""
         return self.layout.scale_bias
+
+    @property
+    def field_dtype(self) -> np.dtype[np.floating]:
+        """The dtype of the scale and bias this codec's encoder writes (float16, or float32 for
+        int8); its decoder also takes float16 ones (blobs of versions 1 and 2)."""
+        wide = self.layout.scale_bias_encoding == "float32"
+        return np.dtype(np.float32 if wide else np.float16)
 
     def row_bytes(self, dim: int) -> int:
         """Bytes one encoded row of `dim` elements takes in the codes section."""

@@ -1,4 +1,4 @@
-"""Checks every codec runs on its input: float32 rows in, finite values, readable fp16 fields.
+"""Checks every codec runs on its input: float32 rows in, finite values, readable fields.
 
 No Python loop over rows: each check is a reduction, and only a failing one looks for the row.
 """
@@ -64,14 +64,22 @@ def check_finite(mn: torch.Tensor, mx: torch.Tensor, start: int) -> None:
         raise NonFiniteRowsError(start + int(torch.nonzero(~ok)[0, 0]))
 
 
-def first_non_finite_half(*arrays: np.ndarray) -> int | None:
-    """The first index at which any of the equal-length fp16 arrays is inf or NaN, or None."""
-    # An fp16 is inf or NaN iff its exponent bits are all ones, the largest masked value, so
+#: (unsigned view, exponent mask) of the float dtypes a codec's fields come in.
+_EXPONENTS = {2: (np.uint16, 0x7C00), 4: (np.uint32, 0x7F800000)}
+
+
+def first_non_finite_field(*arrays: np.ndarray) -> int | None:
+    """The first index at which any of the equal-length fp16 or fp32 arrays is inf or NaN, or
+    None."""
+    # A float is inf or NaN iff its exponent bits are all ones, the largest masked value, so
     # the common case costs a mask and a max per array.
-    exponents = [arr.view(np.uint16) & 0x7C00 for arr in arrays]
-    if all(e.size == 0 or int(e.max()) != 0x7C00 for e in exponents):
+    exponents = []
+    for arr in arrays:
+        unsigned, mask = _EXPONENTS[arr.dtype.itemsize]
+        exponents.append((arr.view(unsigned) & mask, mask))
+    if all(e.size == 0 or int(e.max()) != mask for e, mask in exponents):
         return None
-    bad = np.logical_or.reduce([e == 0x7C00 for e in exponents])
+    bad = np.logical_or.reduce([e == mask for e, mask in exponents])
     return int(np.flatnonzero(bad)[0])
 
 

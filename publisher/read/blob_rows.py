@@ -187,8 +187,10 @@ class _EncodedRows:
     codec: str
     dim: int
     codes: npt.NDArray[np.uint8]
-    scale: npt.NDArray[np.float16]
-    bias: npt.NDArray[np.float16]
+    #: fp16, or fp32 for a codec whose writer stores fp32 fields (int8: its rows from blobs
+    #: with fp16 fields widen exactly).
+    scale: npt.NDArray[np.floating]
+    bias: npt.NDArray[np.floating]
     held: npt.NDArray[np.bool_]
 
     @classmethod
@@ -199,8 +201,8 @@ class _EncodedRows:
             codec=codec,
             dim=dim,
             codes=np.empty((table_rows, rows.row_bytes(dim)), dtype=np.uint8),
-            scale=np.empty(scaled, dtype=np.float16),
-            bias=np.empty(scaled, dtype=np.float16),
+            scale=np.empty(scaled, dtype=rows.field_dtype),
+            bias=np.empty(scaled, dtype=rows.field_dtype),
             held=np.zeros(table_rows, dtype=np.bool_),
         )
 

@@ -10,18 +10,20 @@ quantized embedding-bag kernels read, and looked up with them
     int2:  | codes: ceil(dim / 4) bytes  | scale: fp16 | bias: fp16 |
 
 Codes are packed LSB first, as in a delta blob (docs/FORMAT.md section 4), so writing a blob's
-rows is a copy of its codes and its fp16 scale and bias (widened to fp32 for int8, which holds
-an fp16 value exactly): nothing is decoded to float32. An int4 table takes 36 bytes per row of
-dim 64 instead of 256.
+rows is a copy of its codes and its scale and bias: int8 blobs carry the byte kernel's own fp32
+fields (format version 3; an older int8 blob's fp16 ones widen to fp32 exactly), the others fp16
+ones: nothing is decoded to float32. An int4 table takes 36 bytes per row of dim 64 instead of
+256.
 
-Exactness. A held row decodes to bias + code * scale, the value `publisher.codecs.decode_rows`
-gives the blob's row: the product of an fp16 scale and a code below 256 fits float32's 24-bit
-significand, so the kernels' fused multiply-add and the codec's multiply-then-add round once,
-the same way. A lookup of one id returns exactly the float32 row a restore of the version
-holds; a bag sums the same float32 rows, in the kernel's order, so it may differ from
-`nn.EmbeddingBag`'s sum by float32 rounding only: |kernel - fp32| <= (bag length - 1) * 2**-24
-* sum |rows| elementwise (`SUM_ROUNDING`; a "mean" bag divides that sum by the bag's length,
-within one more rounding;
+Exactness. A held row decodes to bias + code * scale rounded once, the value
+`publisher.codecs.decode_rows` gives the blob's row: with an fp16 scale the product of a code
+below 256 fits float32's 24-bit significand, so the kernels' fused multiply-add and a
+multiply-then-add agree; with int8's fp32 scale the codec decodes on the unpack kernel, which
+rounds once as the lookup kernel does. A lookup of one id returns exactly the float32 row a
+restore of the version holds; a bag sums the same float32 rows, in the kernel's order, so it
+may differ from `nn.EmbeddingBag`'s sum by float32 rounding only: |kernel - fp32| <= (bag length
+- 1) * 2**-24 * sum |rows| elementwise (`SUM_ROUNDING`; a "mean" bag divides that sum by the
+bag's length, within one more rounding;
 tests/unit/server/test_held_tables.py checks it, and that predictions match float32 tables').
 
 Any model's tables. A held table replaces the module it holds (`Lookup` records what that
@@ -131,11 +133,12 @@ def _fill(
     codes: npt.NDArray[np.uint8],
     codes_bits: int,
     dim: int,
-    scale: npt.NDArray[np.float16],
-    bias: npt.NDArray[np.float16],
+    scale: npt.NDArray[np.floating],
+    bias: npt.NDArray[np.floating],
 ) -> None:
     """Write fused rows of `out`'s width from packed `codes` of `codes_bits` bits (at most the
-    held bits: coarser codes are repacked) and fp16 `scale`, `bias`."""
+    held bits: coarser codes are repacked) and their `scale`, `bias`: fp16, or fp32 into an
+    8-bit table (int8's own)."""
     bits = _bits_of_width(out.shape[1], dim)
     rb = (dim * bits + 7) // 8
     if codes_bits != bits:
@@ -160,14 +163,14 @@ def _bits_of_width(width: int, dim: int) -> int:
 
 def _fields(
     fused: npt.NDArray[np.uint8], bits: int, dim: int
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float16], npt.NDArray[np.float16]]:
-    """(packed codes, fp16 scale, fp16 bias) of fused rows, as contiguous copies."""
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.floating], npt.NDArray[np.floating]]:
+    """(packed codes, scale, bias) of fused rows, as contiguous copies: fp32 fields for 8 bits
+    (int8's), fp16 ones below."""
     rb = (dim * bits + 7) // 8
     codes = np.ascontiguousarray(fused[:, :rb])
     if bits == 8:
         fields = fused[:, rb : rb + 8].view(np.float32)
-        # Exact: the fp32 fields were written from fp16 values.
-        return codes, fields[:, 0].astype(np.float16), fields[:, 1].astype(np.float16)
+        return codes, np.ascontiguousarray(fields[:, 0]), np.ascontiguousarray(fields[:, 1])
     halves = fused[:, rb : rb + 4].view(np.float16)
     return codes, np.ascontiguousarray(halves[:, 0]), np.ascontiguousarray(halves[:, 1])
 

@@ -51,6 +51,11 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+def wide(codec: str) -> bool:
+    """Whether `codec` writes float32 scales and biases (int8: the byte kernel's rule)."""
+    return bool(codecs.CODECS[codec].field_dtype == np.float32)
+
+
 def rows_for_tests(n: int = 300, dim: int = 64, seed: int = 0) -> np.ndarray:
     return embedding_like_rows(n, dim, seed=seed)
 
@@ -76,6 +81,17 @@ def reference_uniform(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray,
     return codes, scale, bias
 
 
+def reference_fp32(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes, scale, bias) by the documented byte kernel rule, in float32 numpy."""
+    levels = np.float32((1 << bits) - 1)
+    lo = x.min(axis=1)
+    span = x.max(axis=1) - lo
+    scale = span / levels
+    inverse = levels / (span + np.float32(1e-8))
+    codes = np.clip(np.rint((x - lo[:, None]) * inverse[:, None]), 0, levels).astype(np.uint8)
+    return codes, scale, lo
+
+
 def read_bits(row: bytes, j: int, bits: int) -> int:
     """Element j of a packed row per FORMAT.md: the bits-bit uint starting at bit j*bits."""
     value = 0
@@ -96,8 +112,9 @@ def test_round_trip_within_bound(codec: str) -> None:
     assert q.codes.dtype == np.uint8 and q.codes.shape == (300, row_bytes(codec, 64))
     assert q.codes.flags.c_contiguous
     n_sb = 300 if is_integer_codec(codec) else 0
-    assert q.scale.dtype == np.float16 and q.scale.shape == (n_sb,)
-    assert q.bias.dtype == np.float16 and q.bias.shape == (n_sb,)
+    fields = np.float32 if wide(codec) else np.float16
+    assert q.scale.dtype == fields and q.scale.shape == (n_sb,)
+    assert q.bias.dtype == fields and q.bias.shape == (n_sb,)
     y = decode_rows(q)
     assert y.dtype == np.float32 and y.shape == x.shape
     err = np.abs(y.astype(np.float64) - x).max(axis=1)
@@ -125,7 +142,7 @@ def test_uniform_matches_documented_formula(codec: str) -> None:
     bits = CODEC_BITS[codec]
     x = rows_for_tests(500, 40, seed=3)
     q = encode_rows(codec, x)
-    codes, scale, bias = reference_uniform(x, bits)
+    codes, scale, bias = (reference_fp32 if wide(codec) else reference_uniform)(x, bits)
     np.testing.assert_array_equal(q.scale, scale)
     np.testing.assert_array_equal(q.bias, bias)
     got = unpack_codes(q.codes, bits, 40)
@@ -137,13 +154,15 @@ def test_uniform_matches_documented_formula(codec: str) -> None:
         assert np.all(frac[differ] < 1e-4)
         assert np.all(np.abs(got.astype(int) - codes)[differ] == 1)
     assert differ.mean() < 1e-3
-    # Decoding is bias + code * scale.
-    expected = bias.astype(np.float32)[:, None] + got * scale.astype(np.float32)[:, None]
-    np.testing.assert_array_equal(decode_rows(q), expected)
+    # Decoding is bias + code * scale, rounded once (exact products for fp16 fields; float64
+    # then one rounding stands for the kernels' fused multiply-add for fp32 ones).
+    exact = bias.astype(np.float64)[:, None] + got * scale.astype(np.float64)[:, None]
+    np.testing.assert_array_equal(decode_rows(q), exact.astype(np.float32))
 
 
 @pytest.mark.parametrize("codec", UNIFORM_INT)
 def test_uniform_error_is_half_a_step_plus_fp16_rounding(codec: str) -> None:
+    # (For int8's float32 fields the bias term is not even needed: the same allowance holds.)
     bits = CODEC_BITS[codec]
     x = rows_for_tests(2000, 64, seed=4)
     q = encode_rows(codec, x)
@@ -198,12 +217,18 @@ def rows_with_outliers(draw: st.DrawFn) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def uniform_of(adaptive: str) -> codecs.Codec:
+    """The uniform rule of an adaptive codec's own layout (its search's starting point: int8's
+    differs in its fields)."""
+    return replace(codecs.CODECS[adaptive], search=None)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @settings(max_examples=60, deadline=None)
 @given(x=rows_with_outliers())
 def test_adaptive_never_worse_than_uniform_on_any_row(bits: int, x: np.ndarray) -> None:
     q_a = encode_rows(f"int{bits}-adaptive", x)
-    q_u = encode_rows(f"int{bits}", x)
+    q_u = uniform_of(f"int{bits}-adaptive").encode(x)
     sse_a = row_sq_errors(q_a, x)
     sse_u = row_sq_errors(q_u, x)
     assert np.all(sse_a <= sse_u * (1 + 1e-12))
@@ -215,7 +240,7 @@ def test_adaptive_never_worse_than_uniform_on_any_row(bits: int, x: np.ndarray) 
 def test_adaptive_beats_uniform_on_embedding_like_rows(codec: str) -> None:
     x = rows_for_tests(1000, 64, seed=6)
     sse_a = row_sq_errors(encode_rows(codec, x), x)
-    sse_u = row_sq_errors(encode_rows(codec.removesuffix("-adaptive"), x), x)
+    sse_u = row_sq_errors(uniform_of(codec).encode(x), x)
     assert np.all(sse_a <= sse_u * (1 + 1e-12))
     if codec != "int8-adaptive":  # 8 bits: 1% steps rarely pay, and never cost
         assert sse_a.sum() < 0.9 * sse_u.sum()
@@ -264,8 +289,10 @@ def test_constant_rows_decode_at_least_as_close_as_fp16_of_the_value(
     q = encode_rows(codec, x)
     y = decode_rows(q)
     fp16 = x.astype(np.float16).astype(np.float32)
-    if codec == "fp32":
+    if codec == "fp32" or wide(codec):  # float32 fields: scale 0, the bias is the value
         np.testing.assert_array_equal(y, x)
+        if wide(codec):
+            assert np.all(q.scale == 0) and np.all(q.codes == 0)
     elif codec == "fp16" or fp16[0, 0] == value:  # range 0: scale 1, code 0, decodes to bias
         np.testing.assert_array_equal(y, fp16)
         if is_integer_codec(codec):
@@ -313,6 +340,10 @@ def test_finite_values_whose_sums_overflow_are_not_non_finite(codec: str) -> Non
     x[4:8] = -3e38
     if codec == "fp32":
         assert encode_rows(codec, x).codes.view("<f4").tobytes() == x.tobytes()
+        return
+    if wide(codec):  # float32 fields hold these constant rows exactly
+        q = encode_rows(codec, x)
+        np.testing.assert_array_equal(decode_rows(q)[4:8], x[4:8])
         return
     with pytest.raises(OutOfRangeRowsError, match="row 4"):
         encode_rows(codec, x)
@@ -455,7 +486,9 @@ def test_decode_of_read_only_unaligned_blob_views(codec: str) -> None:
     raw = b"\x00" + q.codes.tobytes() + q.scale.tobytes() + q.bias.tobytes()
     n_codes, n_sb = q.codes.size, q.scale.size
     codes = np.frombuffer(raw, dtype=np.uint8, count=n_codes, offset=1).reshape(q.codes.shape)
-    sb = np.frombuffer(raw, dtype="<f2", count=2 * n_sb, offset=1 + n_codes)
+    sb = np.frombuffer(
+        raw, dtype=q.scale.dtype.newbyteorder("<"), count=2 * n_sb, offset=1 + n_codes
+    )
     view = QuantizedRows(codec=codec, dim=10, codes=codes, scale=sb[:n_sb], bias=sb[n_sb:])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -537,7 +570,31 @@ def test_encoding_does_not_alias_the_input() -> None:
             {"codes": np.lib.stride_tricks.as_strided(np.zeros(8, np.uint8), (2, 3), (2, 1))},
             "apart",
         ),
-        ({"scale": np.zeros(2, dtype=np.float32)}, "scale must be a float16"),
+        ({"scale": np.zeros(2, dtype=np.float32)}, "scale must be a float16 array"),
+        (
+            {
+                "codec": "int8-adaptive",
+                "codes": np.zeros((2, 5), np.uint8),
+                "scale": np.zeros(2, np.float32),
+            },
+            "scale must be a float16 array",
+        ),
+        (
+            {
+                "codec": "int8",
+                "codes": np.zeros((2, 5), np.uint8),
+                "scale": np.zeros(2, np.float32),
+            },
+            "one dtype, got float32 and float16",
+        ),
+        (
+            {
+                "codec": "int8",
+                "codes": np.zeros((2, 5), np.uint8),
+                "scale": np.zeros(2, np.float64),
+            },
+            "scale must be a float16 or float32 array",
+        ),
         ({"bias": np.zeros(3, dtype=np.float16)}, r"bias must be a float16 array of shape \(2,\)"),
     ],
 )
@@ -563,9 +620,10 @@ def test_quantized_rows_may_sit_apart(codec: str, gap: int) -> None:
     rb = q.codes.shape[1]
     apart = np.zeros((q.n_rows, rb + gap), dtype=np.uint8)
     apart[:, :rb] = q.codes
-    fields = np.zeros((q.n_rows, 4 + gap), dtype=np.uint8)
-    halves = fields[:, :4].view(np.float16)
-    scale, bias = (halves[:, 0], halves[:, 1]) if q.scale.size else (q.scale, q.bias)
+    width = 2 * q.scale.itemsize
+    fields = np.zeros((q.n_rows, width + gap), dtype=np.uint8)
+    pair = fields[:, :width].view(q.scale.dtype)
+    scale, bias = (pair[:, 0], pair[:, 1]) if q.scale.size else (q.scale, q.bias)
     scale[:] = q.scale
     bias[:] = q.bias
     spread = QuantizedRows(codec, q.dim, apart[:, :rb], scale, bias)
@@ -593,3 +651,18 @@ def test_decode_rejects_non_finite_scale() -> None:
     )
     with pytest.raises(CodecError, match="finite"):
         decode_rows(q)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_int8_decodes_either_field_width(dtype: type[np.floating]) -> None:
+    # Blobs of versions 1 and 2 hold fp16 fields, version 3 the byte kernel's float32 ones.
+    q = QuantizedRows(
+        codec="int8",
+        dim=3,
+        codes=np.array([[0, 1, 255]], dtype=np.uint8),
+        scale=np.array([0.5], dtype=dtype),
+        bias=np.array([-1.0], dtype=dtype),
+    )
+    assert decode_rows(q).tolist() == [[-1.0, -0.5, 126.5]]
+    with pytest.raises(CodecError, match="finite"):
+        decode_rows(QuantizedRows("int8", 3, q.codes, np.array([np.inf], dtype=dtype), q.bias))

@@ -1,6 +1,8 @@
 """Codecs on torch's row-wise kernels (publisher/rowwise_kernels.py): the kernel path and the
 codec's own code, used where a torch build lacks a kernel, write the same bytes and decode to
-the same floats, on random rows and on the edge cases of the uniform rule.
+the same floats, on random rows and on the edge cases of the uniform rule. int8 on the byte
+kernel (float32 fields) is held to the relaxed rule: the own code decodes within the same bound,
+with the same fields and codes off by one at a few near ties.
 
 `own_code` turns the kernels off the way a torch build without them would leave them.
 """
@@ -31,7 +33,13 @@ needs_kernels = pytest.mark.skipif(
     reason="this torch build lacks torch.ops.quantized.embedding_bag_* kernels",
 )
 KERNEL_CODECS = ["int4", "int2"]
+#: every codec with a kernel path, int8 (the byte kernel's float32 fields) included.
+ALL_KERNEL_CODECS = ["int8", *KERNEL_CODECS]
 PREPACK = {4: "embedding_bag_4bit_prepack", 2: "embedding_bag_2bit_prepack"}
+needs_byte_kernel = pytest.mark.skipif(
+    not (8 in rowwise_kernels.ENCODE_BITS and 8 in rowwise_kernels.DECODE_BITS),
+    reason="this torch build lacks torch.ops.quantized.embedding_bag_byte_* kernels",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -159,9 +167,10 @@ def test_the_kernels_run_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> No
     for codec, expected in [
         ("int4", [("encode", 4), ("decode", 4)]),
         ("int2", [("encode", 2), ("decode", 2)]),
-        ("int8", []),  # see publisher/rowwise_kernels.py: the 8-bit kernels do not fit or pay
+        ("int8", [("encode", 8), ("decode", 8)]),  # float32 fields: the byte kernel's
         ("int3", []),
         ("int4-adaptive", [("decode", 4)]),  # the search is the codec's own
+        ("int8-adaptive", []),  # fp16 fields: 8-bit codes decode faster by the codec's own code
         ("fp16", []),
     ]:
         calls.clear()
@@ -172,7 +181,7 @@ def test_the_kernels_run_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> No
     assert calls == [("decode", 2)]
 
 
-@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("codec", ALL_KERNEL_CODECS)
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "own"])
 @pytest.mark.parametrize("column", [0, 5, 7, 8, 31, 56, 63])
 def test_nan_anywhere_in_a_row_is_rejected(
@@ -187,7 +196,7 @@ def test_nan_anywhere_in_a_row_is_rejected(
         encode_rows(codec, x, chunk_rows=16)
 
 
-@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("codec", ALL_KERNEL_CODECS)
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "own"])
 def test_rows_the_caller_checked_encode_to_the_same_bytes(
     codec: str, kernels: bool, monkeypatch: pytest.MonkeyPatch
@@ -202,7 +211,7 @@ def test_rows_the_caller_checked_encode_to_the_same_bytes(
 
 
 @needs_kernels
-@pytest.mark.parametrize("codec", KERNEL_CODECS)
+@pytest.mark.parametrize("codec", ALL_KERNEL_CODECS)
 def test_the_kernel_path_trusts_a_caller_that_checked(codec: str) -> None:
     # The publisher refuses a snapshot holding NaN before it encodes (Snapshot.check_finite),
     # so its encode skips the kernel path's own read of the rows: a NaN it was told is not
@@ -303,3 +312,106 @@ def test_a_bound_within_fp16_skips_only_the_field_check(codec: str) -> None:
         encode_rows(codec, x, checked_finite=True, max_abs=70000.0)
     with pytest.raises(OutOfRangeRowsError, match="row 21"):
         encode_rows(codec, x, checked_finite=True)
+
+
+# --- int8 on the byte kernel: float32 fields, the relaxed fallback rule ----------------------
+
+
+@needs_byte_kernel
+@pytest.mark.parametrize("dim", [64, 16, 1, 5, 13, 100])
+def test_int8_own_code_decodes_within_the_bound_the_kernel_does(
+    dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = np.concatenate([embedding_like_rows(3000, dim, seed=dim), edge_rows(dim)])
+    on_kernel = encode_rows("int8", x)
+    with monkeypatch.context() as m:
+        m.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+        m.setattr(rowwise_kernels, "DECODE_BITS", frozenset())
+        own = encode_rows("int8", x)
+        own_decoded = decode_rows(own)
+        kernel_rows_own_decode = decode_rows(on_kernel)
+    # Same fields; codes off by one at a few near ties.
+    assert own.scale.tobytes() == on_kernel.scale.tobytes()
+    assert own.bias.tobytes() == on_kernel.bias.tobytes()
+    off = on_kernel.codes.astype(np.int16) - own.codes
+    assert np.abs(off).max() <= 1 and np.count_nonzero(off) <= 1e-4 * off.size + 1
+    # The own decoding (float64, rounded once) gives the kernel's floats.
+    assert kernel_rows_own_decode.tobytes() == decode_rows(on_kernel).tobytes()
+    for q, decoded in ((on_kernel, decode_rows(on_kernel)), (own, own_decoded)):
+        err = np.abs(decoded.astype(np.float64) - x).max(axis=1)
+        assert np.all(err <= max_abs_error_bound(q))
+
+
+@needs_byte_kernel
+def test_the_byte_kernel_writes_its_probe_and_its_unpack_rounds_once() -> None:
+    op = torch.ops.quantized.embedding_bag_byte_prepack
+    assert (
+        op(torch.from_numpy(rowwise_kernels.PROBE_ROWS)).numpy().tobytes()
+        == (rowwise_kernels.PROBE_FUSED[8])
+    )
+    row, expected = rowwise_kernels._UNPACK_PROBES[8]
+    fused = np.frombuffer(row, dtype=np.uint8).reshape(1, -1)
+    codes = fused[:, :8].astype(np.float32)
+    scale, bias = fused[:, 8:].copy().view(np.float32)[0]
+    twice = codes * scale + bias  # two roundings: not what the kernel gives
+    assert twice.tobytes() != expected
+    once = (codes.astype(np.float64) * np.float64(scale) + np.float64(bias)).astype(np.float32)
+    assert once.tobytes() == expected
+
+
+def test_int8_own_code_writes_the_byte_kernels_probe(own_code: None) -> None:
+    q = encode_rows("int8", rowwise_kernels.PROBE_ROWS)
+    fused = b"".join(
+        q.codes[i].tobytes() + q.scale[i : i + 1].tobytes() + q.bias[i : i + 1].tobytes()
+        for i in range(q.n_rows)
+    )
+    assert fused == rowwise_kernels.PROBE_FUSED[8]
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "own"])
+def test_int8_float32_fields_refuse_only_a_range_past_float32(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not kernels:
+        monkeypatch.setattr(rowwise_kernels, "ENCODE_BITS", frozenset())
+    x = embedding_like_rows(40, 8)
+    x[21, 0] = -70000.0  # past fp16, not past float32: encodes
+    q = encode_rows("int8", x, chunk_rows=8)
+    err = np.abs(decode_rows(q).astype(np.float64) - x).max(axis=1)
+    assert np.all(err <= max_abs_error_bound(q))
+    x[30, :2] = [-3e38, 3e38]  # the range overflows float32
+    with pytest.raises(OutOfRangeRowsError, match=r"row 30.*float32"):
+        encode_rows("int8", x, chunk_rows=8)
+    x[12, 1] = np.nan  # an earlier chunk's non-finite row is reported first
+    with pytest.raises(NonFiniteRowsError, match="row 12"):
+        encode_rows("int8", x, chunk_rows=8)
+    x[12, 1] = 0.0
+    with pytest.raises(OutOfRangeRowsError, match="row 30"):
+        encode_rows("int8", x, chunk_rows=8, checked_finite=True)
+
+
+@needs_byte_kernel
+def test_int8_decodes_random_float32_fields_as_its_own_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Random codes and finite float32 scales and biases, decoded by the unpack kernel and by the
+    # own code (float64, rounded once): the same floats for fields like an encoder's; for any
+    # magnitudes and signs within an ulp (the float64 sum's rounding may land on a float32 tie).
+    rng = np.random.default_rng(8)
+    n, dim = 3000, 24
+    codes = rng.integers(0, 256, size=(n, dim), dtype=np.uint8)
+    scale = (rng.random(n) * 10.0 ** rng.integers(-6, 1, size=n)).astype(np.float32)
+    bias = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 3, size=n)).astype(np.float32)
+    wild = rng.standard_normal((2, n)).astype(np.float32)
+    wild *= (10.0 ** rng.integers(-30, 30, size=(2, n))).astype(np.float32)
+    wild[~np.isfinite(wild)] = 1.0
+    for s, b, ulps in ((scale, bias, 0), (wild[0], wild[1], 1)):
+        q = QuantizedRows(codec="int8", dim=dim, codes=codes, scale=s, bias=b)
+        decoded = decode_rows(q)
+        with monkeypatch.context() as m:
+            m.setattr(rowwise_kernels, "DECODE_BITS", frozenset())
+            own = decode_rows(q)
+        if ulps == 0:
+            assert own.tobytes() == decoded.tobytes()
+        else:
+            np.testing.assert_array_max_ulp(own, decoded, maxulp=ulps)

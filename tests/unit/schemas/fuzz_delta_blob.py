@@ -27,7 +27,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas.codec_names import is_integer_codec, row_bytes
+from schemas.codec_names import LAYOUTS, is_integer_codec, row_bytes
 from schemas.delta_blob import (
     BlobLimits,
     DeltaBlob,
@@ -84,6 +84,12 @@ def _seed_corpus() -> list[bytes]:
         # The same rows with a bfloat16 aux: format version 2.
         v2 = replace(blob, aux=round_to_bfloat16(blob.aux), aux_encoding="bfloat16")
         corpus.append(encode_delta_blob(v2, compress=True))
+        if LAYOUTS[blob.codec].scale_bias_encoding == "float32":
+            # The byte kernel's float32 scale and bias: format version 3.
+            wide = replace(
+                blob, scale=blob.scale.astype(np.float32), bias=blob.bias.astype(np.float32)
+            )
+            corpus.append(encode_delta_blob(wide, compress=False))
     return corpus
 
 

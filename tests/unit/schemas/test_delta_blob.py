@@ -466,9 +466,9 @@ def test_bad_magic(magic: bytes) -> None:
 # --- UnsupportedVersionError ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 4, 0xFFFF])
 def test_unsupported_version(version: int) -> None:
-    match = rf"format_version is {version}, expected one of \(1, 2\)"
+    match = rf"format_version is {version}, expected one of \(1, 2, 3\)"
     with pytest.raises(UnsupportedVersionError, match=match):
         decode_delta_blob(assemble(GOLDEN_HEADER, GOLDEN[16 + 374 : -4], version=version))
 
@@ -796,7 +796,7 @@ def test_checks_run_in_the_documented_order() -> None:
     with pytest.raises(BadMagicError):
         decode_delta_blob(b"XXXXXXXX\x02\x00" + GOLDEN[10:])
     with pytest.raises(UnsupportedVersionError):
-        decode_delta_blob(assemble(b"not json", version=3))
+        decode_delta_blob(assemble(b"not json", version=4))
     with pytest.raises(BadHeaderError):
         decode_delta_blob(tiny_blob(dim=0, raw_len={"codes": 2**50}))
     with pytest.raises(BlobTooLargeError):
@@ -1213,3 +1213,176 @@ def test_bfloat16_round_trip(values: list[float], compress: bool) -> None:
         aux_encoding="bfloat16",
     )
     assert decode_delta_blob(encode_delta_blob(blob, compress=compress)) == blob
+
+
+# --- version 3: scale_bias_encoding -----------------------------------------------------------
+
+# An int8 blob with the byte kernel's float32 scale and bias: rows 1 and 7 of 10, codes [1, 2, 3]
+# and [4, 5, 6], scales 0.5, 0.25, biases -1.0, 2.0, a float32 aux.
+GOLDEN_V3_HEADER = (
+    b'{"table":"t","codec":"int8","dim":3,"table_rows":10,"n_rows":2,"aux_dim":1,'
+    b'"row_encoding":"varint","sections":['
+    b'{"name":"rows","compression":"none","stored_len":2,"raw_len":2},'
+    b'{"name":"codes","compression":"none","stored_len":6,"raw_len":6},'
+    b'{"name":"scale_bias","compression":"none","stored_len":16,"raw_len":16},'
+    b'{"name":"aux","compression":"none","stored_len":8,"raw_len":8}],'
+    b'"aux_encoding":"float32","scale_bias_encoding":"float32"}'
+)
+GOLDEN_V3_CODES = b"\x01\x02\x03\x04\x05\x06"
+GOLDEN_V3_SCALE_BIAS = (
+    b"\x00\x00\x00\x3f\x00\x00\x80\x3e"  # float32 scales 0.5, 0.25
+    b"\x00\x00\x80\xbf\x00\x00\x00\x40"  # float32 biases -1.0, 2.0
+)
+GOLDEN_V3 = (
+    b"CNRDELTA"
+    b"\x03\x00"  # format_version 3
+    b"\x00\x00"
+    b"\xb1\x01\x00\x00"  # header_len 433
+    + GOLDEN_V3_HEADER
+    + GOLDEN_ROWS
+    + GOLDEN_V3_CODES
+    + GOLDEN_V3_SCALE_BIAS
+    + GOLDEN_AUX
+    + b"\xfb\x01\x16\xb4"  # crc32 0xb41601fb
+)
+
+
+def golden_v3_blob() -> DeltaBlob:
+    return DeltaBlob(
+        table="t",
+        codec="int8",
+        dim=3,
+        table_rows=10,
+        row_ids=np.array([1, 7], dtype=np.int64),
+        codes=np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint8),
+        scale=np.array([0.5, 0.25], dtype=np.float32),
+        bias=np.array([-1.0, 2.0], dtype=np.float32),
+        aux=np.array([[0.25], [2.0]], dtype=np.float32),
+    )
+
+
+def v3_blob(**fields: Any) -> bytes:
+    """The golden v3 blob rebuilt by hand, with header fields replaced."""
+    header: dict[str, Any] = {"codec": "int8", "aux_encoding": "float32"}
+    header.update(scale_bias_encoding="float32", **fields)
+    return tiny_blob(version=3, codes=GOLDEN_V3_CODES, scale_bias=GOLDEN_V3_SCALE_BIAS, **header)
+
+
+def test_golden_v3_pins_the_float32_scale_and_bias() -> None:
+    assert struct.unpack("<I", GOLDEN_V3[12:16]) == (len(GOLDEN_V3_HEADER),)
+    assert struct.unpack("<I", GOLDEN_V3[-4:]) == (zlib.crc32(GOLDEN_V3[:-4]),)
+    assert encode_delta_blob(golden_v3_blob(), compress=False) == GOLDEN_V3
+    decoded = decode_delta_blob(GOLDEN_V3)
+    assert decoded == golden_v3_blob()
+    assert decoded.scale.dtype == decoded.bias.dtype == np.float32
+    assert decoded.scale_bias_encoding == "float32"
+    assert peek_header(GOLDEN_V3).scale_bias_encoding == "float32"
+
+
+def test_tiny_blob_version_3_is_the_golden_v3_blob() -> None:
+    assert decode_delta_blob(v3_blob()) == golden_v3_blob()
+
+
+def test_fp16_fields_keep_versions_1_and_2() -> None:
+    # Readers older than version 3 keep reading every table but an int8 one of this writer.
+    assert encode_delta_blob(golden_blob())[8:10] == b"\x01\x00"
+    assert encode_delta_blob(golden_v2_blob())[8:10] == b"\x02\x00"
+    # An int8 blob with fp16 fields, as writers before version 3 wrote them, reads as before.
+    old = replace(
+        golden_v3_blob(),
+        scale=np.array([0.5, 0.25], dtype=np.float16),
+        bias=np.array([-1.0, 2.0], dtype=np.float16),
+    )
+    data = encode_delta_blob(old, compress=False)
+    assert data[8:10] == b"\x01\x00" and b"scale_bias_encoding" not in data
+    assert decode_delta_blob(data) == old
+
+
+def test_a_bfloat16_aux_with_float32_fields_is_version_3() -> None:
+    blob = replace(golden_v3_blob(), aux=np.array([[0.25], [2.0]], np.float32))
+    blob = replace(blob, aux_encoding="bfloat16")
+    data = encode_delta_blob(blob, compress=False)
+    assert data[8:10] == b"\x03\x00"
+    header = peek_header(data)
+    assert (header.aux_encoding, header.scale_bias_encoding) == ("bfloat16", "float32")
+    assert decode_delta_blob(data) == blob
+
+
+@pytest.mark.parametrize(
+    ("version", "fields", "match"),
+    [
+        (1, {"scale_bias_encoding": "float16"}, r"version 1 header has unknown field\(s\)"),
+        (
+            2,
+            {"aux_encoding": "float32", "scale_bias_encoding": "float16"},
+            r"version 2 header has unknown field\(s\) \['scale_bias_encoding'\]",
+        ),
+        (3, {"aux_encoding": "float32"}, r"lacks field\(s\) \['scale_bias_encoding'\]"),
+        (3, {"scale_bias_encoding": "float16"}, r"lacks field\(s\) \['aux_encoding'\]"),
+        (
+            3,
+            {"aux_encoding": "float32", "scale_bias_encoding": "bfloat16"},
+            "scale_bias_encoding 'bfloat16' unknown",
+        ),
+        (
+            3,
+            {"aux_encoding": "float32", "scale_bias_encoding": 4},
+            "scale_bias_encoding 4 unknown",
+        ),
+    ],
+)
+def test_scale_bias_encoding_belongs_to_version_3(
+    version: int, fields: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(BadHeaderError, match=match):
+        decode_delta_blob(tiny_blob(version=version, **fields))
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8-adaptive", "fp16"])
+def test_float32_fields_only_for_a_codec_that_writes_them(codec: str) -> None:
+    with pytest.raises(BadHeaderError, match=f"scale_bias_encoding 'float32' for codec {codec}"):
+        decode_delta_blob(v3_blob(codec=codec))
+    with pytest.raises(ValueError, match="expected float16"):
+        encode_delta_blob(replace(golden_v3_blob(), codec=codec))
+
+
+def test_float16_fields_under_version_3_read_as_version_1() -> None:
+    hand_made = tiny_blob(version=3, aux_encoding="float32", scale_bias_encoding="float16")
+    assert decode_delta_blob(hand_made) == golden_blob()
+
+
+def test_float32_fields_section_length() -> None:
+    # 2 rows of fp32 scale and bias are 16 bytes: the fp16 length is refused.
+    with pytest.raises(SectionLengthError, match="scale_bias has raw_len 8, expected 16"):
+        decode_delta_blob(
+            tiny_blob(
+                version=3,
+                codec="int8",
+                codes=GOLDEN_V3_CODES,
+                aux_encoding="float32",
+                scale_bias_encoding="float32",
+            )
+        )
+
+
+def test_table_limits_admit_either_field_encoding() -> None:
+    for data in (
+        GOLDEN_V3,
+        encode_delta_blob(
+            replace(
+                golden_v3_blob(),
+                scale=np.ones(2, np.float16),
+                bias=np.zeros(2, np.float16),
+            )
+        ),
+    ):
+        limits = BlobLimits.for_table(
+            codec="int8", dim=3, table_rows=10, n_rows=2, aux_dim=1, size=len(data)
+        )
+        assert decode_delta_blob(data, limits=limits).n_rows == 2
+
+
+def test_mixed_field_dtypes_are_refused() -> None:
+    mixed = replace(golden_v3_blob(), bias=np.array([-1.0, 2.0], dtype=np.float16))
+    with pytest.raises(ValueError, match="bias is float16"):
+        encode_delta_blob(mixed)
