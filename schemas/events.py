@@ -11,6 +11,11 @@ at most MAX_BAG_IDS raw ids per bag feature (section 7's key rule: schemas/id_ma
 and a JSON number (or nothing: missing) per dense feature (section 8.4). Everything else is
 ignored. A bad event is skipped and counted under one reason of
 BAD_REASONS; the checks run in that order, so an event has exactly one reason.
+
+The JSON is read by msgspec's C decoder where that provably gives what the strict rule gives
+(`event_objects`: a record written canonically, ~1.1 us an event where `json.loads` under the
+rule takes ~2.7), and by the strict rule itself everywhere else, so what is accepted, refused
+and why is the rule's alone.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
+
+import msgspec
 
 from schemas.errors import FormatError
 from schemas.id_map_blob import MAX_KEY_BYTES, IdKeyError, id_key
@@ -62,6 +69,18 @@ class _NotJson(FormatError):
 _DECODER = StrictDecoder(_NotJson, "event")
 #: an int id below this in magnitude has at most MAX_KEY_BYTES - 1 digits.
 _INT_LIMIT = 10 ** (MAX_KEY_BYTES - 1)
+
+# The C decoder (msgspec, not orjson: orjson reads an integer past 64 bits as a float, so an id
+# of 30 digits would turn into a bad_id; msgspec reads it as Python's int, as json does, and is
+# as fast: 0.63 vs 0.69 us a MovieLens event here), typed to what an event may nest: a record
+# nested deeper is read by the strict rule, so none is near the recursion limit, where the two
+# decoders' limits differ by the frames between them. What it raises for bytes it does not read:
+# ValueError for invalid UTF-8, RecursionError.
+_Scalar = str | int | float | bool | None
+_Flat = _Scalar | list[_Scalar]
+_FAST = msgspec.json.Decoder(dict[str, _Flat | dict[str, _Flat]])
+_CANONICAL = msgspec.json.Encoder().encode
+_FAST_REFUSES = (msgspec.MsgspecError, ValueError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,15 @@ def event_object(value: bytes | None, fields: EventFields) -> tuple[dict[str, An
     """The first checks of `parse_event` (size, JSON, object, `ts`, label): the event's JSON
     object, its time and its label. A caller that maps ids itself then takes each feature's
     value through `event_key` / `event_bag`, in the order of `fields`."""
+    obj = _fast_object(value)
+    if obj is None:
+        obj = event_json(value)
+    return obj, event_time(obj.get("ts")), event_label(obj, fields.rating_threshold)
+
+
+def event_json(value: bytes | None) -> dict[str, Any]:
+    """The first three checks (size, JSON, object) by the strict rule itself: the event's JSON
+    object, or EventError("oversized" | "not_json" | "not_object")."""
     if value is None:
         raise EventError("not_json", "the record has no value (a tombstone)")
     if len(value) > MAX_EVENT_BYTES:
@@ -119,13 +147,69 @@ def event_object(value: bytes | None, fields: EventFields) -> tuple[dict[str, An
         raise EventError("not_json", str(exc)) from exc
     if type(obj) is not dict:
         raise EventError("not_object", f"the value is a JSON {type(obj).__name__}, not an object")
-    ts = obj.get("ts")
-    if type(ts) is not float or not 0.0 <= ts < math.inf:  # the common case, checked inline
-        ts = _time(ts)
+    return obj
+
+
+def event_objects(values: Sequence[bytes | None]) -> list[dict[str, Any] | None]:
+    """Each record's JSON object as the strict rule reads it, decoded by msgspec; None for a
+    record the C decoder does not read or that is not written canonically: the caller takes
+    those through `event_json`, which gives the object or the reason.
+
+    A record is read here only when it is byte for byte what msgspec writes for the object it
+    decoded (compact, keys in their order, shortest round-trip floats, escapes only where JSON
+    needs them: what `encode_event`, JSON.stringify, Jackson or Go write), and then the strict
+    rule reads the same object, value for value and type for type: text msgspec wrote is UTF-8
+    with no BOM, NaN, Infinity or lone surrogate, and an object it wrote names each key once;
+    floats are read back to the same double by both (each rounds correctly), integers as
+    Python ints by both (msgspec refuses past the 4,300 digits json does); the depth is at most
+    3 (`_FAST`). Any other record (whitespace between tokens, `\\u00e9` for é, `1e+16`, a
+    duplicate key, anything bad) takes the strict rule: no faster than before, and no different.
+
+    Measured on MovieLens events: 0.36 us an event for the check, on 0.7 us for the decode,
+    where `json.loads` under the rule takes 2.7 us.
+    """
+    if None in values:
+        return list(map(_fast_object, values))
+    present = cast("Sequence[bytes]", values)
+    if max(map(len, present), default=0) > MAX_EVENT_BYTES:
+        return list(map(_fast_object, values))
+    try:
+        objs: list[dict[str, Any] | None] = list(map(_FAST.decode, present))
+        written = list(map(_CANONICAL, objs))
+    except _FAST_REFUSES:
+        return list(map(_fast_object, values))
+    if written == list(values):
+        return objs
+    return [
+        obj if w == value else None for obj, w, value in zip(objs, written, values, strict=True)
+    ]
+
+
+def _fast_object(value: bytes | None) -> dict[str, Any] | None:
+    """One record's `event_objects`."""
+    if value is None or len(value) > MAX_EVENT_BYTES:
+        return None
+    try:
+        obj: dict[str, Any] = _FAST.decode(value)
+        return obj if _CANONICAL(obj) == value else None
+    except _FAST_REFUSES:
+        return None
+
+
+def event_time(value: object) -> float:
+    """An event's `ts` field's value as its time; EventError("missing_ts" | "bad_ts")."""
+    if type(value) is float and 0.0 <= value < math.inf:  # the common case, checked inline
+        return value
+    return _time(value)
+
+
+def event_label(obj: Mapping[str, Any], threshold: float) -> float:
+    """An event's label, from `label` or else `rating` (by `threshold`);
+    EventError("missing_label" | "bad_label")."""
     label = obj.get("label")
-    if type(label) is not float or not 0.0 <= label <= 1.0:
-        label = _label(obj, fields.rating_threshold)
-    return obj, ts, label
+    if type(label) is float and 0.0 <= label <= 1.0:  # the common case, checked inline
+        return label
+    return _label(obj, threshold)
 
 
 def finite_number(value: object) -> float | None:
