@@ -115,7 +115,7 @@ class _PublishedArm:
             policy=self.policy,
             position=Position(step=steps, samples_seen=position, reader={"offset": position}),
         )
-        result = self.publisher.publish(replace(snapshot, scored=recent.take()))
+        result = self.publisher.publish(replace(snapshot, scored=recent.take().batches))
         self.served.append(result.manifest.served_loss)
         self.versions.append(
             {

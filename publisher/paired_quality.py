@@ -61,7 +61,8 @@ class PairedQuality:
     calibration: tuple[Interval, Interval] | None  # mean score / positive rate, each
 
 
-def _z(level: float) -> float:
+def normal_quantile(level: float) -> float:
+    """z of a two-sided interval at `level` (1.96 at 0.95)."""
     if not 0.0 < level < 1.0:
         raise ValueError(f"a confidence level is in (0, 1), got {level}")
     # the normal quantile by bisection on erf: no scipy for one number
@@ -112,7 +113,7 @@ def delong_auc_diff(
     auc_a, v10_a, v01_a = _components(a, positive)
     auc_b, v10_b, v01_b = _components(b, positive)
     var = _pair_var(v10_a, v10_b) / m + _pair_var(v01_a, v01_b) / n
-    half = _z(level) * math.sqrt(max(var, 0.0))
+    half = normal_quantile(level) * math.sqrt(max(var, 0.0))
     diff = auc_a - auc_b
     return auc_a, auc_b, Interval(diff, diff - half, diff + half)
 
@@ -149,7 +150,8 @@ def _checked(
     return y, a, b
 
 
-def _losses(y: npt.NDArray[np.float64], p: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+def log_losses(y: npt.NDArray[np.float64], p: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Each example's binary log loss, the scores clipped to [EPS, 1 - EPS]."""
     q = np.clip(p, EPS, 1.0 - EPS)
     out: npt.NDArray[np.float64] = -(y * np.log(q) + (1.0 - y) * np.log1p(-q))
     return out
@@ -183,8 +185,8 @@ def paired_quality(
     """Candidate vs baseline on the same examples (see the module docstring); ValueError for
     inputs of different lengths, none, labels other than 0/1, or scores outside [0, 1]."""
     y, a, b = _checked(labels, candidate, baseline)
-    z = _z(level)
-    loss_a, loss_b = _losses(y, a), _losses(y, b)
+    z = normal_quantile(level)
+    loss_a, loss_b = log_losses(y, a), log_losses(y, b)
     d = loss_a - loss_b
     half = z * float(d.std(ddof=1)) / math.sqrt(len(d)) if len(d) > 1 else 0.0
     mean_d = float(d.mean())

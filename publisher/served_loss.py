@@ -387,6 +387,12 @@ class ServedLossMeter:
         self._missing = set(self._weights)  # tables not written in full yet
         self._overlaid: set[str] = set()  # tables holding fp32 rows until `apply_table`
 
+    @property
+    def complete(self) -> bool:
+        """Whether the copy holds a whole version as served: every table written in full once,
+        and no fp32 overlay left (what the release gate scores, publisher/release/gate.py)."""
+        return not self._missing and not self._overlaid
+
     @classmethod
     def for_config(cls, model_config: Mapping[str, Any]) -> ServedLossMeter | None:
         """A meter for a model this module can rebuild (a DLRM), else None."""

@@ -35,6 +35,9 @@ class Announcement(BaseModel):
     manifest_key: str
     created_at: datetime
     total_bytes: int = Field(ge=0)
+    #: "released": RELEASED moved to this version (docs/FORMAT.md 9.1), not a commit; written
+    #: only then, so a commit's announcement is what it was before the field existed.
+    track: Literal["head", "released"] = "head"
 
     @field_validator("created_at", mode="before")
     @classmethod
@@ -67,9 +70,14 @@ class Announcement(BaseModel):
             total_bytes=manifest.total_bytes,
         )
 
+    @classmethod
+    def of_release(cls, manifest: Manifest, manifest_key: str) -> Announcement:
+        """The announcement that RELEASED moved to a committed manifest."""
+        return cls.of(manifest, manifest_key).model_copy(update={"track": "released"})
+
     def to_json(self) -> bytes:
         """The wire bytes."""
-        data = self.model_dump_json().encode()
+        data = self.model_dump_json(exclude={"track"} if self.track == "head" else None).encode()
         if len(data) > MAX_ANNOUNCEMENT_BYTES:
             raise AnnouncementError(f"announcement is {len(data)} bytes; the cap is 4096")
         return data

@@ -3,6 +3,9 @@
 One model NAME owns the keys under `NAME/`:
 
     NAME/HEAD                                   the commit point (schemas/manifest.py Head)
+    NAME/RELEASED                               what the fleet serves (schemas/release.py)
+    NAME/releases/SSSSSSSSSSSS-TOKEN.json       release record S (one move of RELEASED)
+    NAME/evaluations/VVVVVVVVVVVV.json          version V's evaluation and the gate's decision
     NAME/LEASE                                  the single-writer lease
     NAME/probe-TOKEN                            writer TOKEN's conditional-write probe (transient)
     NAME/manifests/VVVVVVVVVVVV-TOKEN.json      the manifest of version V by writer TOKEN
@@ -24,6 +27,8 @@ from schemas.errors import ManifestError
 MAX_KEY_CHARS = 1024
 #: the version a manifest or blob key names: `VVVVVVVVVVVV-` right after its prefix.
 _KEY_VERSION_RE = re.compile(r"(\d{12,})-", re.ASCII)
+#: an evaluation's or release record's number: `VVVVVVVVVVVV`, or `VVVVVVVVVVVV-TOKEN`.
+_KEY_NUMBER_RE = re.compile(r"(\d{12,})(?:-[0-9A-Za-z]{1,128})?", re.ASCII)
 
 
 def model_prefix(model: str) -> str:
@@ -32,6 +37,32 @@ def model_prefix(model: str) -> str:
 
 def head_key(model: str) -> str:
     return f"{model}/HEAD"
+
+
+def released_key(model: str) -> str:
+    return f"{model}/RELEASED"
+
+
+def releases_prefix(model: str) -> str:
+    return f"{model}/releases/"
+
+
+def release_record_key(model: str, sequence: int, token: str) -> str:
+    return f"{releases_prefix(model)}{sequence:012d}-{token}.json"
+
+
+def is_release_record_key(model: str, key: str) -> bool:
+    """Whether `key` has the shape of one of `model`'s release record keys (safety:
+    `check_key`)."""
+    return key.startswith(releases_prefix(model)) and key.endswith(".json")
+
+
+def evaluations_prefix(model: str) -> str:
+    return f"{model}/evaluations/"
+
+
+def evaluation_key(model: str, version: int) -> str:
+    return f"{evaluations_prefix(model)}{version:012d}.json"
 
 
 def lease_key(model: str) -> str:
@@ -74,6 +105,16 @@ def key_version(model: str, key: str) -> int | None:
             named = _KEY_VERSION_RE.match(key, len(prefix))
             return None if named is None else int(named.group(1))
     return None
+
+
+def key_version_in(prefix: str, key: str) -> int | None:
+    """The number `VVVVVVVVVVVV` a key `prefix + VVVVVVVVVVVV.json` or `prefix +
+    VVVVVVVVVVVV-TOKEN.json` names (an evaluation, a release record), or None for another
+    shape."""
+    if not key.startswith(prefix) or not key.endswith(".json"):
+        return None
+    named = _KEY_NUMBER_RE.fullmatch(key, len(prefix), len(key) - len(".json"))
+    return None if named is None else int(named.group(1))
 
 
 def table_blob_name(index: int, table: str, suffix: str, row_start: int | None = None) -> str:

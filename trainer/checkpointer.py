@@ -82,6 +82,7 @@ from publisher.id_map import IdMap
 from publisher.memory_budget import MemoryBudget
 from publisher.model_factory import ModelFactory
 from publisher.read.restore import RestoredState, restore
+from publisher.release.rules import GateConfig
 from publisher.served_loss import KeptBatch, Score, ScoredBatch, ServedModel
 from publisher.store import ObjectStore, open_store
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
@@ -113,6 +114,7 @@ from trainer.auto_codec import resolve_auto_codec
 from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.errors import CheckpointError
+from trainer.options import DEFAULT_SCORED_SAMPLES
 from trainer.recent_samples import RecentSamples
 from trainer.resume import load_restored
 from trainer.snapshot_capture import SnapshotCapture
@@ -162,6 +164,7 @@ class IncrementalCheckpointer:
         served_loss_budget: float | None = None,
         expected_restores: float | None = None,
         codec_rule: ServedLossCodecRule | None = None,
+        gate: GateConfig | None = None,
     ) -> None:
         """
         Args:
@@ -217,6 +220,11 @@ class IncrementalCheckpointer:
             served_loss_budget / expected_restores: `codec="auto"`'s budget and floor.
             codec_rule: a rule of your own instead of the one `codec="auto"` builds (the
                 capture then starts from `codec`).
+            gate: the release gate's rules (docs/RELEASE.md): each version is scored, as
+                served, on the samples `keep_scored` gets after it (it never trained on them)
+                next to the released version, and released (RELEASED moves), held with its
+                reason, or a released one rolled back. It scores the served-loss copy, so it
+                measures the served loss too (`served_loss_samples` defaults to 16,384).
         """
         self.clock = CheckpointClock(interval_samples, interval_seconds)
         self.model = model
@@ -234,6 +242,14 @@ class IncrementalCheckpointer:
             codec, served_loss_samples, served_loss_budget, expected_restores
         )
         codec_rule = auto_rule or codec_rule
+        if gate is not None and served_loss_samples is None:
+            served_loss_samples = DEFAULT_SCORED_SAMPLES
+        if gate is not None and not served_loss_samples:
+            raise CheckpointError(
+                "the release gate scores the samples kept for the served loss: give "
+                "served_loss_samples > 0"
+            )
+        self.gate = gate
         self.codecs = _codecs(codec, self.tables)
         if isinstance(policy, Policy):
             self.policy = policy
@@ -335,6 +351,7 @@ class IncrementalCheckpointer:
                 measure_served_loss=self.recent_samples.capacity > 0,
                 codec_rule=self.codec_rule,
                 served_model=self._served_model,
+                gate=self.gate,
             )
             return ProcessPublisher(config)
         if bus is not None:
@@ -350,6 +367,7 @@ class IncrementalCheckpointer:
             measure_served_loss=self.recent_samples.capacity > 0,
             codec_rule=self.codec_rule,
             served_model=self._served_model,
+            gate=self.gate,
         )
 
     def _served_model_of(
@@ -518,7 +536,8 @@ class IncrementalCheckpointer:
         self._checkpointed_at = (self.clock.step_count, self.clock.samples_seen)
         self.ledger.add(record)
         handoff = time.perf_counter()
-        self.background.submit(replace(taken.snapshot, scored=self.recent_samples.take()))
+        window = self.recent_samples.take()
+        self.background.submit(replace(taken.snapshot, scored=window.batches, fresh=window.fresh))
         started, started_cpu, pauses = taken.started, taken.started_cpu, taken.pauses_ms
         breakdown = {**taken.breakdown_ms, "handoff": (time.perf_counter() - handoff) * 1e3}
         del taken  # the publisher owns the copies now (buffers recycle on release)

@@ -13,8 +13,18 @@ of its inputs), so a kept batch never changes under the publisher.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from publisher.served_loss import KeptSample
+
+
+@dataclass(frozen=True)
+class KeptWindow:
+    """The window at a checkpoint: its batches, oldest first, and how many of the newest ones
+    were kept since the checkpoint before (`fresh`: events no earlier version trained on)."""
+
+    batches: tuple[KeptSample, ...]
+    fresh: int
 
 
 class RecentSamples:
@@ -26,6 +36,8 @@ class RecentSamples:
         self.capacity = capacity
         self._batches: deque[KeptSample] = deque()
         self._held = 0
+        #: batches added since the last `take`.
+        self._fresh = 0
 
     def add(self, batch: KeptSample) -> None:
         """Keep one batch (dropping the oldest ones the window no longer needs)."""
@@ -33,12 +45,16 @@ class RecentSamples:
             return
         self._batches.append(batch)
         self._held += batch.size
+        self._fresh += 1
         while self._held - self._batches[0].size >= self.capacity:
             self._held -= self._batches.popleft().size
 
-    def take(self) -> tuple[KeptSample, ...]:
-        """The window now, oldest first (the window itself goes on)."""
-        return tuple(self._batches)
+    def take(self) -> KeptWindow:
+        """The window now, oldest first, and how many of its batches came since the last
+        `take` (the window itself goes on)."""
+        window = KeptWindow(tuple(self._batches), min(self._fresh, len(self._batches)))
+        self._fresh = 0
+        return window
 
     def __len__(self) -> int:
         """Samples held."""

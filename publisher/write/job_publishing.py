@@ -43,6 +43,8 @@ from typing import Any
 from publisher.codecs import encode_rows
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig
 from publisher.read.catalog import VersionRef
+from publisher.release.gate import ReleaseGate
+from publisher.release.rules import GateConfig
 from publisher.served_loss import ServedModel
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
@@ -279,7 +281,7 @@ class JobPublisher:
         manifest = Manifest.from_json(str(outcome["manifest"]).encode())
         ref = VersionRef(manifest, str(outcome["key"]))
         if self.rank == 0:
-            self.served.observe(ref.version, judged)
+            self.served.observe(ref, judged)
         if self.rank == 0 and self.announce is not None:
             try:
                 self.announce(Announcement.of(manifest, ref.key))
@@ -546,7 +548,9 @@ class CheckpointPublisher(JobPublisher):
     the built-in DLRM rebuilt from the snapshot's `model_config`, or as `served_model` says
     (any model: its served copy and `score`). With `codec_rule` (`--codec auto`), that
     measurement picks the codec of every table of the next version, whatever codec the
-    snapshot names.
+    snapshot names. With `gate`, each version is judged on the next snapshot's fresh samples
+    and released, held or rolled back (publisher/release/gate.py): it needs the served loss
+    measured.
     """
 
     def __init__(
@@ -560,6 +564,7 @@ class CheckpointPublisher(JobPublisher):
         measure_served_loss: bool = False,
         codec_rule: ServedLossCodecRule | None = None,
         served_model: ServedModel | None = None,
+        gate: GateConfig | None = None,
     ) -> None:
         served = ServedCodec(
             encode_table,
@@ -567,6 +572,7 @@ class CheckpointPublisher(JobPublisher):
             codec_rule=codec_rule,
             served_model=served_model,
             tunables=tunables,
+            gate=None if gate is None else ReleaseGate(store, model, gate, announce=announce),
         )
         super().__init__(
             store,

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from publisher.child_process import parent_connection, receive, start_child
+from publisher.release.rules import GateConfig
 from publisher.served_loss import ServedModel
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
@@ -86,6 +87,7 @@ class ProcessPublisherConfig:
     codec_rule: ServedLossCodecRule | None = None
     #: pickled by reference: its `factory` and `score` importable functions, no `copy`.
     served_model: ServedModel | None = None
+    gate: GateConfig | None = None
 
 
 class ProcessPublisher:
@@ -165,6 +167,7 @@ def _serve(conn: Connection) -> None:
             measure_served_loss=config.measure_served_loss,
             codec_rule=config.codec_rule,
             served_model=config.served_model,
+            gate=config.gate,
         )
     except BaseException as exc:  # handed to the parent
         conn.send(("error", _picklable(exc)))

@@ -4,7 +4,7 @@ and for a job's rank 0.
     judge = ServedCodec(measure_served_loss=True, codec_rule=rule)
     choice = judge.choose(snapshot, snapshot.tables, largest)   # encodes while it measures
     ...commit choice.tables with choice.served_loss...
-    judge.observe(version, choice.served_loss)                 # the rule's next codec
+    judge.observe(ref, choice.served_loss)                     # the rule's next codec; the gate
 
 The served-loss copy (publisher/served_loss.py) is overlaid with the version's fp32 rows, the
 kept samples scored, the rows encoded with the codec, decoded into the copy and the samples
@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from publisher.codecs import QuantizedRows, decode_rows, encode_rows
+from publisher.read.catalog import VersionRef
+from publisher.release.gate import ReleaseGate
 from publisher.served_loss import Fp32Scores, ServedLossMeter, ServedModel
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
@@ -71,7 +73,14 @@ class ServedCodec:
         codec_rule: ServedLossCodecRule | None = None,
         served_model: ServedModel | None = None,
         tunables: Tunables = DEFAULT_TUNABLES,
+        gate: ReleaseGate | None = None,
     ) -> None:
+        """`gate`: the release gate that judges each committed version on the next snapshot's
+        fresh samples while the copy still holds it (publisher/release/gate.py); it needs the
+        served loss measured (the copy)."""
+        if gate is not None and not measure_served_loss:
+            raise ValueError("a release gate scores the served-loss copy: measure the served loss")
+        self.gate = gate
         self.encode_table = encode_table
         self.measure_served_loss = measure_served_loss
         self.codec_rule = codec_rule
@@ -95,6 +104,13 @@ class ServedCodec:
             first = self.codec_rule.first_codec(snapshot.kind)
             chosen = tuple(replace(t, codec=first) for t in chosen)
         meter = self._meter_for(snapshot)
+        if self.gate is not None and meter is not None:
+            # Before the copy moves on: it still holds the last version committed, and the
+            # snapshot's fresh samples came after it (publisher/release/gate.py).
+            fresh = (
+                snapshot.scored[len(snapshot.scored) - snapshot.fresh :] if snapshot.fresh else ()
+            )
+            self.gate.evaluate(meter, fresh)
         fp32_scores = None
         measure_s = 0.0
         if meter is not None:
@@ -127,8 +143,12 @@ class ServedCodec:
             measure_s += seconds
         return CodecChoice(chosen, tables, served_loss, tuple(reencoded), measure_s)
 
-    def observe(self, version: int, served_loss: ServedLoss | None) -> None:
-        """A version committed with `served_loss`: the rule picks the next version's codec."""
+    def observe(self, ref: VersionRef, served_loss: ServedLoss | None) -> None:
+        """A version committed with `served_loss`: the rule picks the next version's codec, and
+        the gate judges it once the next snapshot brings the events after it."""
+        version = ref.version
+        if self.gate is not None and self._meter is not None and self._meter.complete:
+            self.gate.committed(ref)
         if self.codec_rule is None:
             return
         before = self.codec_rule.codec

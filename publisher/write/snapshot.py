@@ -168,6 +168,10 @@ class Snapshot:
     #: the trainer's most recent progressive-validation samples, to score this version on
     #: (publisher/served_loss.py); a merged snapshot carries the newer one's.
     scored: tuple[KeptSample, ...] = ()
+    #: how many of the newest `scored` batches were kept after the previous snapshot was
+    #: taken: events no earlier version trained on (the release gate's window); a merged
+    #: snapshot counts the older one's too, as far as the newer window still holds them.
+    fresh: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -218,8 +222,9 @@ class Snapshot:
         snapshot's kind and reference point (it still follows the same committed version), and
         takes the newer dense state, position, metrics and time.
         """
+        fresh = min(len(newer.scored), newer.fresh + self.fresh)
         if newer.kind == "full":
-            return replace(newer, merged=self.merged + newer.merged)
+            return replace(newer, merged=self.merged + newer.merged, fresh=fresh)
         old_tables = {t.name: t for t in self.tables}
         tables = tuple(
             old_tables[t.name].merge(t) if t.name in old_tables else t for t in newer.tables
@@ -230,6 +235,7 @@ class Snapshot:
             relative_to=self.relative_to,
             tables=tables,
             merged=self.merged + newer.merged,
+            fresh=fresh,
         )
 
 
@@ -257,10 +263,3 @@ def _scan(array: np.ndarray) -> tuple[int | None, float]:
             return start + int(np.flatnonzero(~np.isfinite(chunk).all(axis=1))[0]), largest
         largest = max(largest, -low, high)
     return None, largest
-    rows = array.reshape(array.shape[0] if array.ndim else 1, -1)
-    step = max(1, _CHECK_CHUNK_ELEMENTS // max(rows.shape[1], 1))
-    for start in range(0, rows.shape[0], step):
-        chunk = rows[start : start + step]
-        if not (np.isfinite(chunk.min()) and np.isfinite(chunk.max())):
-            return start + int(np.flatnonzero(~np.isfinite(chunk).all(axis=1))[0])
-    return None

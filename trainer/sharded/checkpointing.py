@@ -64,6 +64,8 @@ from torch import nn
 
 from publisher.model_factory import ModelFactory
 from publisher.read.catalog import Catalog, NoVersionError
+from publisher.release.gate import ReleaseGate
+from publisher.release.rules import GateConfig
 from publisher.served_loss import KeptBatch, Score, ServedModel
 from publisher.state_dicts import module_tensors
 from publisher.store import ObjectStore
@@ -84,6 +86,7 @@ from trainer.checkpoint_clock import CheckpointClock
 from trainer.checkpoint_records import CheckpointRecord, CheckpointRecords
 from trainer.checkpointer import served_copy_mismatch
 from trainer.errors import CheckpointError
+from trainer.options import DEFAULT_SCORED_SAMPLES
 from trainer.recent_samples import RecentSamples
 from trainer.sharded.data import RankBatch, scored_batch
 from trainer.sharded.dirty_rows import ShardDirtyRows
@@ -161,6 +164,7 @@ class ShardedCheckpointer:
         on_non_finite: NonFinitePolicy = "stop",
         score: Score | None = None,
         model_factory: ModelFactory | None = None,
+        gate: GateConfig | None = None,
     ) -> None:
         """
         Args:
@@ -201,10 +205,14 @@ class ShardedCheckpointer:
                 module of the trained architecture (rank 0's served copy: a sharded model
                 cannot be copied), `score(module, inputs)` gives the logits (B,) of the
                 batches given to `keep_scored(inputs, labels)`.
+            gate: the release gate's rules, as for `IncrementalCheckpointer`: rank 0 judges
+                each version on the samples of its slices after it.
         """
         resolved, codec_rule, served_loss_samples = resolve_auto_codec(
             codec, served_loss_samples, served_loss_budget, expected_restores
         )
+        if gate is not None and served_loss_samples is None:
+            served_loss_samples = DEFAULT_SCORED_SAMPLES
         codec = str(resolved)  # one codec for every table
         if codec_rule is not None and not served_loss_samples:
             raise CheckpointError(
@@ -267,6 +275,9 @@ class ShardedCheckpointer:
                 score, model_factory, bool(served_loss_samples), collective
             ),
             tunables=tunables,
+            gate=None
+            if gate is None or self.rank != 0
+            else ReleaseGate(store, model_name, gate, announce=announce),
         )
         self.publisher = JobPublisher(
             store,
@@ -527,6 +538,7 @@ class ShardedCheckpointer:
                 self.dense_optimizer, list(self.tables), self.sparse_hyper
             )
         plan = planned.plan
+        window = self.recent_samples.take()
         snapshot = Snapshot(
             kind=plan.kind,
             relative_to=plan.relative_to,
@@ -543,7 +555,8 @@ class ShardedCheckpointer:
             model_config=self.model_config,
             metrics=job_metrics,
             sequence=self.ledger.next_index,
-            scored=self.recent_samples.take(),
+            scored=window.batches,
+            fresh=window.fresh,
         )
         copied = time.perf_counter()
         record = CheckpointRecord.of(snapshot, planned.job_rows, self.table_rows)
