@@ -5,7 +5,11 @@
         for ref in follower.poll(current=live.version, timeout_s=1.0):
             live.apply(ref)              # the caller verifies blobs and checks ref.manifest
 
-`poll` returns the committed versions to apply on top of `current`, in order:
+`poll` returns the committed versions to apply on top of `current`, in order. On the default
+`released` track (publisher/read/tracks.py) of a model with a release gate the target is
+RELEASED's version: any announcement of the model, a commit or a move of RELEASED, is a hint to
+read RELEASED again (rate-limited as below), and the plan leads there, forward or back. Without
+a RELEASED (no gate), and on the `candidate` track, the target is HEAD:
 
 - An announcement whose parent is `current` is the fast path: its manifest is read, checked to
   be the one HEAD names (so it is committed, not an orphan of a crashed writer) and returned.
@@ -49,6 +53,7 @@ from typing import Final
 from publisher.bus.base import AnnouncementSource
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.read.planner import plan_versions
+from publisher.read.tracks import TrackTarget
 from schemas import strict_json
 from schemas.announcement import MAX_ANNOUNCEMENT_BYTES, Announcement
 from schemas.errors import AnnouncementError, CheckNRunError, ManifestError
@@ -65,6 +70,7 @@ OTHER_MODEL: Final = "other_model"  # an announcement of another model (normal o
 BAD_KEY: Final = "bad_key"  # manifest_key outside MODEL/manifests/, or unsafe
 INVALID: Final = "invalid"  # any other schema violation
 OLD: Final = "old"  # version <= current: a duplicate or a late message
+OTHER_TRACK: Final = "other_track"  # a move of RELEASED, to a follower of HEAD
 UNCOMMITTED: Final = "uncommitted"  # HEAD does not (yet) reach the announced manifest
 MISMATCH: Final = "mismatch"  # the manifest at manifest_key disagrees with the announcement
 REASONS: Final = (
@@ -75,6 +81,7 @@ REASONS: Final = (
     BAD_KEY,
     INVALID,
     OLD,
+    OTHER_TRACK,
     UNCOMMITTED,
     MISMATCH,
 )
@@ -115,8 +122,11 @@ class VersionFollower:
         max_message_bytes: int = MAX_ANNOUNCEMENT_BYTES,
         retry_after_error_s: float = 1.0,
         min_reconcile_interval_s: float = 1.0,
+        target: TrackTarget | None = None,
     ) -> None:
+        """`target`: the track followed (default: released, publisher/read/tracks.py)."""
         self.catalog = catalog
+        self.target = target or TrackTarget(catalog)
         self.model = catalog.model
         self.source = source
         self.poll_head_after_s = poll_head_after_s
@@ -207,6 +217,21 @@ class VersionFollower:
                 continue
             # Announcements of this model arrive: no need to poll HEAD for a while.
             self._next_head_poll = time.monotonic() + self.poll_head_after_s
+            if self.target.track == "released" and (
+                announcement.track == "released" or self.target.gated
+            ):
+                # A move of RELEASED (forward or back), or a commit of a gated model: read
+                # RELEASED again, at most once per interval, whatever the message says.
+                got = self._guarded(partial(self._gated_reconcile, cur), "following")
+                if got is None:
+                    break
+                if got:
+                    refs.extend(got)
+                    cur = got[-1].version
+                continue
+            if announcement.track != "head":
+                self._ignore(OTHER_TRACK, f"a move of RELEASED to v{announcement.version}")
+                continue
             if cur is not None and announcement.version <= cur:
                 self._ignore(OLD, f"version {announcement.version} <= current {cur}")
                 continue
@@ -310,7 +335,13 @@ class VersionFollower:
         return head
 
     def _reconcile(self, current: int | None, head: Head | None = None) -> list[VersionRef]:
-        """The plan from `current` to HEAD (`head` if already read), read from the store."""
+        """The plan from `current` to the track's version (HEAD: `head` if already read; or
+        RELEASED), read from the store."""
+        released = self.target.released()
+        if released is not None:
+            if not self.target.wants(released.version, current):
+                return []
+            return plan_versions(self.catalog, current, released)
         latest = self.catalog.latest() if head is None else self.catalog.at_head(head)
         if latest is None:
             return []
@@ -376,7 +407,7 @@ class VersionFollower:
         # models' messages and duplicates are routine on a shared bus, not worth a warning.
         if count & (count - 1) == 0:
             log.log(
-                logging.DEBUG if reason in (OTHER_MODEL, OLD) else logging.WARNING,
+                logging.DEBUG if reason in (OTHER_MODEL, OLD, OTHER_TRACK) else logging.WARNING,
                 "ignored announcement for %s (%s, %d so far): %s",
                 self.model,
                 reason,

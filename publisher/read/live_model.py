@@ -1,4 +1,5 @@
-"""The live model: bootstrapped from HEAD, advanced version by version, pinnable.
+"""The live model: bootstrapped from its track's version (RELEASED, or HEAD), advanced version by
+version, pinnable.
 
     live = LiveModel(store, "ranker", ModuleSink(build))
     live.bootstrap()                      # HEAD's chain: baseline, then each delta
@@ -43,6 +44,7 @@ from publisher.read.model_copy import ModelCopy, ServedVersion
 from publisher.read.observer import SubscriberObserver
 from publisher.read.planner import plan_versions
 from publisher.read.sinks import VersionSink
+from publisher.read.tracks import Track, TrackTarget
 from publisher.read.version_fetch import FETCH_CONCURRENCY, FetchedVersion, fetch_version
 from publisher.store import ObjectStore
 from publisher.tunables import DEFAULT_TUNABLES
@@ -110,9 +112,14 @@ class LiveModel(SinkView):
         *,
         observer: SubscriberObserver | None = None,
         manifest_cache_size: int = DEFAULT_TUNABLES.manifest_cache_size,
+        track: Track = "released",
     ) -> None:
+        """`track`: which version to serve, RELEASED's (HEAD's while the model has none) or
+        HEAD's (`candidate`); publisher/read/tracks.py."""
         self.store = store
         self.catalog = Catalog(store, model, cache_size=manifest_cache_size)
+        self.target = TrackTarget(self.catalog, track)
+        self.track: Track = track
         self.model_name = self.catalog.model
         self.sink = sink
         self.observer = observer or SubscriberObserver()
@@ -161,14 +168,15 @@ class LiveModel(SinkView):
     # --- moving the version ---------------------------------------------------------------------
 
     def bootstrap(self) -> ServedVersion | None:
-        """Serve HEAD: rebuild its architecture and apply its chain. None if nothing committed."""
+        """Serve the track's version (HEAD, or RELEASED): rebuild its architecture and apply its
+        chain. None if nothing committed."""
         with self._mutate:
             if self._pinned is not None:
                 return self.served  # an admin pinned while we waited for the lock
-            target = self.catalog.latest()
+            target = self.target.read()
             if target is None:
                 return None
-            if self.version is not None and self.version >= target.version:
+            if not self.target.wants(target.version, self.version):
                 return self.served
             chain = plan_versions(self.catalog, self.version, target)
             log.info(
@@ -186,7 +194,8 @@ class LiveModel(SinkView):
     def advance(
         self, ref: VersionRef, *, heard_at: float | None = None, planned_at: float | None = None
     ) -> list[int]:
-        """Serve committed version `ref` if it is newer; return the versions applied.
+        """Serve committed version `ref` if it is newer (on the released track: if it is not
+        the one served, a rollback moving back); return the versions applied.
 
         `heard_at` and `planned_at` (unix seconds) say when the follower heard of `ref` and had
         planned it; they go into `last_times`. Raises PinnedError while pinned, and whatever
@@ -196,7 +205,7 @@ class LiveModel(SinkView):
             if self._pinned is not None:
                 raise PinnedError(f"pinned to v{self._pinned}; v{ref.version} is not applied")
             current = self.version
-            if current is not None and ref.version <= current:
+            if not self.target.wants(ref.version, current):
                 return []  # idempotent: already served (or older)
             self.note_known([ref])
             plan = plan_versions(self.catalog, current, ref)
@@ -208,16 +217,17 @@ class LiveModel(SinkView):
             return list(applied.versions)
 
     def catch_up(self) -> list[int]:
-        """Reconcile with HEAD from the store (after a rejection, an unpin, or silence)."""
+        """Reconcile with the track's version from the store (after a rejection, an unpin, or
+        silence)."""
         with self._mutate:
             if self._pinned is not None:
                 return []
-            target = self.catalog.latest()
+            target = self.target.read()
             if target is None:
                 return []
             self.note_known([target])
             current = self.version
-            if current is not None and target.version <= current:
+            if not self.target.wants(target.version, current):
                 return []
             plan = plan_versions(self.catalog, current, target)
             if not plan:

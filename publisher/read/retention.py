@@ -1,7 +1,8 @@
 """Retention: what `checknrun gc` may delete, and deleting it.
 
 Kept: the newest `keep_baselines` full versions and every committed version after the oldest of
-them (restoring any of those needs only that range), every version created within the grace
+them (restoring any of those needs only that range), the restore chains of the released version
+and of the one a rollback returns to (docs/FORMAT.md 9.1), every version created within the grace
 period, and every object younger than the grace period (a publish in progress writes its blobs
 and manifest before HEAD moves to them). Deleted: older committed versions, and orphans (objects
 under `manifests/` or `blobs/` that no committed version references: leftovers of crashed
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from publisher.read.catalog import Catalog, UnreadableManifest, VersionRef
+from publisher.release.log import ReleaseLog
 from publisher.store import ObjectStore
 from schemas.errors import BadDataError
 from schemas.store_keys import blobs_prefix, key_version, manifests_prefix
@@ -76,6 +78,12 @@ def plan_gc(
         return plan
     fulls = [r for r in versions if r.manifest.kind == "full"]
     oldest_kept = fulls[-keep_baselines].version if len(fulls) >= keep_baselines else 0
+    # The released version and the one a rollback returns to stay restorable (FORMAT.md 9.1):
+    # everything from the older of their baselines is kept.
+    for released in _released_versions(store, model):
+        ref = next((r for r in versions if r.version == released), None)
+        if ref is not None and oldest_kept:
+            oldest_kept = min(oldest_kept, ref.manifest.baseline)
     keep: list[VersionRef] = []
     drop: list[VersionRef] = []
     for ref in versions:
@@ -107,6 +115,16 @@ def plan_gc(
     plan.kept_versions = [r.version for r in keep]
     plan.deleted_versions = [r.version for r in drop]
     return plan
+
+
+def _released_versions(store: ObjectStore, model: str) -> list[int]:
+    """RELEASED's version and the one a rollback from it returns to (none without a gate)."""
+    log = ReleaseLog(store, model)
+    current = log.released()
+    if current is None:
+        return []
+    good = log.last_good(current)
+    return [current.version] if good is None else [current.version, good]
 
 
 def _behind(model: str, key: str, unreadable: UnreadableManifest) -> bool:

@@ -10,8 +10,10 @@
     sub.run(max_versions=3, timeout=10.0)                  # or in the foreground, bounded
 
 A subscriber reads, never writes: it takes no lease, so it runs beside a trainer that is
-publishing. It bootstraps from HEAD (the full baseline and the deltas its chain leads
-through), then follows: announcements on the bus are hints and the store is the truth
+publishing. It serves a track (`SubscriberOptions.track`): the version RELEASED names (the
+default; HEAD's while the model has no release gate) or HEAD's (`candidate`). It bootstraps
+from that version (the full baseline and the deltas its chain leads through), then follows:
+announcements on the bus are hints and the store is the truth
 (publisher/read/follower.py: gaps reconciled from HEAD, silence covered by HEAD polls, forged
 messages bounded), every blob is verified against its manifest's sha256 before anything is
 written (publisher/read/version_fetch.py), a new model is built only once its copies fit the
@@ -56,6 +58,7 @@ from publisher.read.live_model import LiveModel
 from publisher.read.model_copy import ModelCopy, ServedVersion
 from publisher.read.observer import SubscriberObserver
 from publisher.read.sinks import VersionSink
+from publisher.read.tracks import Track
 from publisher.store import IntegrityError, ObjectStore, StoreError, open_store
 from publisher.tunables import DEFAULT_TUNABLES
 from schemas.errors import BadDataError, FormatError
@@ -102,6 +105,9 @@ class SubscriberOptions:
     bus_start: StartAt = "latest"
     #: manifests kept in memory (least recently used evicted first).
     manifest_cache_size: int = DEFAULT_TUNABLES.manifest_cache_size
+    #: which version to serve: RELEASED's (HEAD's while the model has none), or HEAD's
+    #: (`candidate`, every committed version); publisher/read/tracks.py.
+    track: Track = "released"
 
     def __post_init__(self) -> None:
         for name in ("poll_timeout_s", "poll_head_after_s", "retry_initial_s", "retry_max_s"):
@@ -150,6 +156,7 @@ class Subscriber:
                 sink,
                 observer=self.observer,
                 manifest_cache_size=self.options.manifest_cache_size,
+                track=self.options.track,
             )
             self._owned.append(self.live.close)
             self.follower = VersionFollower(
@@ -158,6 +165,7 @@ class Subscriber:
                 poll_head_after_s=self.options.poll_head_after_s,
                 retry_after_error_s=self.options.retry_initial_s,
                 min_reconcile_interval_s=self.options.min_reconcile_interval_s,
+                target=self.live.target,
             )
         except BaseException:
             self._close_owned()
