@@ -30,6 +30,8 @@ from typing import Any, NoReturn
 
 from publisher.cli_logging import configure_logging
 from publisher.read.catalog import Catalog, CatalogError, UnreadableManifest, VersionRef
+from publisher.release.log import ReleaseLog
+from publisher.release.status import VersionRelease, release_statuses
 from publisher.store import open_store
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 from schemas.manifest import IDS_HELD_METRIC, Manifest, ServedLoss, TableEntry, ratio_to_full_fp32
@@ -250,6 +252,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         unverified = [_version_row(r) for r in behind]
         if not rows:
             catalog.require_model()
+        statuses = release_statuses(
+            ReleaseLog(store, args.model, catalog), [r["version"] for r in rows]
+        )
+        for row in rows:
+            row["release"] = statuses[row["version"]].to_json()
     _warn_unreadable("ls", unreadable)
     if args.json:
         print(
@@ -272,6 +279,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 #: `ls`'s mark on a manifest stored behind one that cut HEAD's chain.
 UNVERIFIED_MARK = "(unverified)"
+#: the release statuses whose reason `ls` prints after the line (`--json` has every reason).
+_SAYS_WHY = ("held", "rolled_back", "released", "unreadable")
+
+
+def _short(text: str, width: int = 100) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _print_listing(
@@ -283,20 +296,26 @@ def _print_listing(
     (marked unverified), and a line for each manifest that could not be read."""
     id_maps = any(r["id_map_bytes"] for r in (*rows, *unverified))
     id_map_column = f" {'id maps':>10}" if id_maps else ""
+    # A model with a release gate (docs/FORMAT.md 9): each version's status, and why.
+    gated = any(r.get("release", {}).get("status", "-") != "-" for r in rows)
+    release_column = f" {'release':<11}" if gated else ""
     print(
         f"{'version':>8} {'kind':<6} {'parent':>6} {'bytes':>12}{id_map_column} {'vs fp32':>8} "
-        f"{'codec':<6} {'served AUC loss':>15}  created_at"
+        f"{'codec':<6} {'served AUC loss':>15}{release_column}  created_at"
     )
     lines: list[tuple[int, str]] = []
     for r, note in [(r, "") for r in rows] + [(r, f"  {UNVERIFIED_MARK}") for r in unverified]:
         parent = "-" if r["parent"] is None else r["parent"]
         id_map_bytes = f" {r['id_map_bytes']:>10,}" if id_maps else ""
+        release = r.get("release") or {"status": "-", "reason": None}
+        status = f" {release['status']:<11}" if gated else ""
+        why = release["reason"] if gated and release["status"] in _SAYS_WHY else None
         lines.append(
             (
                 r["version"],
                 f"{r['version']:>8} {r['kind']:<6} {parent:>6} {r['bytes']:>12,}{id_map_bytes} "
-                f"{r['ratio_vs_full_fp32']:>7}x {r['codec']:<6} {_served_auc_loss(r):>15}  "
-                f"{r['created_at']}{note}",
+                f"{r['ratio_vs_full_fp32']:>7}x {r['codec']:<6} {_served_auc_loss(r):>15}"
+                f"{status}  {r['created_at']}{note}" + (f"  {_short(why)}" if why else ""),
             )
         )
     for u in unreadable:
@@ -328,7 +347,10 @@ def _row_bytes(t: TableEntry) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with open_store(args.store, create=False) as store:
-        ref = Catalog(store, args.model).find(args.version)
+        catalog = Catalog(store, args.model)
+        ref = catalog.find(args.version)
+        release = release_statuses(ReleaseLog(store, args.model, catalog), [ref.version])
+    status = release[ref.version]
     m = ref.manifest
     tables = [
         {
@@ -374,6 +396,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "dense_bytes": m.dense.size if m.dense else 0,
         "optimizer_bytes": m.optimizer.size if m.optimizer else 0,
         "manifest_bytes": len(m.to_json()),
+        # The release gate's status and evaluation (docs/FORMAT.md 9); "-": no gate.
+        "release": status.to_json(),
+        "evaluation": None
+        if status.evaluation is None
+        else status.evaluation.model_dump(mode="json"),
     }
     if args.json:
         print(json.dumps(doc))
@@ -388,6 +415,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{doc['bytes']:,} bytes{of_which} = {doc['ratio_vs_full_fp32']}x smaller than full fp32"
     )
     _print_served_loss(m.served_loss)
+    _print_release(status)
     id_maps = any(t["id_map_bytes"] is not None for t in tables)
     id_map_columns = f" {'id map':>10} {'ids held':>10}" if id_maps else ""
     print(
@@ -407,6 +435,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if m.metrics:
         print("metrics: " + ", ".join(f"{k}={v:.5g}" for k, v in sorted(m.metrics.items())))
     return 0
+
+
+def _print_release(status: VersionRelease) -> None:
+    """The release gate's word on the version (docs/FORMAT.md 9), when the model has a gate."""
+    if status.status == "-":
+        return
+    by = f" by the {status.by}" if status.by else ""
+    print(f"release: {status.status}{by}" + (f": {status.reason}" if status.reason else ""))
+    e = status.evaluation
+    if e is None:
+        return
+    w = e.window
+    print(
+        f"  judged on {w.examples:,} events after it ({w.positives:,} positives): AUC "
+        f"{_maybe(e.candidate.auc)}, log loss {e.candidate.logloss:.4f}"
+        + ("" if e.baseline is None else f" against v{e.baseline}'s")
+        + ("" if e.released is None else f" {_maybe(e.released.auc)}, {e.released.logloss:.4f}")
+    )
+    for name, interval, form in (
+        ("AUC difference", e.auc_diff, "+.4f"),
+        ("log loss difference", e.logloss_diff, "+.4f"),
+        (f"v{e.baseline}'s log loss over its reference", e.drift, "+.1%"),
+    ):
+        if interval is not None:
+            print(
+                f"  {name} {interval.estimate:{form}}, {e.gate.level:.0%} interval "
+                f"[{interval.low:{form}}, {interval.high:{form}}]"
+            )
+
+
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _print_served_loss(loss: ServedLoss | None) -> None:
@@ -590,9 +650,37 @@ def _builtin_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_gc)
 
+    from publisher.release.commands import cmd_release, cmd_rollback
+
+    for name, func, helps in (
+        ("release", cmd_release, "serve version V on the released track (a person's release)"),
+        (
+            "rollback",
+            cmd_rollback,
+            "move RELEASED back to version V (default: the last good one before it)",
+        ),
+    ):
+        p = sub.add_parser(name, help=helps)
+        p.add_argument(
+            "version",
+            type=positive_int,
+            nargs=None if name == "release" else "?",
+            metavar="V",
+            help="the committed version" + ("" if name == "release" else " (optional)"),
+        )
+        add_store_args(p)
+        p.add_argument("--reason", default=None, help="why, for the record (up to 1024 chars)")
+        p.add_argument(
+            "--bus",
+            default=None,
+            help="announce the move here (file:///PATH.log or kafka://HOST:PORT/TOPIC)",
+        )
+        p.add_argument("--json", action="store_true", help="print one JSON document")
+        p.set_defaults(func=func)
+
 
 #: the commands of this module (`_builtin_commands`); every other one is a plugin's.
-BUILTIN_COMMANDS = ("ls", "inspect", "restore", "gc")
+BUILTIN_COMMANDS = ("ls", "inspect", "restore", "gc", "release", "rollback")
 #: the top-level options that take no value and print nothing: the command word may follow them.
 _QUIET_FLAGS = frozenset({"-v", "--verbose"})
 

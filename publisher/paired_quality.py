@@ -20,7 +20,10 @@ confidence interval for it:
     quality.auc_diff.high < -0.001    # the candidate ranks worse, beyond the noise
 
 Differences are candidate minus baseline. Every interval is two-sided at `level` (0.95 by
-default); None where a figure cannot be formed (one class absent: no AUC).
+default); None where a figure cannot be formed (one class absent: no AUC). Examples are taken
+as independent, or (`block`) as clusters of consecutive ones: the events of a stream come in
+runs of one user or session, alike within a run, and intervals that ignore it are too narrow
+(Obuchowski 1997's clustered DeLong for AUC, cluster-robust means for the others).
 """
 
 from __future__ import annotations
@@ -99,12 +102,53 @@ def _components(
     return float(v10.mean()), v10, v01
 
 
+def auc(labels: npt.ArrayLike, scores: npt.ArrayLike) -> float | None:
+    """ROC AUC of `scores` (ties count one half); None unless both classes are present."""
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    positive = y > 0.5
+    if positive.all() or not positive.any():
+        return None
+    return _components(np.asarray(scores, dtype=np.float64).reshape(-1), positive)[0]
+
+
+def auc_interval(
+    labels: npt.ArrayLike, scores: npt.ArrayLike, level: float = 0.95, *, block: int = 1
+) -> Interval | None:
+    """One model's AUC and its DeLong interval (clustered by runs of `block`, as
+    `delong_auc_diff`); None unless both classes are present."""
+    y = np.asarray(labels, dtype=np.float64).reshape(-1)
+    positive = y > 0.5
+    m, n = int(positive.sum()), int((~positive).sum())
+    if m == 0 or n == 0:
+        return None
+    value, v10, v01 = _components(np.asarray(scores, dtype=np.float64).reshape(-1), positive)
+    if block > 1:
+        dev = np.zeros(len(y))
+        dev[positive] = (v10 - value) / m
+        dev[~positive] = (v01 - value) / n
+        sums = np.bincount(np.arange(len(y)) // block, weights=dev)
+        count = len(sums)
+        var = count / (count - 1) * float(sums @ sums) if count > 1 else 0.0
+    else:
+        var = (float(v10.var(ddof=1)) / m if m > 1 else 0.0) + (
+            float(v01.var(ddof=1)) / n if n > 1 else 0.0
+        )
+    half = normal_quantile(level) * math.sqrt(max(var, 0.0))
+    return Interval(value, value - half, value + half)
+
+
 def delong_auc_diff(
-    labels: npt.ArrayLike, candidate: npt.ArrayLike, baseline: npt.ArrayLike, level: float = 0.95
+    labels: npt.ArrayLike,
+    candidate: npt.ArrayLike,
+    baseline: npt.ArrayLike,
+    level: float = 0.95,
+    *,
+    block: int = 1,
 ) -> tuple[float, float, Interval] | None:
     """(AUC of candidate, AUC of baseline, their difference's interval), paired DeLong; None
     unless both classes are present. Scores may be any finite numbers (logits too): only their
-    order counts."""
+    order counts. `block` > 1: examples come in runs that may be alike (consecutive events of
+    one user, one session), and each run of `block` is a cluster (`_blocked_var`)."""
     y, a, b = _checked(labels, candidate, baseline, probabilities=False)
     positive = y > 0.5
     m, n = int(positive.sum()), int((~positive).sum())
@@ -112,10 +156,51 @@ def delong_auc_diff(
         return None
     auc_a, v10_a, v01_a = _components(a, positive)
     auc_b, v10_b, v01_b = _components(b, positive)
-    var = _pair_var(v10_a, v10_b) / m + _pair_var(v01_a, v01_b) / n
-    half = normal_quantile(level) * math.sqrt(max(var, 0.0))
     diff = auc_a - auc_b
+    if block > 1:
+        # Obuchowski (1997)'s clustered DeLong on the differences of the components: per
+        # cluster, its positives' and its negatives' deviations from the difference.
+        clusters = np.arange(len(y)) // block
+        dx = np.zeros(len(y))
+        dy = np.zeros(len(y))
+        dx[positive] = (v10_a - v10_b) - diff
+        dy[~positive] = (v01_a - v01_b) - diff
+        x = np.bincount(clusters, weights=dx)
+        z = np.bincount(clusters, weights=dy)
+        count = len(x)
+        scale = count / (count - 1) if count > 1 else 0.0
+        var = scale * (float(x @ x) / m**2 + float(z @ z) / n**2 + 2.0 * float(x @ z) / (m * n))
+    else:
+        var = _pair_var(v10_a, v10_b) / m + _pair_var(v01_a, v01_b) / n
+    half = normal_quantile(level) * math.sqrt(max(var, 0.0))
     return auc_a, auc_b, Interval(diff, diff - half, diff + half)
+
+
+def mean_interval(values: npt.NDArray[np.float64], z: float, block: int = 1) -> Interval:
+    """The mean of `values` and its normal interval (`z` standard errors each side): examples
+    independent (`block` 1), or in clusters of `block` consecutive ones (`_blocked_var`)."""
+    mean = float(values.mean())
+    half = z * math.sqrt(_blocked_var(values - mean, block))
+    return Interval(mean, mean - half, mean + half)
+
+
+def _blocked_var(deviations: npt.NDArray[np.float64], block: int) -> float:
+    """The variance of a mean of n values, from their deviations from it: the independent
+    examples' sample variance / n, or with `block` > 1 the cluster-robust one: each run of
+    `block` consecutive examples a cluster, C/(C-1) * sum over clusters of (their deviations'
+    sum)^2 / n^2. Events of one user or session come together in a stream and are alike, so
+    the independent formula makes intervals too narrow for them (measured on MovieLens: 2 of
+    19 clean versions held at 0.5% log loss tolerance, docs/RELEASE.md)."""
+    n = len(deviations)
+    if n < 2:
+        return 0.0
+    if block <= 1:
+        return float(deviations.var(ddof=1)) / n
+    sums = np.bincount(np.arange(n) // block, weights=deviations)
+    count = len(sums)
+    if count < 2:
+        return 0.0
+    return count / (count - 1) * float(sums @ sums) / n**2
 
 
 def _pair_var(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
@@ -157,21 +242,19 @@ def log_losses(y: npt.NDArray[np.float64], p: npt.NDArray[np.float64]) -> npt.ND
     return out
 
 
-def _calibration(
-    y: npt.NDArray[np.float64], p: npt.NDArray[np.float64], z: float
+def calibration(
+    y: npt.NDArray[np.float64], p: npt.NDArray[np.float64], z: float, block: int = 1
 ) -> Interval | None:
-    """mean(p) / mean(y) with a delta-method interval; None without positives."""
+    """mean(p) / mean(y) with a delta-method interval (`block`: as `mean_interval`); None
+    without positives."""
     rate = float(y.mean())
     if rate == 0.0:
         return None
     ratio = float(p.mean()) / rate
-    n = len(y)
-    if n < 2:
+    if len(y) < 2:
         return Interval(ratio, ratio, ratio)
-    # var(P/Y) ~ (var P - 2 r cov(P, Y) + r^2 var Y) / (n Ybar^2), per-example P and Y
-    cov = np.cov(p, y, ddof=1)
-    var = (cov[0, 0] - 2 * ratio * cov[0, 1] + ratio**2 * cov[1, 1]) / (n * rate**2)
-    half = z * math.sqrt(max(float(var), 0.0))
+    # Linearised: var(P/Y) = var(mean of (p - r y)) / Ybar^2
+    half = z * math.sqrt(_blocked_var(p - ratio * y - (p.mean() - ratio * rate), block)) / rate
     return Interval(ratio, ratio - half, ratio + half)
 
 
@@ -181,23 +264,24 @@ def paired_quality(
     baseline: npt.ArrayLike,
     *,
     level: float = 0.95,
+    block: int = 1,
 ) -> PairedQuality:
     """Candidate vs baseline on the same examples (see the module docstring); ValueError for
-    inputs of different lengths, none, labels other than 0/1, or scores outside [0, 1]."""
+    inputs of different lengths, none, labels other than 0/1, or scores outside [0, 1].
+    `block` > 1: every interval treats each run of `block` consecutive examples as a cluster
+    (examples in a stream's order, alike within a user's or a session's run of events)."""
     y, a, b = _checked(labels, candidate, baseline)
     z = normal_quantile(level)
     loss_a, loss_b = log_losses(y, a), log_losses(y, b)
-    d = loss_a - loss_b
-    half = z * float(d.std(ddof=1)) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-    mean_d = float(d.mean())
-    auc = delong_auc_diff(y, a, b, level)
-    cal_a, cal_b = _calibration(y, a, z), _calibration(y, b, z)
+    logloss_diff = mean_interval(loss_a - loss_b, z, block)
+    auc = delong_auc_diff(y, a, b, level, block=block)
+    cal_a, cal_b = calibration(y, a, z, block), calibration(y, b, z, block)
     return PairedQuality(
         examples=len(y),
         positives=int(y.sum()),
         auc=None if auc is None else (auc[0], auc[1]),
         auc_diff=None if auc is None else auc[2],
         logloss=(float(loss_a.mean()), float(loss_b.mean())),
-        logloss_diff=Interval(mean_d, mean_d - half, mean_d + half),
+        logloss_diff=logloss_diff,
         calibration=None if cal_a is None or cal_b is None else (cal_a, cal_b),
     )

@@ -155,9 +155,11 @@ class Quality(_Frozen):
     """One model's figures on a window."""
 
     auc: float | None = Field(ge=0.0, le=1.0)
+    #: the standard error of `auc` (None with it).
+    auc_se: float | None = Field(ge=0.0, allow_inf_nan=False)
     logloss: float = Field(ge=0.0, allow_inf_nan=False)
-    #: the per-example log losses' standard deviation (what an unpaired comparison needs).
-    logloss_sd: float = Field(ge=0.0, allow_inf_nan=False)
+    #: the standard error of `logloss` (what an unpaired comparison of windows needs).
+    logloss_se: float = Field(ge=0.0, allow_inf_nan=False)
     #: mean score / positive rate (1.0: calibrated), None without positives.
     calibration: Interval | None
 
@@ -179,7 +181,9 @@ class GateRules(_Frozen):
     logloss_tolerance: float = Field(ge=0.0, allow_inf_nan=False)
     calibration: tuple[float, float]
     drift_tolerance: float = Field(ge=0.0, allow_inf_nan=False)
+    drift_auc_tolerance: float = Field(ge=0.0, allow_inf_nan=False)
     probation_windows: int = Field(ge=0)
+    block_examples: int = Field(ge=1)
 
     @field_validator("calibration", mode="before")
     @classmethod
@@ -209,6 +213,7 @@ class Evaluation(_Frozen):
     auc_diff: Interval | None
     logloss_diff: Interval | None
     drift: Interval | None
+    auc_drift: Interval | None
     probation: Probation | None
     decision: Decision
     reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
@@ -228,8 +233,8 @@ class Evaluation(_Frozen):
             raise ValueError("`released` is given iff `baseline` is")
         if (self.auc_diff is not None or self.logloss_diff is not None) and not compared:
             raise ValueError("a paired difference without a `baseline`")
-        if self.drift is not None and not compared:
-            raise ValueError("`drift` without a `baseline`")
+        if (self.drift is not None or self.auc_drift is not None) and not compared:
+            raise ValueError("a drift without a `baseline`")
         return self
 
     def to_json(self) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from publisher.release.gate import GateWord
 from publisher.write.publishing import PublishResult, reencoded_json
 from publisher.write.snapshot import Snapshot
 from schemas.manifest import ServedLoss, ratio_to_full_fp32
@@ -65,6 +66,9 @@ class CheckpointRecord:
     #: `--codec auto`: the codecs this version was measured over the budget at, and their
     #: losses, before it was encoded again with more bits and committed.
     reencoded: list[tuple[str, float]] = field(default_factory=list)
+    #: the release gate's word on the version before this one (judged on this interval's
+    #: events), when it judged it.
+    gate: GateWord | None = None
 
     @classmethod
     def of(
@@ -144,6 +148,7 @@ class CheckpointRecord:
             "served_loss": None if self.served_loss is None else self.served_loss.model_dump(),
             "measure_s": None if self.measure_s is None else round(self.measure_s, 4),
             "reencoded": reencoded_json(self.reencoded),
+            "gate": None if self.gate is None else self.gate.to_json(),
             "metrics": {k: round(v, 6) for k, v in self.metrics.items()},
         }
 
@@ -191,6 +196,7 @@ class CheckpointRecords:
                 record.served_loss = result.manifest.served_loss
                 record.measure_s = result.measure_s
                 record.reencoded = list(result.reencoded)
+                record.gate = result.gate
                 # Every earlier unpublished snapshot was merged into this one.
                 for earlier in self.records[: record.index - 1]:
                     if not earlier.published:

@@ -55,6 +55,7 @@ from trainer.options import (
     check_codec_options,
     default_embedding_dim,
     default_model_name,
+    gate_config,
     human_bytes,
     resume_version,
     whole_batches,
@@ -145,6 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             publish_in=args.publish_in,
             on_non_finite=args.on_nonfinite,
             id_maps=live.id_maps if live is not None else None,
+            gate=gate_config(args),
         )
     except BusError as exc:
         raise CommandError(f"--bus {args.bus}: {exc}") from exc
@@ -277,7 +279,8 @@ def _published_line(record: CheckpointRecord) -> str:
 
 
 def _served_text(record: CheckpointRecord) -> str:
-    return served_text(record.codec, record.served_loss, record.reencoded)
+    gate = "" if record.gate is None else f"  | {record.gate.text()}"
+    return served_text(record.codec, record.served_loss, record.reencoded) + gate
 
 
 def _report_json(

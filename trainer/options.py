@@ -26,6 +26,7 @@ from pathlib import Path
 
 from publisher.cli import CommandError, add_store_args, positive_int
 from publisher.id_map import ID_SPACES
+from publisher.release.rules import GateConfig
 from publisher.write.policies import (
     DEFAULT_EXPECTED_RESTORES,
     POLICIES,
@@ -96,6 +97,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         help="score every version as served next to fp32 on the latest N samples and record "
         "it in its manifest (default %(default)s; 0: no measurement, and no --codec auto)",
     )
+    add_gate_args(p)
     p.add_argument(
         "--interval-samples",
         type=positive_int,
@@ -325,6 +327,102 @@ def add_live_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop once every partition is read up to where it ended when training started",
     )
+
+
+def add_gate_args(p: argparse.ArgumentParser) -> None:
+    """The release gate's options (docs/RELEASE.md)."""
+    g = p.add_argument_group("release gate (docs/RELEASE.md)")
+    defaults = GateConfig()
+    g.add_argument(
+        "--gate",
+        action="store_true",
+        help="judge every version on the events after it (which it never trained on) next to "
+        "the released version, and move RELEASED only to versions no worse; servers follow "
+        "RELEASED (serve --track released, the default)",
+    )
+    g.add_argument(
+        "--gate-auc-tolerance",
+        type=_non_negative_float,
+        default=defaults.auc_tolerance,
+        help="hold a version whose AUC is surely below the released one's by more than this "
+        "(default %(default)g)",
+    )
+    g.add_argument(
+        "--gate-logloss-tolerance",
+        type=_non_negative_float,
+        default=defaults.logloss_tolerance,
+        help="hold a version whose log loss is surely above the released one's by more than "
+        "this share of it (default %(default)g)",
+    )
+    g.add_argument(
+        "--gate-drift-tolerance",
+        type=_non_negative_float,
+        default=defaults.drift_tolerance,
+        help="hold every version while the released one's log loss on the events is surely "
+        "above its reference by more than this share: labels, ids or inputs broken upstream "
+        "(default %(default)g)",
+    )
+    g.add_argument(
+        "--gate-drift-auc-tolerance",
+        type=_non_negative_float,
+        default=defaults.drift_auc_tolerance,
+        help="... or its AUC surely below its reference by more than this (default %(default)g)",
+    )
+    g.add_argument(
+        "--gate-calibration",
+        type=_bounds,
+        default=defaults.calibration,
+        metavar="LO,HI",
+        help="hold a version whose mean score over the positive rate is surely outside "
+        "[LO, HI] (default 0.5,2)",
+    )
+    g.add_argument(
+        "--gate-probation",
+        type=_non_negative_int,
+        default=defaults.probation_windows,
+        help="windows a released version is compared with the one before it, and rolled back "
+        "if surely worse (default %(default)s)",
+    )
+
+
+def gate_config(args: argparse.Namespace) -> GateConfig | None:
+    """The release gate's rules the options give (None without `--gate`); refused with no
+    samples to judge on."""
+    if not args.gate:
+        return None
+    if args.served_loss_samples == 0:
+        raise CommandError(
+            "--gate judges each version on the samples kept for the served loss: give "
+            "--served-loss-samples N > 0"
+        )
+    try:
+        return GateConfig(
+            auc_tolerance=args.gate_auc_tolerance,
+            logloss_tolerance=args.gate_logloss_tolerance,
+            drift_tolerance=args.gate_drift_tolerance,
+            drift_auc_tolerance=args.gate_drift_auc_tolerance,
+            calibration=args.gate_calibration,
+            probation_windows=args.gate_probation,
+        )
+    except ValueError as exc:
+        raise CommandError(f"--gate: {exc}") from exc
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _bounds(text: str) -> tuple[float, float]:
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}") from exc
+    if not 0 <= low <= 1 <= high < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected 0 <= LO <= 1 <= HI, got {text!r}")
+    return low, high
 
 
 def check_codec_options(args: argparse.Namespace) -> None:

@@ -65,6 +65,56 @@ class GateOutcome:
     seconds: float
 
 
+@dataclass(frozen=True)
+class GateWord:
+    """What a trainer tells a person about one judged version (its published line, `--json`):
+    plain values, so it crosses a publisher process and a job's collectives as JSON."""
+
+    version: int
+    decision: str
+    reason: str
+    released: bool
+    rolled_back_to: int | None
+
+    @classmethod
+    def of(cls, outcome: GateOutcome) -> GateWord:
+        e = outcome.verdict.evaluation
+        return cls(e.version, e.decision, e.reason, outcome.released, outcome.rolled_back_to)
+
+    def to_json(self) -> dict[str, JSONScalar]:
+        return {
+            "version": self.version,
+            "decision": self.decision,
+            "reason": self.reason,
+            "released": self.released,
+            "rolled_back_to": self.rolled_back_to,
+        }
+
+    @classmethod
+    def from_json(cls, doc: object) -> GateWord | None:
+        """The word `to_json` gave (None for None or anything else)."""
+        if not isinstance(doc, dict):
+            return None
+        back = doc.get("rolled_back_to")
+        return cls(
+            int(doc["version"]),
+            str(doc["decision"]),
+            str(doc["reason"]),
+            bool(doc["released"]),
+            None if back is None else int(back),
+        )
+
+    def text(self) -> str:
+        """One line's worth: `v4 released`, `v4 held: worse than v3: ...`."""
+        back = "" if self.rolled_back_to is None else f" (v{self.rolled_back_to} restored first)"
+        if self.released:
+            return f"v{self.version} released{back}"
+        return f"v{self.version} held: {self.reason}{back}"
+
+
+JSONScalar = str | int | bool | None
+
+
 class ReleaseGate:
     """Judges each committed version on the events after it (see the module docstring)."""
 
@@ -113,7 +163,7 @@ class ReleaseGate:
         labels = np.concatenate([np.asarray(b.labels, dtype=np.float64) for b in fresh])
         positives = int((labels > 0.5).sum())
         if len(labels) < self.config.min_examples or positives in (0, len(labels)):
-            log.info(
+            log.debug(
                 "release gate: v%d not judged: %d examples, %d positives after it",
                 ref.version,
                 len(labels),
@@ -226,9 +276,9 @@ class ReleaseGate:
                 previous,
                 (self.config.probation_windows if previous is not None else 0),
             )
-            self._reference = Reference.of(evaluation.candidate, evaluation.window.examples)
+            self._reference = Reference.of(evaluation.candidate)
             self._reference_of = ref.version
-        log.info(
+        log.debug(
             "release gate: v%d %s: %s",
             ref.version,
             "released" if released else "held",
@@ -270,7 +320,11 @@ class ReleaseGate:
         if self._released is not None and self._released.version == current.version:
             return
         # Moved by someone else (a person, a restart): start from what the store says.
-        log.info("release gate: RELEASED is v%d; building its copy from the store", current.version)
+        log.info(
+            "release gate: RELEASED is v%d (moved by a %s); building its copy from the store",
+            current.version,
+            current.record.by,
+        )
         previous = self._released
         self._released = _Held(current.version, self._build(meter, current.version, previous))
         self._reference, self._reference_of = self._reference_of_version(current.version)
@@ -295,7 +349,7 @@ class ReleaseGate:
         evaluation = self.log.evaluation(version)
         if evaluation is None:
             return None, None
-        return Reference.of(evaluation.candidate, evaluation.window.examples), version
+        return Reference.of(evaluation.candidate), version
 
 
 def _clone(module: nn.Module) -> nn.Module:

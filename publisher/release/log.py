@@ -227,7 +227,9 @@ class ReleaseLog:
                 f"RELEASED of {self.model!r} moved while moving it to v{target.version}: "
                 "another gate, or a person, moved it first"
             ) from exc
-        log.info(
+        # The gate's releases are on the trainer's published lines; a rollback is news.
+        log.log(
+            logging.WARNING if action == "rollback" else logging.DEBUG,
             "model %s: RELEASED %s v%d (%s by the %s: %s)",
             self.model,
             "rolled back to" if action == "rollback" else "moved to",

@@ -37,7 +37,10 @@ from publisher.paired_quality import (
     EPS,
     Interval,
     PairedQuality,
+    auc_interval,
+    calibration,
     log_losses,
+    mean_interval,
     normal_quantile,
     paired_quality,
 )
@@ -61,24 +64,32 @@ class GateConfig:
     #: the two-sided confidence level of every interval.
     level: float = 0.95
     #: hold when the candidate's AUC is below the released one's by more than this, surely.
-    auc_tolerance: float = 0.002
+    auc_tolerance: float = 0.005
     #: hold when the candidate's log loss is above the released one's by more than this share
     #: of it, surely.
-    logloss_tolerance: float = 0.005
+    logloss_tolerance: float = 0.05
     #: the candidate's calibration (mean score / positive rate) must be able to lie here.
     calibration: tuple[float, float] = (0.5, 2.0)
     #: hold every candidate while the released version's log loss on the window is above its
-    #: reference by more than this share, surely.
-    drift_tolerance: float = 0.05
+    #: reference by more than this share, surely,
+    drift_tolerance: float = 0.20
+    #: or its AUC below its reference by more than this, surely.
+    drift_auc_tolerance: float = 0.05
     #: windows a released version is compared with the one released before it.
     probation_windows: int = 3
     #: a window of fewer examples is not judged (the version is left pending).
     min_examples: int = 512
+    #: every interval treats each run of this many consecutive events as a cluster: a stream's
+    #: events come in runs of one user or session, alike within a run (publisher/
+    #: paired_quality.py); 1 takes them as independent.
+    block_examples: int = 128
 
     def __post_init__(self) -> None:
         GateRules.model_validate(self.rules().model_dump())  # the format's own checks
         if self.min_examples < 1:
             raise ValueError(f"min_examples must be >= 1, got {self.min_examples}")
+        if self.block_examples < 1:
+            raise ValueError(f"block_examples must be >= 1, got {self.block_examples}")
 
     def rules(self) -> GateRules:
         """The rules as an evaluation records them."""
@@ -88,22 +99,25 @@ class GateConfig:
             logloss_tolerance=self.logloss_tolerance,
             calibration=self.calibration,
             drift_tolerance=self.drift_tolerance,
+            drift_auc_tolerance=self.drift_auc_tolerance,
             probation_windows=self.probation_windows,
+            block_examples=self.block_examples,
         )
 
 
 @dataclass(frozen=True)
 class Reference:
-    """What a released version's log loss on a window was: per-example mean, standard
-    deviation and count (the drift check's baseline)."""
+    """What a released version's log loss and AUC on a window were, with their standard
+    errors (the drift check's baseline)."""
 
     logloss: float
-    logloss_sd: float
-    examples: int
+    logloss_se: float
+    auc: float | None = None
+    auc_se: float | None = None
 
     @classmethod
-    def of(cls, quality: Quality, examples: int) -> Reference:
-        return cls(quality.logloss, quality.logloss_sd, examples)
+    def of(cls, quality: Quality) -> Reference:
+        return cls(quality.logloss, quality.logloss_se, quality.auc, quality.auc_se)
 
 
 @dataclass(frozen=True)
@@ -126,16 +140,20 @@ def probabilities(logits: npt.ArrayLike) -> npt.NDArray[np.float64]:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def quality(labels: npt.NDArray[np.float64], p: npt.NDArray[np.float64], level: float) -> Quality:
-    """One model's figures on a window (finite scores)."""
-    same = paired_quality(labels, p, p, level=level)
-    losses = log_losses(labels, p)
-    calibration = None if same.calibration is None else _doc(same.calibration[0])
+def quality(
+    labels: npt.NDArray[np.float64], p: npt.NDArray[np.float64], level: float, block: int = 1
+) -> Quality:
+    """One model's figures on a window (finite scores); intervals by runs of `block`."""
+    z = normal_quantile(level)
+    loss = mean_interval(log_losses(labels, p), z, block)
+    cal = calibration(labels, p, z, block)
+    ranking = auc_interval(labels, p, level, block=block)
     return Quality(
-        auc=None if same.auc is None else same.auc[0],
-        logloss=float(losses.mean()),
-        logloss_sd=float(losses.std(ddof=1)) if len(losses) > 1 else 0.0,
-        calibration=calibration,
+        auc=None if ranking is None else ranking.estimate,
+        auc_se=None if ranking is None else (ranking.high - ranking.estimate) / z,
+        logloss=loss.estimate,
+        logloss_se=(loss.high - loss.estimate) / z,
+        calibration=None if cal is None else _doc(cal),
     )
 
 
@@ -158,15 +176,16 @@ def judge(
     good's probabilities), or None) judged first."""
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     c = np.asarray(candidate, dtype=np.float64).reshape(-1)
-    level = config.level
+    level, block = config.level, config.block_examples
     finite = bool(np.isfinite(c).all())
-    cand_quality = quality(y, c if finite else np.full_like(y, 0.5), level)
+    cand_quality = quality(y, c if finite else np.full_like(y, 0.5), level, block)
     fields: dict[str, object] = {
         "baseline": None,
         "released": None,
         "auc_diff": None,
         "logloss_diff": None,
         "drift": None,
+        "auc_drift": None,
         "probation": None,
     }
     rollback = None
@@ -176,20 +195,23 @@ def judge(
     if released is not None:
         base_version, base_scores = released
         r = np.asarray(base_scores, dtype=np.float64).reshape(-1)
-        rel_quality = quality(y, r, level)
+        rel_quality = quality(y, r, level, block)
         fields["baseline"] = base_version
         fields["released"] = rel_quality
-        drift = None
+        drift = auc_drift = None
         if reference is not None:
-            drift = _drift(rel_quality, len(y), reference, level)
+            drift = _drift(rel_quality, reference, level)
             fields["drift"] = _doc(drift)
-        drifted = drift is not None and drift.low > config.drift_tolerance
+            auc_drift = _auc_drift(rel_quality, reference, level)
+            fields["auc_drift"] = None if auc_drift is None else _doc(auc_drift)
+        drifted_by = _drifted(drift, auc_drift, config)
+        drifted = drifted_by is not None
         if not drifted:
-            next_reference = Reference.of(rel_quality, len(y))
+            next_reference = Reference.of(rel_quality)
         if probation is not None and not drifted:
             rel_v, good_v, good_scores = probation
             g = np.asarray(good_scores, dtype=np.float64).reshape(-1)
-            vs_good = paired_quality(y, r, g, level=level)
+            vs_good = paired_quality(y, r, g, level=level, block=block)
             good_loss = float(log_losses(y, g).mean())
             fields["probation"] = Probation(
                 released=rel_v,
@@ -203,16 +225,14 @@ def judge(
                     f"v{rel_v} is worse than v{good_v} on the events after v{version}: " + worse
                 )
         if finite:
-            paired = paired_quality(y, c, r, level=level)
+            paired = paired_quality(y, c, r, level=level, block=block)
             fields["auc_diff"] = None if paired.auc_diff is None else _doc(paired.auc_diff)
             fields["logloss_diff"] = _doc(paired.logloss_diff)
         if not finite:
             failed = "its scores are not all finite"
-        elif drifted:
-            assert drift is not None
+        elif drifted_by is not None:
             failed = (
-                f"the events moved away from what v{base_version} was judged on: its log loss "
-                f"{_pct(drift)} over its reference (tolerance {config.drift_tolerance:.1%}); "
+                f"the events moved away from what v{base_version} was judged on: {drifted_by}; "
                 "labels, ids or inputs broken upstream? held until they come back, or a person "
                 "releases a version"
             )
@@ -282,15 +302,36 @@ def _summary(paired: PairedQuality) -> str:
     return f"{auc}, log loss {loss.estimate:+.4f} [{loss.low:+.4f}, {loss.high:+.4f}]"
 
 
-def _drift(now: Quality, examples: int, reference: Reference, level: float) -> Interval:
+def _drifted(drift: Interval | None, auc_drift: Interval | None, config: GateConfig) -> str | None:
+    """How the released version's figures moved away from its reference beyond the drift
+    tolerances, or None."""
+    if drift is not None and drift.low > config.drift_tolerance:
+        tolerance = f"tolerance {config.drift_tolerance:.0%}"
+        return f"its log loss {_pct(drift)} over its reference ({tolerance})"
+    if auc_drift is not None and auc_drift.high < -config.drift_auc_tolerance:
+        return (
+            f"its AUC {auc_drift.estimate:+.4f} [{auc_drift.low:+.4f}, {auc_drift.high:+.4f}] "
+            f"from its reference (tolerance -{config.drift_auc_tolerance:g})"
+        )
+    return None
+
+
+def _auc_drift(now: Quality, reference: Reference, level: float) -> Interval | None:
+    """The released version's AUC on this window minus its reference's, with the interval of
+    a difference of two independent estimates."""
+    if now.auc is None or now.auc_se is None or reference.auc is None or reference.auc_se is None:
+        return None
+    diff = now.auc - reference.auc
+    half = normal_quantile(level) * math.sqrt(now.auc_se**2 + reference.auc_se**2)
+    return Interval(diff, diff - half, diff + half)
+
+
+def _drift(now: Quality, reference: Reference, level: float) -> Interval:
     """The released version's log loss on this window over its reference, minus one, with the
     interval of a difference of two independent means (different examples)."""
     scale = max(reference.logloss, EPS)
     diff = now.logloss - reference.logloss
-    var = now.logloss_sd**2 / max(examples, 1) + reference.logloss_sd**2 / max(
-        reference.examples, 1
-    )
-    half = normal_quantile(level) * math.sqrt(var)
+    half = normal_quantile(level) * math.sqrt(now.logloss_se**2 + reference.logloss_se**2)
     return Interval(diff / scale, (diff - half) / scale, (diff + half) / scale)
 
 

@@ -43,7 +43,7 @@ from typing import Any
 from publisher.codecs import encode_rows
 from publisher.dlrm import TABLE_PREFIX, DLRMConfig
 from publisher.read.catalog import VersionRef
-from publisher.release.gate import ReleaseGate
+from publisher.release.gate import GateWord, ReleaseGate
 from publisher.release.rules import GateConfig
 from publisher.served_loss import ServedModel
 from publisher.store import ObjectStore
@@ -299,6 +299,7 @@ class JobPublisher:
             reencoded=tuple(
                 (str(c), float(_number(loss))) for c, loss in _pairs(verdict.get("reencoded"))
             ),
+            gate=GateWord.from_json(verdict.get("gate")),
         )
 
     def _check_finite(self, snapshot: Snapshot | None) -> dict[str, float] | None:
@@ -372,6 +373,7 @@ class JobPublisher:
             "served_loss": None if loss is None else loss.model_dump(mode="json"),
             "reencoded": [[codec, value] for codec, value in choice.reencoded],
             "measure_s": choice.measure_s,
+            "gate": None if choice.gate is None else dict(choice.gate.to_json()),
         }
 
     def _reserve(self, snapshot: Snapshot | None) -> JSONValue:

@@ -20,6 +20,7 @@ import numpy as np
 
 from publisher.codecs import QuantizedRows, codec_of, encode_rows
 from publisher.read.catalog import VersionRef
+from publisher.release.gate import GateWord
 from publisher.store import StoreError
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.snapshot import NonFiniteSnapshotError, Snapshot, TableRows
@@ -51,6 +52,9 @@ class PublishResult:
     #: `--codec auto`: each (codec, measured `auc_rel_loss`) this version was encoded with and
     #: measured over the budget at before the commit, in order; empty when the first was kept.
     reencoded: tuple[tuple[str, float], ...] = ()
+    #: the release gate's word on the version committed before this one, judged on this
+    #: version's snapshot's fresh samples (None: nothing judged).
+    gate: GateWord | None = None
 
     @property
     def manifest(self) -> Manifest:

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from publisher.codecs import QuantizedRows, decode_rows, encode_rows
 from publisher.read.catalog import VersionRef
-from publisher.release.gate import ReleaseGate
+from publisher.release.gate import GateWord, ReleaseGate
 from publisher.served_loss import Fp32Scores, ServedLossMeter, ServedModel
 from publisher.tunables import DEFAULT_TUNABLES, Tunables
 from publisher.write.policies import ServedLossCodecRule
@@ -55,6 +55,9 @@ class CodecChoice:
     reencoded: tuple[tuple[str, float], ...] = ()
     #: seconds spent updating the served copy and scoring it.
     measure_s: float = 0.0
+    #: the release gate's word on the version before this one, judged on this snapshot's
+    #: fresh samples (None: nothing judged).
+    gate: GateWord | None = None
 
     @property
     def codec(self) -> str | None:
@@ -104,13 +107,13 @@ class ServedCodec:
             first = self.codec_rule.first_codec(snapshot.kind)
             chosen = tuple(replace(t, codec=first) for t in chosen)
         meter = self._meter_for(snapshot)
+        gate = None
         if self.gate is not None and meter is not None:
             # Before the copy moves on: it still holds the last version committed, and the
             # snapshot's fresh samples came after it (publisher/release/gate.py).
-            fresh = (
-                snapshot.scored[len(snapshot.scored) - snapshot.fresh :] if snapshot.fresh else ()
-            )
-            self.gate.evaluate(meter, fresh)
+            fresh = snapshot.scored[len(snapshot.scored) - snapshot.fresh :]
+            outcome = self.gate.evaluate(meter, fresh)
+            gate = None if outcome is None else GateWord.of(outcome)
         fp32_scores = None
         measure_s = 0.0
         if meter is not None:
@@ -141,7 +144,7 @@ class ServedCodec:
             del tables  # the rejected blobs go before the new ones are encoded
             tables, served_loss, seconds = self._encode(chosen, largest, meter, fp32_scores)
             measure_s += seconds
-        return CodecChoice(chosen, tables, served_loss, tuple(reencoded), measure_s)
+        return CodecChoice(chosen, tables, served_loss, tuple(reencoded), measure_s, gate)
 
     def observe(self, ref: VersionRef, served_loss: ServedLoss | None) -> None:
         """A version committed with `served_loss`: the rule picks the next version's codec, and

@@ -41,6 +41,7 @@ from trainer.options import (
     check_codec_options,
     default_embedding_dim,
     default_model_name,
+    gate_config,
     human_bytes,
     is_live,
     resume_version,
@@ -163,6 +164,7 @@ def _train_rank(
         announce=open_announcer(args.bus, model_name).announce if rank == 0 and args.bus else None,
         on_published=_published if rank == 0 and not args.json else None,
         on_non_finite=args.on_nonfinite,
+        gate=gate_config(args),
     )
     source: StepSource
     try:
@@ -321,7 +323,8 @@ def _published(result: PublishResult) -> None:
             manifest.tables[0].codec if manifest.tables else None,
             manifest.served_loss,
             result.reencoded,
-        ),
+        )
+        + ("" if result.gate is None else f"  | {result.gate.text()}"),
         file=sys.stderr,
     )
 

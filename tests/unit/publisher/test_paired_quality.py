@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from publisher.paired_quality import delong_auc_diff, paired_quality
+from publisher.paired_quality import auc_interval, delong_auc_diff, paired_quality
 from publisher.served_loss import roc_auc
 
 
@@ -108,3 +108,50 @@ def test_one_class_has_no_auc_and_bad_inputs_are_refused() -> None:
             paired_quality(labels, a, b)
     with pytest.raises(ValueError, match="level"):
         paired_quality([0, 1], [0.2, 0.8], [0.3, 0.7], level=1.0)
+
+
+def _clustered_pair(
+    rng: np.random.Generator, runs: int, run: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two equally good models on examples that come in runs of `run` alike ones (a user's
+    session): each run shares a random share of each model's error, so the runs' examples are
+    correlated, within a model and across the pair."""
+    n = runs * run
+    signal = np.repeat(rng.normal(size=runs), run) + 0.5 * rng.normal(size=n)
+    labels = (rng.random(n) < 1 / (1 + np.exp(-2 * signal))).astype(float)
+
+    def model() -> np.ndarray:
+        shared = np.repeat(rng.normal(scale=1.0, size=runs), run)
+        return 1 / (1 + np.exp(-(signal + shared + 0.3 * rng.normal(size=n))))
+
+    return labels, model(), model()
+
+
+def test_blocked_intervals_cover_runs_of_alike_examples_where_independent_ones_do_not() -> None:
+    rng = np.random.default_rng(4)
+    cover = {1: [0, 0], 32: [0, 0]}
+    trials = 200
+    for _ in range(trials):
+        y, a, b = _clustered_pair(rng, 64, 32)
+        for block in cover:
+            q = paired_quality(y, a, b, block=block)
+            assert q.auc_diff is not None
+            cover[block][0] += not q.auc_diff.excludes(0.0)
+            cover[block][1] += not q.logloss_diff.excludes(0.0)
+    # Blocks of the runs' length cover ~95%; taking the examples as independent, far less.
+    assert all(0.89 <= c / trials <= 0.99 for c in cover[32]), cover
+    assert all(c / trials < 0.8 for c in cover[1]), cover
+
+
+def test_blocks_of_one_are_the_independent_intervals() -> None:
+    rng = np.random.default_rng(5)
+    y, a, b = _pair(rng, 2000, 0.5, 1.0)
+    plain, blocked = paired_quality(y, a, b), paired_quality(y, a, b, block=1)
+    assert plain == blocked
+    wide = paired_quality(y, a, b, block=7)  # independent examples: about the same width
+    assert plain.auc_diff is not None and wide.auc_diff is not None
+    width = plain.auc_diff.high - plain.auc_diff.low
+    assert 0.7 < (wide.auc_diff.high - wide.auc_diff.low) / width < 1.3
+    single = auc_interval(y, a, block=7)
+    assert single is not None and single.estimate == pytest.approx(roc_auc(a, y))
+    assert single.low < single.estimate < single.high

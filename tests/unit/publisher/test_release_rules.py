@@ -56,7 +56,7 @@ def _verdict(
 
 
 def _reference(labels: np.ndarray, p: np.ndarray) -> Reference:
-    return Reference.of(quality(labels, p, 0.95), len(labels))
+    return Reference.of(quality(labels, p, 0.95))
 
 
 def test_the_first_version_is_released_and_the_record_round_trips() -> None:
