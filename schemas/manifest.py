@@ -353,6 +353,16 @@ class ServedLoss(_Frozen):
     auc_loss_low: float | None = Field(default=None, allow_inf_nan=False)
     auc_loss_high: float | None = Field(default=None, allow_inf_nan=False)
 
+    @property
+    def sure_auc_rel_loss(self) -> float:
+        """The relative AUC the served model loses beyond the samples' noise: the low end of the
+        loss's 95% interval over `auc_fp32` (the point estimate for a record without one).
+        `--codec auto` judges its budget against this (docs/SERVED_LOSS.md), so a loss the
+        window cannot tell from noise adds no bits."""
+        if self.auc_loss_low is None:
+            return self.auc_rel_loss
+        return _relative(self.auc_loss_low, self.auc_fp32)
+
     @classmethod
     def of(
         cls,

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from schemas.errors import BadDataError
+from schemas.manifest import ServedLoss
 
 POLICIES = ("full", "one-shot", "consecutive", "intermittent")
 
@@ -185,6 +186,10 @@ class ServedLossCodecRule:
     - within `budget / 2` for `patience` versions in a row: one step down, never below `floor`;
     - anything else, or no measurement: stay.
 
+    The loss judged is the served loss's sure part by default (`judge="sure"`: the low end of
+    its 95% interval, `ServedLoss.sure_auc_rel_loss`), so a loss the window cannot tell from
+    noise adds no bits; `judge="estimate"` takes the point estimate.
+
     Hysteresis: between budget/2 and budget nothing moves, and a step down waits for
     `patience` calm versions. A step down undone by the very next measurement doubles
     `patience` (up to MAX_STEP_DOWN_AFTER), so a run whose loss sits at the edge settles on the
@@ -199,6 +204,7 @@ class ServedLossCodecRule:
         *,
         budget: float = SERVED_LOSS_BUDGET,
         patience: int = STEP_DOWN_AFTER,
+        judge: Literal["sure", "estimate"] = "sure",
     ) -> None:
         if floor not in AUTO_CODEC_LADDER:
             raise PolicyError(
@@ -208,6 +214,9 @@ class ServedLossCodecRule:
             raise PolicyError(f"the served-loss budget must be > 0, got {budget}")
         if patience < 1:
             raise PolicyError(f"patience must be >= 1 version, got {patience}")
+        if judge not in ("sure", "estimate"):
+            raise PolicyError(f"judge must be 'sure' or 'estimate', got {judge!r}")
+        self.judge = judge
         self.floor = AUTO_CODEC_LADDER.index(floor)
         self.budget = budget
         self.patience = patience
@@ -219,6 +228,10 @@ class ServedLossCodecRule:
     def codec(self) -> str:
         """The codec of the next version."""
         return AUTO_CODEC_LADDER[self._step]
+
+    def judged(self, loss: ServedLoss) -> float:
+        """The relative AUC loss this rule judges a measurement by (see the class docstring)."""
+        return loss.sure_auc_rel_loss if self.judge == "sure" else loss.auc_rel_loss
 
     def first_codec(self, kind: str) -> str:
         """The codec a version of `kind` is encoded with first: `codec` for a delta, the floor

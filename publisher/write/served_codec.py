@@ -129,15 +129,18 @@ class ServedCodec:
             # Over the budget at this codec: encode the same rows again with more bits before
             # anything is written. The samples scored look up only rows this version carries
             # (publisher/served_loss.py): at fp32 they score exactly as trained, so this ends.
-            codec = self.codec_rule.step_up_now(served_loss.auc_rel_loss, chosen[0].codec)
+            # Judged beyond the noise: a loss the window cannot tell from 0 adds no bits.
+            sure = self.codec_rule.judged(served_loss)
+            codec = self.codec_rule.step_up_now(sure, chosen[0].codec)
             if codec is None:
                 break
-            reencoded.append((chosen[0].codec, served_loss.auc_rel_loss))
+            reencoded.append((chosen[0].codec, sure))
             log.info(
-                "--codec auto: this version lost %.4f%% relative AUC served at %s; "
+                "--codec auto: this version lost %.4f%% relative AUC served at %s (judged %s); "
                 "encoding it again with %s",
-                100 * served_loss.auc_rel_loss,
+                100 * sure,
                 chosen[0].codec,
+                self.codec_rule.judge,
                 codec,
             )
             chosen = tuple(replace(t, codec=codec) for t in chosen)
@@ -155,7 +158,9 @@ class ServedCodec:
         if self.codec_rule is None:
             return
         before = self.codec_rule.codec
-        after = self.codec_rule.observe(None if served_loss is None else served_loss.auc_rel_loss)
+        after = self.codec_rule.observe(
+            None if served_loss is None else self.codec_rule.judged(served_loss)
+        )
         if after != before:
             log.info(
                 "--codec auto: version %d lost %.4f%% relative AUC served; next codec %s",

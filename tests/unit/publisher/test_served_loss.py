@@ -259,7 +259,7 @@ def test_a_full_version_starts_from_the_floor_and_climbs_only_while_over_budget(
 ) -> None:
     """A baseline gets the fewest bits that measure within the budget, not the rule's codec."""
     model, samples = _model(), _samples(seed=3)  # int4 and int8 over 0.01% here, fp16 within
-    rule = ServedLossCodecRule("int4")
+    rule = ServedLossCodecRule("int4", judge="estimate")
     publisher = CheckpointPublisher(
         FileStore(tmp_path), "m", measure_served_loss=True, codec_rule=rule
     )
@@ -293,7 +293,9 @@ def test_a_version_over_the_budget_is_encoded_again_with_more_bits_before_its_co
         for codec in ("int4", "int8", "fp16")
     }
     losses = {codec: loss.auc_rel_loss for codec, loss in alone.items() if loss is not None}
-    rule = ServedLossCodecRule("int4")
+    # Judged by the point estimate: on these random samples no loss is beyond their noise
+    # (the default, "sure", would keep int4: docs/SERVED_LOSS.md).
+    rule = ServedLossCodecRule("int4", judge="estimate")
     assert losses["int4"] > rule.budget and losses["int8"] > rule.budget >= losses["fp16"]
     store = FileStore(tmp_path)
     publisher = CheckpointPublisher(store, "m", measure_served_loss=True, codec_rule=rule)
@@ -311,6 +313,21 @@ def test_a_version_over_the_budget_is_encoded_again_with_more_bits_before_its_co
     assert all(loss > rule.budget for _, loss in delta.reencoded)
     assert delta.manifest.served_loss is not None
     assert delta.manifest.served_loss.auc_rel_loss <= rule.budget
+
+
+def test_a_loss_within_the_samples_noise_adds_no_bits(tmp_path: Path) -> None:
+    """By default the rule judges the loss's sure part (its interval's low end): int4's loss on
+    these random samples is over the budget as a point estimate but its interval holds 0."""
+    model, samples = _model(), _samples(seed=3)
+    alone = _measure(ServedLossMeter(CONFIG.to_json()), _snapshot(model, "int4", scored=samples))
+    assert alone is not None and alone.auc_rel_loss > 1e-4 and alone.sure_auc_rel_loss <= 0
+    rule = ServedLossCodecRule("int4")
+    publisher = CheckpointPublisher(
+        FileStore(tmp_path), "m", measure_served_loss=True, codec_rule=rule
+    )
+    result = publisher.publish(_snapshot(model, "int4", scored=samples))
+    assert result.reencoded == () and {t.codec for t in result.manifest.tables} == {"int4"}
+    assert rule.codec == "int4"
 
 
 def test_at_the_top_of_the_ladder_a_version_commits_as_measured(tmp_path: Path) -> None:

@@ -467,9 +467,10 @@ def test_auto_commits_no_version_over_its_budget_and_says_which_it_encoded_again
     status, out, _ = run(capsys, *argv, "--store", store, "--max-samples", "16384", "--json")
     assert status == 0
     published = [r for r in json.loads(out)["checkpoints"] if r["version"] is not None]
-    assert any(r["reencoded"] for r in published), published
     for r in published:
-        assert r["served_loss"]["auc_rel_loss"] <= budget or r["codec"] == "fp32"
+        # Within the budget beyond the noise (the interval's low end), or at fp32.
+        served = ServedLoss.model_validate(r["served_loss"])
+        assert served.sure_auc_rel_loss <= budget or r["codec"] == "fp32"
         assert all(x["auc_rel_loss"] > budget for x in r["reencoded"])
         assert r["codec"] not in {x["codec"] for x in r["reencoded"]}
     # Which versions are encoded again depends on how the publisher folded a backlog (timing),
