@@ -120,6 +120,10 @@ class PredictResponse(BaseModel):
 
     model: str = Field(description="model name")
     version: int = Field(description="the one version every score was computed with")
+    track: Literal["released", "candidate"] = Field(
+        description="the server's track: `released` (versions the release gate released) or "
+        "`candidate` (every committed version)"
+    )
     scores: list[float] = Field(description="click/like probability per example (sigmoid)")
     unknown_ids: dict[str, int] | None = Field(
         default=None,
@@ -226,6 +230,11 @@ class ModelInfo(BaseModel):
     """The served version and how it got here."""
 
     model: str
+    track: Literal["released", "candidate"] = Field(
+        default="released",
+        description="the server's track: `released` serves the versions the release gate (or a "
+        "person) released, HEAD's while the model has no gate; `candidate` every committed one",
+    )
     architecture: str = Field(
         description="the served version's model_config architecture (`dlrm`: the built-in "
         "model; anything else: a model of your own, built by `--model-factory`)"

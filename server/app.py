@@ -81,6 +81,7 @@ def subscriber_options(settings: ServerSettings) -> SubscriberOptions:
         retry_max_s=settings.retry_max_s,
         bus_start=settings.bus_start,
         manifest_cache_size=settings.manifest_cache_size,
+        track=settings.track,
     )
 
 
@@ -133,7 +134,7 @@ def create_app(
     With `--workers` (server/workers/): `apply_side` makes this the process that follows the
     versions and shares its copies with the workers; `worker` makes it a worker, serving
     mirrors of them (no store, no bus: the apply side follows)."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(settings.track)
     factory, predictor = served_model(settings)
     state = ServerState(settings=settings, metrics=metrics, predictor=predictor)
     if worker is not None:

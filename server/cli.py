@@ -88,6 +88,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--environment", choices=["development", "production"])
     p.add_argument(
+        "--track",
+        choices=["released", "candidate"],
+        help="released (default): the versions the release gate released (every committed "
+        "version while the model has no gate); candidate: every committed version as it comes",
+    )
+    p.add_argument(
         "--consistency",
         choices=["double-buffer", "rwlock"],
         help="version swap scheme (default double-buffer; rwlock halves memory)",
@@ -142,6 +148,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
         grpc_port=args.grpc_port,
         environment=args.environment,
         consistency=args.consistency,
+        track=args.track,
         quantized_tables=None if args.quantized_tables is None else args.quantized_tables == "on",
         torch_threads=args.torch_threads,
         workers=args.workers,

@@ -69,26 +69,31 @@ class _Registry(CollectorRegistry):
 
 
 class _ModelGauges:
-    """A collector of the `MODEL_GAUGES`, each read at scrape time from its bound callback; one
-    with nothing to report (no version served yet) keeps its HELP and TYPE but has no sample."""
+    """A collector of the `MODEL_GAUGES`, each read at scrape time from its bound callback and
+    labelled with the server's track; one with nothing to report (no version served yet) keeps
+    its HELP and TYPE but has no sample."""
 
-    def __init__(self) -> None:
+    def __init__(self, track: str) -> None:
         self.reads: dict[str, Read] = {}
+        self.track = track
 
     def collect(self) -> Iterator[Metric]:
         for name, help_text in MODEL_GAUGES.items():
-            family = GaugeMetricFamily(PREFIX + name, help_text)
+            family = GaugeMetricFamily(PREFIX + name, help_text, labels=["track"])
             read = self.reads.get(name)
             value = None if read is None else read()
             if value is not None:
-                family.add_metric([], value)
+                family.add_metric([self.track], value)
             yield family
 
 
 class ServerMetrics:
-    """Every metric the server exports, on a registry of its own."""
+    """Every metric the server exports, on a registry of its own. The served version's gauges
+    and the predictions' series carry the server's `track` (released or candidate), so a fleet
+    whose slice serves candidates is compared by track (docs/RELEASE.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, track: str = "released") -> None:
+        self.track = track
         self.registry: CollectorRegistry = _Registry()
 
         def counter(name: str, help_text: str, labels: Sequence[str] = ()) -> Counter:
@@ -126,9 +131,11 @@ class ServerMetrics:
             "follower_events_total", "Announcement follower counters, by reason.", ["reason"]
         )
         self.predict_seconds = histogram(
-            "predict_seconds", "Seconds per predict request (validation + model)."
-        )
-        self.predict_examples = counter("predict_examples_total", "Examples scored.")
+            "predict_seconds", "Seconds per predict request (validation + model).", ["track"]
+        ).labels(track)
+        self.predict_examples = counter(
+            "predict_examples_total", "Examples scored.", ["track"]
+        ).labels(track)
         self.raw_ids = counter(
             "raw_ids_total",
             "Raw ids mapped in predict requests (models trained from raw events), by feature.",
@@ -144,7 +151,7 @@ class ServerMetrics:
             "HTTP requests by route, method and status.",
             ["route", "method", "status"],
         )
-        self._model_gauges = _ModelGauges()
+        self._model_gauges = _ModelGauges(track)
         self.registry.register(self._model_gauges)
 
     def bind(

@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from publisher.read.scheme_names import ConsistencyScheme
+from publisher.read.tracks import Track
 from publisher.tunables import DEFAULT_TUNABLES
 from schemas.manifest import check_model_name
 
@@ -122,6 +123,12 @@ class ServerSettings(BaseSettings):
         description="MODULE:FUNCTION building, from a version's model_config, the adapter that "
         "turns a request's examples into the module's inputs and its output into scores "
         "(needed with model_factory; None = the built-in DLRM's request format)",
+    )
+    track: Track = Field(
+        default="released",
+        description="which versions to serve: `released`, the version the release gate (or a "
+        "person) released (HEAD's while the model has no gate); `candidate`, every committed "
+        "version as it comes (docs/RELEASE.md)",
     )
     consistency: ConsistencyScheme = Field(
         default="double-buffer",

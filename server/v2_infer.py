@@ -40,11 +40,12 @@ SCORE = "score"
 
 @dataclass(frozen=True)
 class InferOutcome:
-    """The scores of a request, the version that gave them, the response's parameters."""
+    """The scores of a request, the version that gave them, the response's parameters (the
+    server's `track`, and `unknown_ids_<feature>` counts)."""
 
     scores: npt.NDArray[np.float32]
     version: int
-    parameters: dict[str, int]
+    parameters: dict[str, int | str]
 
 
 def check_model(state: ServerState, name: str) -> None:
@@ -93,7 +94,8 @@ def infer(
     metrics = state.metrics
     metrics.predict_seconds.observe(time.perf_counter() - started)
     metrics.predict_examples.inc(len(scores))
-    parameters = {f"unknown_ids_{k}": v for k, v in (scored.unknown_ids or {}).items()}
+    parameters: dict[str, int | str] = {"track": state.settings.track}
+    parameters.update({f"unknown_ids_{k}": v for k, v in (scored.unknown_ids or {}).items()})
     return InferOutcome(scores, served.version, parameters)
 
 

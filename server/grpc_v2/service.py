@@ -113,7 +113,10 @@ class InferenceService:
             raw_output_contents=[scores.tobytes()],
         )
         for key, value in outcome.parameters.items():
-            response.parameters[key].int64_param = value
+            if isinstance(value, str):
+                response.parameters[key].string_param = value
+            else:
+                response.parameters[key].int64_param = value
         return response
 
     def _infer(self, request: Any) -> Any:

@@ -147,6 +147,7 @@ def _rejected(state: StateDep) -> int:
 def get_model(live: LiveModelDep, state: StateDep) -> ModelInfo:
     info = model_info(live, state.predictor, _rejected(state))
     info.process = state.process
+    info.track = state.settings.track
     return info
 
 

@@ -130,6 +130,7 @@ async def predict(request: Request, state: StateDep) -> Response:
     doc: dict[str, object] = {
         "model": served.manifest.model,
         "version": served.version,
+        "track": state.settings.track,
         "scores": scores,
     }
     if scored.unknown_ids is not None:

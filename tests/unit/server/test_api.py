@@ -240,7 +240,8 @@ def test_follows_announced_versions_and_scores_match_the_trainer(served: Served)
     r = served.client.post("/v1/predict", json={"examples": batch})
     assert r.status_code == 200
     body = r.json()
-    assert set(body) == {"model", "version", "scores"}  # no `unknown_ids`: encoded ids
+    # no `unknown_ids`: encoded ids; the track every answer names
+    assert set(body) == {"model", "version", "track", "scores"} and body["track"] == "released"
     assert body["model"] == "m" and body["version"] == v3
     np.testing.assert_allclose(body["scores"], model_scores(served.run.model, batch), atol=1e-6)
 
@@ -558,18 +559,19 @@ def test_metrics_exposition(served: Served) -> None:
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     lines = r.text.splitlines()
     for line in (
-        "checknrun_server_model_version 2.0",
-        "checknrun_server_staleness_seconds 0.0",
-        'checknrun_server_predict_seconds_bucket{le="+Inf"} 1.0',
-        "checknrun_server_predict_seconds_count 1.0",
+        # the served version's gauges and the predictions' series carry the server's track
+        'checknrun_server_model_version{track="released"} 2.0',
+        'checknrun_server_staleness_seconds{track="released"} 0.0',
+        'checknrun_server_predict_seconds_bucket{le="+Inf",track="released"} 1.0',
+        'checknrun_server_predict_seconds_count{track="released"} 1.0',
         # prometheus_client writes labels in name order.
         'checknrun_server_http_requests_total{method="POST",route="/v1/predict",status="200"} 1.0',
         'checknrun_server_http_requests_total{method="POST",route="/v1/predict",status="422"} 1.0',
         'checknrun_server_apply_seconds_count{kind="bootstrap"} 1.0',
         "# TYPE checknrun_server_apply_seconds histogram",
         "# TYPE checknrun_server_bytes_fetched_total counter",
-        "checknrun_server_pinned 0.0",
-        "checknrun_server_ready 1.0",
+        'checknrun_server_pinned{track="released"} 0.0',
+        'checknrun_server_ready{track="released"} 1.0',
     ):
         assert line in lines, line
 

@@ -97,6 +97,7 @@ def test_infer_scores_as_v1_predict_does(served: RawServed) -> None:
     assert out["name"] == "score" and out["datatype"] == "FP32" and out["shape"] == [3]
     np.testing.assert_allclose(out["data"], expected["scores"], atol=1e-6)
     assert doc["parameters"] == {
+        "track": "released",
         "unknown_ids_user": 2,
         "unknown_ids_item": 0,
         "unknown_ids_genres": 1,
