@@ -30,12 +30,17 @@ if [ "$there" != "$here" ]; then
   echo "setup: pointing the editable install at $here" >&2
   "$VENV/bin/pip" install -q --no-deps -e . >&2
 fi
-# wrk (Debian's) loads the servers in `checknrun bench endpoint`; without it that phase is
-# skipped, and says so. Installed here where we may (root with apt), never required.
-if ! command -v wrk >/dev/null && ((EUID == 0)) && command -v apt-get >/dev/null; then
-  echo "setup: installing wrk (apt-get)" >&2
+# Debian packages, installed here where we may (root with apt): wrk loads the servers in
+# `checknrun bench endpoint` (without it that phase is skipped, and says so); Chromium is the
+# headless browser the status page is tested in (tests/e2e/test_status_page.py: required on CI)
+# and `checknrun bench gate` screenshots it with.
+missing=()
+command -v wrk >/dev/null || missing+=(wrk)
+command -v chromium >/dev/null || missing+=(chromium)
+if ((${#missing[@]})) && ((EUID == 0)) && command -v apt-get >/dev/null; then
+  echo "setup: installing ${missing[*]} (apt-get)" >&2
   # Its listing goes nowhere (30 lines on a fresh setup); apt's errors still reach stderr.
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wrk; } >/dev/null \
-    || echo "setup: could not install wrk; bench endpoint will skip its throughput phase" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >/dev/null \
+    || echo "setup: could not install ${missing[*]}: bench endpoint skips its throughput phase, the status page test needs Chromium" >&2
 fi
 echo "$VENV"

@@ -46,6 +46,7 @@ from server.middleware import BodySizeLimit, RequestMetrics
 from server.plugins import load_callable
 from server.predictors import AdapterPredictor, DLRMPredictor, Predictor, RequestAdapterError
 from server.routes import health, model, predict, v2
+from server.routes import status as status_page
 from server.settings import ServerSettings
 from server.workers.links import ApplySideEnds, WorkerEnd
 from server.workers.mirror import (
@@ -230,6 +231,7 @@ def create_app(
     app.include_router(model.router)
     app.include_router(health.router)
     app.include_router(v2.router)
+    app.include_router(status_page.router)
     _add_error_handlers(app)
     # Added last = outermost: the body cap runs first, and 413s are counted too.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -108,3 +108,69 @@ def _status(
         status: Status = "held" if evaluation.decision == "hold" else "passed"
         return VersionRelease(status, evaluation.reason, evaluation=evaluation)
     return VersionRelease("pending" if gated else "-")
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One committed version as the status page shows it."""
+
+    version: int
+    kind: str
+    created_at: datetime
+    samples_seen: int
+    release: VersionRelease
+
+
+@dataclass(frozen=True)
+class ReleaseHistory:
+    """The newest committed versions, oldest first, with their release status; HEAD and
+    RELEASED (None: no gate)."""
+
+    model: str
+    head: int | None
+    released: int | None
+    rows: list[HistoryRow]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "head": self.head,
+            "released": self.released,
+            "versions": [
+                {
+                    "version": r.version,
+                    "kind": r.kind,
+                    "created_at": r.created_at.isoformat(),
+                    "samples_seen": r.samples_seen,
+                    "release": r.release.to_json(),
+                    "evaluation": None
+                    if r.release.evaluation is None
+                    else r.release.evaluation.model_dump(mode="json"),
+                }
+                for r in self.rows
+            ],
+        }
+
+
+def release_history(log: ReleaseLog, last: int = 60) -> ReleaseHistory:
+    """The newest `last` committed versions and what the gate did with each (one walk of
+    HEAD's chain, the release records, and the versions' evaluations)."""
+    head = log.catalog.head()
+    if head is None:
+        return ReleaseHistory(log.model, None, None, [])
+    refs = log.catalog.history(since=max(0, head.version - last)).versions
+    statuses = release_statuses(log, [r.version for r in refs])
+    current = log.released()
+    rows = [
+        HistoryRow(
+            r.version,
+            r.manifest.kind,
+            r.manifest.created_at,
+            r.manifest.position.samples_seen,
+            statuses[r.version],
+        )
+        for r in refs
+    ]
+    return ReleaseHistory(
+        log.model, head.version, None if current is None else current.version, rows
+    )
