@@ -214,6 +214,9 @@ class Evaluation(_Frozen):
     logloss_diff: Interval | None
     drift: Interval | None
     auc_drift: Interval | None
+    #: the released version's figures on this window were away from its reference (the
+    #: drift check failed): the next window must come back within half the tolerances.
+    drifting: bool = False
     probation: Probation | None
     decision: Decision
     reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)

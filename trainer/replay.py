@@ -208,6 +208,18 @@ class _Producer:
             )
 
 
+def _poisoned(stream: InteractionStream, texts: list[str]) -> InteractionStream:
+    """`stream` with the `--poison` stretches broken (trainer/streams/poison.py)."""
+    from trainer.streams.poison import Poison, poisoned
+
+    if not isinstance(stream, ColumnarStream):
+        raise CommandError("--poison takes a data set or file held in memory (not synthetic)")
+    try:
+        return poisoned(stream, [Poison.parse(text) for text in texts])
+    except ValueError as exc:
+        raise CommandError(f"--poison: {exc}") from exc
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """Run `replay`; returns the exit status."""
     try:
@@ -221,6 +233,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if value is not None and not value > 0:
             raise CommandError(f"--{name} must be > 0, got {value}")
     stream = open_stream(args)
+    if args.poison:
+        stream = _poisoned(stream, args.poison)
     stop = None if args.max_events is None else args.start + args.max_events
     producer = _Producer(address)
     partitions = producer.ensure_topic()

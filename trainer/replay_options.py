@@ -34,6 +34,15 @@ def add_replay_parser(
     p.add_argument("--start", type=int, default=0, help="first sample to send (default 0)")
     p.add_argument("--max-events", type=positive_int, default=None, help="send at most N")
     p.add_argument("--seed", type=int, default=0, help="of the synthetic stream")
+    p.add_argument(
+        "--poison",
+        action="append",
+        default=[],
+        metavar="KIND:...:START:STOP",
+        help="break samples [START, STOP) on purpose, to see the release gate hold what trains "
+        "on them: labels:START:STOP flips labels, ids:FEATURE:START:STOP scrambles a feature's "
+        "ids, dense:NAME*FACTOR:START:STOP scales a numeric field (repeatable; docs/RELEASE.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document at the end")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_source_args(p)

@@ -138,6 +138,8 @@ class ReleaseGate:
         self._good: _Held | None = None
         self._probation_left = 0
         self._reference: Reference | None = None
+        #: the last window was away from the released version's reference (rules.py).
+        self._drifting = False
         #: the reference belongs to this released version.
         self._reference_of: int | None = None
         #: what the last `evaluate` did (None: nothing judged).
@@ -232,6 +234,7 @@ class ReleaseGate:
                 reference=self._reference,
                 probation=probation_of,
                 config=self.config,
+                drifting=self._drifting,
             )
 
         verdict = verdict_against(released_scores, probation)
@@ -260,6 +263,7 @@ class ReleaseGate:
             self._probation_left -= 1
             if self._probation_left <= 0:
                 self._good = None  # its probation is over: that copy is not needed any more
+        self._drifting = verdict.evaluation.drifting
         if verdict.next_reference is not None and self._released is not None:
             self._reference, self._reference_of = verdict.next_reference, self._released.version
         evaluation = verdict.evaluation
@@ -328,6 +332,7 @@ class ReleaseGate:
         previous = self._released
         self._released = _Held(current.version, self._build(meter, current.version, previous))
         self._reference, self._reference_of = self._reference_of_version(current.version)
+        self._drifting = self._last_drifting()
         self._good, self._probation_left = None, 0
         if current.record.action == "release":
             good = self.log.last_good(current)
@@ -342,6 +347,15 @@ class ReleaseGate:
         module = _clone(meter.served)
         load_module_state(module, restore(self.store, self.model, version))
         return module
+
+    def _last_drifting(self) -> bool:
+        """Whether the newest evaluation in the store found the stream away (a restart in the
+        middle of a broken stretch keeps holding)."""
+        judged = self.log.evaluated_versions()
+        if not judged:
+            return False
+        newest = self.log.evaluation(judged[-1])
+        return newest is not None and newest.drifting
 
     def _reference_of_version(self, version: int) -> tuple[Reference | None, int | None]:
         """A released version's drift reference: its own evaluation's figures (None if it has

@@ -169,11 +169,13 @@ def judge(
     reference: Reference | None,
     probation: tuple[int, int, npt.ArrayLike] | None,
     config: GateConfig,
+    drifting: bool = False,
 ) -> Verdict:
     """The evaluation of `candidate` (probabilities on the window's examples, `labels`), next
     to `released` ((version, probabilities) or None: nothing released yet), with the released
-    version's `reference` for the drift check, and `probation` ((released, last good, the last
-    good's probabilities), or None) judged first."""
+    version's `reference` for the drift check (`drifting`: the last window was found away
+    from it), and `probation` ((released, last good, the last good's probabilities), or None)
+    judged first."""
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     c = np.asarray(candidate, dtype=np.float64).reshape(-1)
     level, block = config.level, config.block_examples
@@ -187,6 +189,7 @@ def judge(
         "drift": None,
         "auc_drift": None,
         "probation": None,
+        "drifting": False,
     }
     rollback = None
     next_reference = None
@@ -204,7 +207,7 @@ def judge(
             fields["drift"] = _doc(drift)
             auc_drift = _auc_drift(rel_quality, reference, level)
             fields["auc_drift"] = None if auc_drift is None else _doc(auc_drift)
-        drifted_by = _drifted(drift, auc_drift, config)
+        drifted_by = _drifted(drift, auc_drift, config, drifting)
         drifted = drifted_by is not None
         if not drifted:
             next_reference = Reference.of(rel_quality)
@@ -248,6 +251,7 @@ def judge(
         failed = "its scores are not all finite"
     else:
         failed = _calibration_failure(cand_quality, config)
+    fields["drifting"] = released is not None and drifted
     evaluation = Evaluation(
         model=model,
         version=version,
@@ -302,16 +306,32 @@ def _summary(paired: PairedQuality) -> str:
     return f"{auc}, log loss {loss.estimate:+.4f} [{loss.low:+.4f}, {loss.high:+.4f}]"
 
 
-def _drifted(drift: Interval | None, auc_drift: Interval | None, config: GateConfig) -> str | None:
+def _drifted(
+    drift: Interval | None, auc_drift: Interval | None, config: GateConfig, drifting: bool
+) -> str | None:
     """How the released version's figures moved away from its reference beyond the drift
-    tolerances, or None."""
-    if drift is not None and drift.low > config.drift_tolerance:
-        tolerance = f"tolerance {config.drift_tolerance:.0%}"
-        return f"its log loss {_pct(drift)} over its reference ({tolerance})"
-    if auc_drift is not None and auc_drift.high < -config.drift_auc_tolerance:
+    tolerances, or None. Hysteresis: a stream seen away (`drifting`) is back only once both
+    estimates are within half the tolerances, so a stretch that is still broken but reads a
+    little less so on one window (its intervals are wide) does not release what trains on
+    it."""
+    loss_tol, auc_tol = config.drift_tolerance, config.drift_auc_tolerance
+    if drifting:
+        loss_away = drift is not None and drift.estimate > loss_tol / 2
+        auc_away = auc_drift is not None and auc_drift.estimate < -auc_tol / 2
+    else:
+        loss_away = drift is not None and drift.low > loss_tol
+        auc_away = auc_drift is not None and auc_drift.high < -auc_tol
+    still = "still " if drifting else ""
+    if loss_away:
+        assert drift is not None
+        tolerance = f"tolerance {loss_tol / 2 if drifting else loss_tol:.0%}"
+        return f"its log loss {still}{_pct(drift)} over its reference ({tolerance})"
+    if auc_away:
+        assert auc_drift is not None
+        tolerance = f"tolerance -{auc_tol / 2 if drifting else auc_tol:g}"
         return (
-            f"its AUC {auc_drift.estimate:+.4f} [{auc_drift.low:+.4f}, {auc_drift.high:+.4f}] "
-            f"from its reference (tolerance -{config.drift_auc_tolerance:g})"
+            f"its AUC {still}{auc_drift.estimate:+.4f} [{auc_drift.low:+.4f}, "
+            f"{auc_drift.high:+.4f}] from its reference ({tolerance})"
         )
     return None
 

@@ -9,6 +9,7 @@ no sample trained twice, none skipped.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 from abc import ABC, abstractmethod
@@ -204,6 +205,30 @@ class ColumnarStream(InteractionStream):
     def column(self, feature: str) -> IdColumn:
         """The id column of one sparse feature."""
         return self._columns[feature]
+
+    @property
+    def dense(self) -> np.ndarray:
+        """The model's dense inputs, (samples, dense_names) float32 (read-only use)."""
+        return self._dense
+
+    def replaced(
+        self,
+        *,
+        labels: np.ndarray | None = None,
+        columns: Mapping[str, IdColumn] | None = None,
+        dense: np.ndarray | None = None,
+        numbers: Mapping[str, np.ndarray] | None = None,
+    ) -> ColumnarStream:
+        """A copy with the arrays given in place of its own (`columns`, `numbers`: those
+        features' only), sharing every other one; same features, names and fingerprint."""
+        out = copy.copy(self)
+        if labels is not None:
+            out._labels = np.ascontiguousarray(labels, dtype=np.float32)
+        if dense is not None:
+            out._dense = np.ascontiguousarray(dense, dtype=np.float32)
+        out._columns = {**self._columns, **dict(columns or {})}
+        out.numbers = {**self.numbers, **dict(numbers or {})}
+        return out
 
     def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
         if batch_size < 1:
