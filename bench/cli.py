@@ -59,6 +59,8 @@ PARTS = {
     "usermodel": "a user model served by --model-factory next to the DLRM of the same tables: "
     "apply, predict p50/p99",
     "framework": "Ray Serve kept live by a Subscriber: predict p50/p99 idle and while applying",
+    "gate": "the release gate: false holds on clean streams, poisoned streams held (Kafka), "
+    "its cost",
 }
 #: what `checknrun bench` without a part runs: the parts the README's figures come from.
 DEFAULT_PARTS = ("paper", "accuracy", "stall", "codec", "freshness")

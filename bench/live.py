@@ -156,7 +156,7 @@ def alternating_rounds(
                     log(f"{part}: round {r + 1}/{rounds}, {arm}")
                     runs[arm].append(train(arm, url, Path(tmp) / f"{arm}-{r}", r))
     finally:
-        _delete_topic(bootstrap, topic)
+        delete_topic(bootstrap, topic)
     return replay, runs
 
 
@@ -176,7 +176,7 @@ def checknrun_json(module: str, argv: list[str]) -> dict[str, Any]:
     return doc
 
 
-def _delete_topic(bootstrap: str, topic: str) -> None:
+def delete_topic(bootstrap: str, topic: str) -> None:
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": bootstrap})

@@ -202,6 +202,13 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
         help="fraction of each table's popularity ranking rotating per 1M samples",
     )
     s.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
+    s.add_argument(
+        "--label-bias",
+        type=float,
+        default=-1.7,
+        help="added to the teacher's logits: -1.7 gives ~33%% positives, -8 ~1.3%%, -9 ~0.6%% "
+        "(a click log's rate)",
+    )
     add_file_args(p)
 
 

@@ -41,6 +41,7 @@ def open_stream(
                 seed=args.seed,
                 zipf_exponent=args.zipf,
                 drift=args.drift,
+                label_bias=args.label_bias,
             )
         )
     from trainer.streams.tabular import CSV_SUFFIXES, PARQUET_SUFFIXES, load_table

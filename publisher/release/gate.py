@@ -27,7 +27,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -62,7 +62,9 @@ class GateOutcome:
     verdict: Verdict
     released: bool
     rolled_back_to: int | None
+    #: wall and CPU (this thread's) seconds the evaluation took: scoring, judging, the store.
     seconds: float
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,22 @@ class GateWord:
     reason: str
     released: bool
     rolled_back_to: int | None
+    #: what judging it cost the publisher (GateOutcome).
+    seconds: float = 0.0
+    cpu_s: float = 0.0
 
     @classmethod
     def of(cls, outcome: GateOutcome) -> GateWord:
         e = outcome.verdict.evaluation
-        return cls(e.version, e.decision, e.reason, outcome.released, outcome.rolled_back_to)
+        return cls(
+            e.version,
+            e.decision,
+            e.reason,
+            outcome.released,
+            outcome.rolled_back_to,
+            round(outcome.seconds, 4),
+            round(outcome.cpu_s, 4),
+        )
 
     def to_json(self) -> dict[str, JSONScalar]:
         return {
@@ -88,6 +101,8 @@ class GateWord:
             "reason": self.reason,
             "released": self.released,
             "rolled_back_to": self.rolled_back_to,
+            "seconds": self.seconds,
+            "cpu_s": self.cpu_s,
         }
 
     @classmethod
@@ -102,6 +117,8 @@ class GateWord:
             str(doc["reason"]),
             bool(doc["released"]),
             None if back is None else int(back),
+            float(doc.get("seconds", 0.0)),
+            float(doc.get("cpu_s", 0.0)),
         )
 
     def text(self) -> str:
@@ -112,7 +129,7 @@ class GateWord:
         return f"v{self.version} held: {self.reason}{back}"
 
 
-JSONScalar = str | int | bool | None
+JSONScalar = str | int | float | bool | None
 
 
 class ReleaseGate:
@@ -172,7 +189,7 @@ class ReleaseGate:
                 positives,
             )
             return None
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             outcome = self._evaluate(ref, meter, fresh, labels, positives, started)
         except (CheckNRunError, OSError) as exc:
@@ -183,6 +200,7 @@ class ReleaseGate:
                 exc,
             )
             return None
+        outcome = replace(outcome, cpu_s=time.thread_time() - started_cpu)
         self.last = outcome
         return outcome
 

@@ -6,8 +6,8 @@ train --gate` trains on them, and from the store's records and evaluations:
 - the poison is caught at once: the first version judged on poisoned events is held;
 - release resumes once the stream heals: a version trained after the stretch is released.
 
-MovieLens-1M's first 240,000 ratings (labels and ids) and a priced click stream (a price that
-decides the click), 20,000 events a version, the gate's default rules.
+MovieLens-1M's first 240,000 ratings (for the numeric input: with the movie's age at the rating
+as each event's dense field), 20,000 events a version, the gate's default rules.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pytest
-from pyarrow import csv
 
+from bench.gate import movielens_with_age
 from publisher.read.catalog import Catalog
 from publisher.release import ReleaseLog
 from publisher.store import FileStore
@@ -32,25 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 EVENTS, INTERVAL = 240_000, 20_000
 START, STOP = 100_000, 160_000  # three intervals poisoned
 WINDOW = 16_384  # the samples kept to judge a version on (the default --served-loss-samples)
-
-
-def _priced(path: Path) -> None:
-    """A click log whose label follows `price` (over 100: 85% clicks, else 10%) and a little
-    the item: the model leans on the price, so a price in other units breaks it."""
-    rng = np.random.default_rng(7)
-    price = rng.lognormal(4.6, 1.0, EVENTS)
-    item = rng.integers(0, 500, EVENTS)
-    rate = np.where(price > 100, 0.85, 0.1) * (0.8 + 0.4 * (item % 2))
-    table = pa.table(
-        {
-            "user": [f"u{u}" for u in rng.integers(0, 3000, EVENTS)],
-            "item": [f"i{i}" for i in item],
-            "timestamp": 1_700_000_000.0 + np.arange(EVENTS, dtype=np.float64),
-            "label": (rng.random(EVENTS) < np.clip(rate, 0, 1)).astype(np.int64),
-            "price": price,
-        }
-    )
-    csv.write_csv(table, path)
 
 
 def _run(argv: list[str], timeout: float = 600) -> str:
@@ -72,11 +51,11 @@ def test_a_poisoned_stretch_is_held_and_release_resumes(
 ) -> None:
     topic = f"kafka://{services.kafka_bootstrap}/{unique_name}?partitions=1"
     if poison == "dense":
-        data = tmp_path / "priced.csv"
-        _priced(data)
-        source = ["--data", str(data), "--dense-cols", "price"]
-        spec = f"dense:price*1000:{START}:{STOP}"
-        features = ["--features", "user,item", "--dense-features", "price"]
+        data = tmp_path / "movielens-age.csv"
+        movielens_with_age(data, EVENTS)
+        source = ["--data", str(data), "--dense-cols", "movie_age"]
+        spec = f"dense:movie_age*1000:{START}:{STOP}"
+        features = ["--features", "user,item", "--dense-features", "movie_age"]
     else:
         source = ["--data", "movielens"]
         spec = f"labels:{START}:{STOP}" if poison == "labels" else f"ids:item:{START}:{STOP}"

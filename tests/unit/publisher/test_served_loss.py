@@ -14,6 +14,7 @@ from publisher.dlrm import DLRM, DLRMConfig, SparseFeature, table_weight_names
 from publisher.paired_quality import delong_auc_diff
 from publisher.read.catalog import Catalog
 from publisher.served_loss import (
+    DLRMBatches,
     MeterOrderError,
     ScoredBatch,
     ServedLossMeter,
@@ -426,3 +427,15 @@ def test_a_version_left_half_applied_is_never_measured_on_fp32_rows() -> None:
         meter.measure(fp32)
     assert _measure(meter, delta) is None
     assert _measure(meter, full) is not None and _measure(meter, delta) is not None
+
+
+def test_batches_scored_in_chunks_score_as_one_by_one() -> None:
+    model, samples = _model(), _samples(n=2000, batch=300, seed=4)
+    with torch.no_grad():
+        alone = torch.cat([model(*b.inputs()) for b in samples])
+        chunked = DLRMBatches().score(model, samples)
+    torch.testing.assert_close(chunked, alone)
+    one = ScoredBatch.concat(samples)
+    assert one.size == 1800 and np.array_equal(
+        one.labels, np.concatenate([b.labels for b in samples])
+    )
