@@ -12,8 +12,9 @@
   window, so the gate's scoring is the only difference), alternating, 2 rounds: samples/s and
   the evaluation's seconds and CPU per version.
 - poisons (needs Kafka): MovieLens' first 400,000 ratings replayed through the real broker with
-  a stretch broken by `checknrun replay --poison` (labels flipped; item ids scrambled; the movie's
-  age, a derived numeric input sent in each event, in other units), trained live with `--gate`:
+  a stretch broken by `checknrun replay --poison` (labels flipped; item ids scrambled; a derived
+  numeric input sent in each event, the item's like rate, sent in percent), trained live with
+  `--gate`:
   the versions and events from the first poisoned event to the first hold (and the seconds that
   is at the live demo's 2,000 events/s), versions trained and judged on the poison that were
   released (must be 0), the first version released after it heals, and holds outside it.
@@ -169,23 +170,36 @@ def _cost(root: Path, samples: int, rounds: int) -> dict[str, Any]:
 # --- poisons -------------------------------------------------------------------------------
 
 
-def movielens_with_age(path: Path, events: int) -> None:
-    """MovieLens-1M's first `events` ratings as a data file with a numeric column: `movie_age`,
-    years between the movie's release and the rating (a derived input), which replay sends as
-    each event's dense field (`--dense-cols movie_age`)."""
-    from trainer.streams.movielens import DENSE, load_movielens
+def movielens_with_rate(path: Path, events: int) -> None:
+    """MovieLens-1M's first `events` ratings as a data file with a numeric column:
+    `item_like_rate`, the share of the item's earlier ratings that were likes (smoothed: (likes
+    + 1) / (ratings + 2)), a derived input of the kind a feature pipeline computes, which replay
+    sends as each event's dense field (`--dense-cols item_like_rate`). Poisoned as `*100`, it is
+    the rate sent in percent."""
+    from trainer.streams.movielens import load_movielens
 
     stream = load_movielens()
     n = min(events, stream.num_samples)
     assert stream.timestamps is not None
+    items = stream.column("item").values[:n]
+    labels = stream.labels[:n].astype(np.float64)
+    # per item, in stream order: ratings and likes before each event
+    order = np.argsort(items, kind="stable")
+    sorted_items = items[order]
+    first = np.r_[True, sorted_items[1:] != sorted_items[:-1]]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    likes = np.cumsum(labels[order])
+    likes_before = likes - labels[order] - np.where(group_start > 0, likes[group_start - 1], 0.0)
+    count_before = np.arange(n) - group_start
+    rate = np.empty(n)
+    rate[order] = (likes_before + 1.0) / (count_before + 2.0)
     table = pa.table(
         {
             "user": stream.column("user").raw(0, n),
             "item": stream.column("item").raw(0, n),
             "timestamp": stream.timestamps[:n],
             "label": stream.labels[:n].astype(np.int64),
-            # load_movielens keeps it in decades, clipped to [-1, 10]: back to years
-            "movie_age": np.round(stream.dense[:n, DENSE.index("movie_age")] * 10.0, 2),
+            "item_like_rate": np.round(rate, 4),
         }
     )
     csv.write_csv(table, path)
@@ -195,15 +209,15 @@ def _poisons(root: Path, quick: bool, screenshot: Path | None) -> dict[str, Any]
     bootstrap = kafka_bootstrap("gate")
     scale = 4 if quick else 1
     events, start, stop = POISON_EVENTS // scale, POISON_START // scale, POISON_STOP // scale
-    aged = root / "movielens-age.csv"
-    movielens_with_age(aged, events)
+    rated = root / "movielens-rate.csv"
+    movielens_with_rate(rated, events)
     cases = {
         "labels flipped": (["--data", "movielens"], f"labels:{start}:{stop}", []),
         "item ids scrambled": (["--data", "movielens"], f"ids:item:{start}:{stop}", []),
-        "movie age x1000": (
-            ["--data", str(aged), "--dense-cols", "movie_age"],
-            f"dense:movie_age*1000:{start}:{stop}",
-            ["--features", "user,item", "--dense-features", "movie_age"],
+        "like rate in percent": (
+            ["--data", str(rated), "--dense-cols", "item_like_rate"],
+            f"dense:item_like_rate*100:{start}:{stop}",
+            ["--features", "user,item", "--dense-features", "item_like_rate:raw"],
         ),
     }
     out: dict[str, Any] = {}
@@ -260,7 +274,10 @@ def _detection(store: Path, start: int, stop: int) -> dict[str, Any]:
     first_hold = next((v for v in holds if overlaps(window(v))), None)
     unproven = {v for v in evaluations if overlaps(trained(v)) and overlaps(window(v))}
     healed = sorted(v for v in released if trained(v)[0] >= stop)
-    elsewhere = [v for v in holds if not overlaps(window(v)) and not overlaps(trained(v))]
+    # before the poison: false holds; after it, a version still carrying what the poison taught
+    # (judged on the healed stream, it is worse than the released one) is held while recovering
+    before_poison = [v for v in holds if window(v)[1] <= start]
+    recovering = [v for v in holds if window(v)[0] >= stop]
     # The hold is decided when the snapshot after the held version arrives: that many events
     # after the first poisoned one (seconds: at a stream's rate, plus the evaluation's time).
     events = None if first_hold is None else seen.get(first_hold + 1, seen[first_hold]) - start
@@ -273,7 +290,8 @@ def _detection(store: Path, start: int, stop: int) -> dict[str, Any]:
         "detection_s_at_2000_per_s": None if events is None else round(events / 2000, 1),
         "unproven_released": sorted(unproven & released),
         "first_release_after": healed[0] if healed else None,
-        "holds_elsewhere": elsewhere,
+        "held_before": before_poison,
+        "held_recovering": recovering,
         "reasons": {v: evaluations[v].reason for v in holds},
         "made_at": datetime.now().isoformat(timespec="seconds"),
     }
@@ -318,5 +336,6 @@ def _print(doc: dict[str, Any]) -> None:
             f"{p['detection_events'] or 0:,} events after the poison began: "
             f"{p['detection_s_at_2000_per_s']} s at 2,000 events/s); unproven versions released: "
             f"{p['unproven_released'] or 'none'}; released again from v{p['first_release_after']}"
-            f"; holds elsewhere: {p['holds_elsewhere'] or 'none'}"
+            f"; held before it: {p['held_before'] or 'none'}, while recovering: "
+            f"{p['held_recovering'] or 'none'}"
         )

@@ -181,7 +181,8 @@ class ReleaseGate:
             return None
         labels = np.concatenate([np.asarray(b.labels, dtype=np.float64) for b in fresh])
         positives = int((labels > 0.5).sum())
-        if len(labels) < self.config.min_examples or positives in (0, len(labels)):
+        fewest = min(positives, len(labels) - positives)
+        if len(labels) < self.config.min_examples or fewest < self.config.min_class:
             log.debug(
                 "release gate: v%d not judged: %d examples, %d positives after it",
                 ref.version,
@@ -298,7 +299,7 @@ class ReleaseGate:
                 previous,
                 (self.config.probation_windows if previous is not None else 0),
             )
-            self._reference = Reference.of(evaluation.candidate)
+            self._reference = Reference.of(evaluation.candidate, evaluation.window)
             self._reference_of = ref.version
         log.debug(
             "release gate: v%d %s: %s",
@@ -381,7 +382,7 @@ class ReleaseGate:
         evaluation = self.log.evaluation(version)
         if evaluation is None:
             return None, None
-        return Reference.of(evaluation.candidate), version
+        return Reference.of(evaluation.candidate, evaluation.window), version
 
 
 def _clone(module: nn.Module) -> nn.Module:

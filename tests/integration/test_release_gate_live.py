@@ -6,7 +6,7 @@ train --gate` trains on them, and from the store's records and evaluations:
 - the poison is caught at once: the first version judged on poisoned events is held;
 - release resumes once the stream heals: a version trained after the stretch is released.
 
-MovieLens-1M's first 240,000 ratings (for the numeric input: with the movie's age at the rating
+MovieLens-1M's first 240,000 ratings (for the numeric input: with the item's like rate so far
 as each event's dense field), 20,000 events a version, the gate's default rules.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gate import movielens_with_age
+from bench.gate import movielens_with_rate
 from publisher.read.catalog import Catalog
 from publisher.release import ReleaseLog
 from publisher.store import FileStore
@@ -51,11 +51,11 @@ def test_a_poisoned_stretch_is_held_and_release_resumes(
 ) -> None:
     topic = f"kafka://{services.kafka_bootstrap}/{unique_name}?partitions=1"
     if poison == "dense":
-        data = tmp_path / "movielens-age.csv"
-        movielens_with_age(data, EVENTS)
-        source = ["--data", str(data), "--dense-cols", "movie_age"]
-        spec = f"dense:movie_age*1000:{START}:{STOP}"
-        features = ["--features", "user,item", "--dense-features", "movie_age"]
+        data = tmp_path / "movielens-rate.csv"
+        movielens_with_rate(data, EVENTS)
+        source = ["--data", str(data), "--dense-cols", "item_like_rate"]
+        spec = f"dense:item_like_rate*100:{START}:{STOP}"  # a rate sent in percent
+        features = ["--features", "user,item", "--dense-features", "item_like_rate:raw"]
     else:
         source = ["--data", "movielens"]
         spec = f"labels:{START}:{STOP}" if poison == "labels" else f"ids:item:{START}:{STOP}"
