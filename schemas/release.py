@@ -27,6 +27,9 @@ from schemas.errors import ManifestError
 from schemas.manifest import check_model_name, parse_created_at
 from schemas.store_keys import check_key, is_manifest_key, is_release_record_key
 
+#: the manifest `metrics` entry (1.0) of a version a release gate will judge: a released
+#: follower serves nothing of such a model before RELEASED exists (docs/FORMAT.md 9.4).
+RELEASE_GATE_METRIC = "release_gate"
 #: the most bytes a reader takes for RELEASED, a release record or an evaluation.
 MAX_RELEASE_BYTES = 64 * 1024
 MAX_REASON_CHARS = 1024

@@ -5,7 +5,8 @@
 
 - `released` (the default): the version RELEASED names, which the release gate (or a person)
   moves forward or back; a model that has never had a RELEASED is served at HEAD, as before the
-  gate existed.
+  gate existed, unless its versions say a gate judges them (`release_gate` in the manifest's
+  metrics): then nothing is served until the gate releases a version.
 - `candidate`: HEAD's, every committed version as it comes (a slice of the fleet serving
   candidates before they are released).
 
@@ -19,6 +20,7 @@ from typing import Final, Literal
 
 from publisher.read.catalog import Catalog, VersionRef
 from publisher.release.log import ReleaseLog
+from schemas.release import RELEASE_GATE_METRIC
 
 Track = Literal["released", "candidate"]
 TRACKS: Final[tuple[Track, ...]] = ("released", "candidate")
@@ -51,8 +53,19 @@ class TrackTarget:
         return found
 
     def read(self) -> VersionRef | None:
-        """The version to serve now; None when nothing is committed."""
-        return self.released() or self.catalog.latest()
+        """The version to serve now; None when nothing is committed, or (released track) when
+        the model's versions are judged by a release gate that has released none yet."""
+        released = self.released()
+        if released is not None:
+            return released
+        head = self.catalog.latest()
+        if (
+            head is not None
+            and self.track == "released"
+            and head.manifest.metrics.get(RELEASE_GATE_METRIC) == 1.0
+        ):
+            return None  # a gated model: nothing is served before the gate releases it
+        return head
 
     def wants(self, version: int, current: int | None) -> bool:
         """Whether a target `version` means a move from `current`."""

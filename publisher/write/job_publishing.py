@@ -79,6 +79,7 @@ from publisher.write.version_writer import (
 from schemas.announcement import Announcement
 from schemas.errors import BadDataError, CheckNRunError, UnavailableError
 from schemas.manifest import Manifest, Position, RankPosition, ServedLoss
+from schemas.release import RELEASE_GATE_METRIC
 from schemas.tensor_blob import encode_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -525,7 +526,7 @@ class JobPublisher:
             policy=snapshot.policy,
             position=position,
             model_config=snapshot.model_config,
-            metrics=_version_metrics(snapshot),
+            metrics=_version_metrics(snapshot, gated=self.served.gate is not None),
             served_loss=served_loss,
         )
         if self.solo:
@@ -587,12 +588,17 @@ class CheckpointPublisher(JobPublisher):
         )
 
 
-def _version_metrics(snapshot: Snapshot) -> dict[str, float]:
+def _version_metrics(snapshot: Snapshot, *, gated: bool = False) -> dict[str, float]:
     """The manifest's metrics: the snapshot's, with `snapshots` when it folds several (its
-    window metrics are then the newest one's; docs/FORMAT.md section 3)."""
-    if snapshot.merged <= 1:
-        return dict(snapshot.metrics)
-    return {**snapshot.metrics, "snapshots": float(snapshot.merged)}
+    window metrics are then the newest one's; docs/FORMAT.md section 3), and `release_gate`
+    1.0 when a release gate judges the model's versions (FORMAT.md 9.4: released followers then
+    wait for RELEASED instead of serving HEAD)."""
+    metrics = dict(snapshot.metrics)
+    if snapshot.merged > 1:
+        metrics["snapshots"] = float(snapshot.merged)
+    if gated:
+        metrics[RELEASE_GATE_METRIC] = 1.0
+    return metrics
 
 
 def _int(value: JSONValue) -> int:

@@ -105,3 +105,27 @@ def test_a_move_to_an_uncommitted_version_is_refused(store: Path) -> None:
     with pytest.raises(Exception, match="not the committed v5"):
         log.move(forged, action="release", by="person", reason="x")
     assert log.released() is None
+
+
+def test_a_gated_model_is_not_served_before_its_first_release(tmp_path: Path) -> None:
+    from publisher.release import GateConfig
+
+    trainer = ExampleTrainer("two_tower")
+    url = f"file://{tmp_path}"
+    with trainer.checkpointer(
+        url, interval_samples=256, codec="int4", gate=GateConfig(), score=trainer.score
+    ) as ckpt:
+        trainer.train(4, ckpt)  # one version: not judged yet (its window is still open)
+    fs = FileStore(tmp_path)
+    v1 = Catalog(fs, "two_tower").find(1)
+    assert v1.manifest.metrics["release_gate"] == 1.0
+    assert ReleaseLog(fs, "two_tower").released() is None
+    with _served(tmp_path, "candidate", until=1) as candidate:
+        assert candidate.version == 1
+    released = Subscriber(url, "two_tower", TensorSink(), options=replace(FAST, track="released"))
+    with released:
+        released.start()
+        time.sleep(0.3)  # several polls: nothing may be served
+        assert released.version is None
+        ReleaseLog(fs, "two_tower").move(v1, action="release", by="person", reason="by hand")
+        assert released.wait_for_version(timeout=5.0) == 1
