@@ -18,7 +18,7 @@ validated by frozen pydantic models that forbid extra fields, like the manifest.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, TypeVar
+from typing import ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -47,6 +47,24 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+class _Document(_Frozen):
+    """A stored document: its bytes, and parsed back from them (`_WHAT` names it in errors)."""
+
+    _WHAT: ClassVar[str] = "document"
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Self:
+        return _parse_release(cls, data, cls._WHAT)
+
+    @field_validator("created_at", mode="before", check_fields=False)
+    @classmethod
+    def _created(cls, value: object) -> object:
+        return parse_created_at(value)
+
+
 def _check_keys(model: str, manifest: str, *records: str | None) -> None:
     try:
         check_model_name(model)
@@ -63,8 +81,10 @@ def _check_keys(model: str, manifest: str, *records: str | None) -> None:
             raise ValueError(f"{record!r} is not a release record key of {model!r}")
 
 
-class Released(_Frozen):
+class Released(_Document):
     """The RELEASED pointer: the version the fleet serves by default (docs/FORMAT.md 9.1)."""
+
+    _WHAT: ClassVar[str] = "RELEASED"
 
     schema_version: Literal[1] = 1
     model: str
@@ -78,16 +98,11 @@ class Released(_Frozen):
         _check_keys(self.model, self.manifest, self.record)
         return self
 
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
 
-    @classmethod
-    def from_json(cls, data: bytes) -> Released:
-        return _parse_release(cls, data, "RELEASED")
-
-
-class ReleaseRecord(_Frozen):
+class ReleaseRecord(_Document):
     """One move of RELEASED (docs/FORMAT.md 9.2)."""
+
+    _WHAT: ClassVar[str] = "release record"
 
     schema_version: Literal[1] = 1
     model: str
@@ -101,11 +116,6 @@ class ReleaseRecord(_Frozen):
     previous_version: int | None = Field(ge=1)
     created_at: datetime
 
-    @field_validator("created_at", mode="before")
-    @classmethod
-    def _created(cls, value: object) -> object:
-        return parse_created_at(value)
-
     @model_validator(mode="after")
     def _consistent(self) -> ReleaseRecord:
         _check_keys(self.model, self.manifest, self.previous)
@@ -115,13 +125,6 @@ class ReleaseRecord(_Frozen):
                 "record: only the first has none"
             )
         return self
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> ReleaseRecord:
-        return _parse_release(cls, data, "release record")
 
 
 class Interval(_Frozen):
@@ -201,9 +204,11 @@ class GateRules(_Frozen):
         return self
 
 
-class Evaluation(_Frozen):
+class Evaluation(_Document):
     """Version `version` scored on the window of events after it, next to the released version,
     and the gate's decision (docs/FORMAT.md 9.3)."""
+
+    _WHAT: ClassVar[str] = "evaluation"
 
     schema_version: Literal[1] = 1
     model: str
@@ -226,11 +231,6 @@ class Evaluation(_Frozen):
     gate: GateRules
     created_at: datetime
 
-    @field_validator("created_at", mode="before")
-    @classmethod
-    def _created(cls, value: object) -> object:
-        return parse_created_at(value)
-
     @model_validator(mode="after")
     def _consistent(self) -> Evaluation:
         _check_keys(self.model, self.manifest)
@@ -242,13 +242,6 @@ class Evaluation(_Frozen):
         if (self.drift is not None or self.auc_drift is not None) and not compared:
             raise ValueError("a drift without a `baseline`")
         return self
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json().encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Evaluation:
-        return _parse_release(cls, data, "evaluation")
 
 
 _R = TypeVar("_R", bound=_Frozen)

@@ -27,10 +27,8 @@ def _judge(
     released: np.ndarray | None,
     *,
     reference: Reference | None = None,
-    probation: tuple[int, int, np.ndarray] | None = None,
-    config: GateConfig = RULES,
 ) -> Evaluation:
-    return _verdict(labels, candidate, released, reference, probation, config).evaluation
+    return _verdict(labels, candidate, released, reference).evaluation
 
 
 def _verdict(
