@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 from publisher.write.policies import ServedLossCodecRule, auto_codec_rule
 from trainer.errors import CheckpointError
@@ -14,13 +15,15 @@ def resolve_auto_codec(
     served_loss_samples: int | None,
     served_loss_budget: float | None,
     expected_restores: float | None,
+    judge: Literal["sure", "estimate"] = "sure",
 ) -> tuple[str | Mapping[str, str], ServedLossCodecRule | None, int | None]:
     """(codec, rule, served_loss_samples): for "auto", the rule from the bit rule's floor for
-    `expected_restores` within `served_loss_budget`, the floor as the codec, and the default
+    `expected_restores` within `served_loss_budget` (read as `judge` says: the loss beyond the
+    window's noise, or its point estimate), the floor as the codec, and the default
     window when no sample count was given; any other codec as it is, without a rule (and
     CheckpointError if a budget or restores were given for it)."""
     if codec == "auto":
-        rule = auto_codec_rule(expected_restores, served_loss_budget)
+        rule = auto_codec_rule(expected_restores, served_loss_budget, judge)
         if served_loss_samples is None:
             served_loss_samples = DEFAULT_SCORED_SAMPLES
         return rule.codec, rule, served_loss_samples  # the floor, where it starts

@@ -162,6 +162,7 @@ class IncrementalCheckpointer:
         score: Score | None = None,
         model_factory: ModelFactory | None = None,
         served_loss_budget: float | None = None,
+        served_loss_judge: Literal["sure", "estimate"] = "sure",
         expected_restores: float | None = None,
         codec_rule: ServedLossCodecRule | None = None,
         gate: GateConfig | None = None,
@@ -218,6 +219,8 @@ class IncrementalCheckpointer:
                 `model_factory` (for any model but the DLRM) and `score` must be module-level
                 functions, pickled by reference.
             served_loss_budget / expected_restores: `codec="auto"`'s budget and floor.
+            served_loss_judge: what the budget is judged against: "sure" (the loss beyond the
+                window's noise, its 95% interval's low end) or "estimate" (the point estimate).
             codec_rule: a rule of your own instead of the one `codec="auto"` builds (the
                 capture then starts from `codec`).
             gate: the release gate's rules (docs/RELEASE.md): each version is scored, as
@@ -239,7 +242,7 @@ class IncrementalCheckpointer:
         if codec == "auto" and codec_rule is not None:
             raise CheckpointError("codec='auto' builds its own codec_rule: give one of them")
         codec, auto_rule, served_loss_samples = resolve_auto_codec(
-            codec, served_loss_samples, served_loss_budget, expected_restores
+            codec, served_loss_samples, served_loss_budget, expected_restores, served_loss_judge
         )
         codec_rule = auto_rule or codec_rule
         if gate is not None and served_loss_samples is None:

@@ -138,6 +138,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             # --codec auto: the checkpointer builds the rule (publisher/write/policies.py).
             expected_restores=args.expected_restores if auto else None,
             served_loss_budget=args.served_loss_budget if auto else None,
+            served_loss_judge=args.served_loss_judge,
             served_loss_samples=args.served_loss_samples,
             interval_samples=interval_samples,
             interval_seconds=args.interval_seconds,

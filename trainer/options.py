@@ -91,6 +91,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         "fp32 model (default %(default)g, i.e. 0.01%%)",
     )
     p.add_argument(
+        "--served-loss-judge",
+        choices=("sure", "estimate"),
+        default="sure",
+        help="--codec auto: judge the budget against the loss beyond the window's noise "
+        "(sure: the low end of its 95%% interval; the default) or its point estimate",
+    )
+    p.add_argument(
         "--served-loss-samples",
         type=_non_negative_int,
         default=DEFAULT_SCORED_SAMPLES,

@@ -304,11 +304,15 @@ def make_policy(name: str, table_rows: Mapping[str, int], **params: float) -> Po
 
 
 def auto_codec_rule(
-    expected_restores: float | None = None, budget: float | None = None
+    expected_restores: float | None = None,
+    budget: float | None = None,
+    judge: Literal["sure", "estimate"] = "sure",
 ) -> ServedLossCodecRule:
     """`--codec auto`'s rule: from the bit rule's codec for `expected_restores` (default
-    DEFAULT_EXPECTED_RESTORES), stepping within `budget` (default SERVED_LOSS_BUDGET); the
-    same for one process and for a sharded job."""
+    DEFAULT_EXPECTED_RESTORES), stepping within `budget` (default SERVED_LOSS_BUDGET) as `judge`
+    reads a loss; the same for one process and for a sharded job."""
     restores = DEFAULT_EXPECTED_RESTORES if expected_restores is None else expected_restores
     floor = codec_for_expected_restores(restores)
-    return ServedLossCodecRule(floor, budget=SERVED_LOSS_BUDGET if budget is None else budget)
+    return ServedLossCodecRule(
+        floor, budget=SERVED_LOSS_BUDGET if budget is None else budget, judge=judge
+    )

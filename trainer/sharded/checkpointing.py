@@ -55,7 +55,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -151,6 +151,7 @@ class ShardedCheckpointer:
         codec: str = "int4",
         served_loss_samples: int | None = None,
         served_loss_budget: float | None = None,
+        served_loss_judge: Literal["sure", "estimate"] = "sure",
         expected_restores: float | None = None,
         interval_samples: int | None = None,
         interval_seconds: float | None = None,
@@ -209,7 +210,7 @@ class ShardedCheckpointer:
                 each version on the samples of its slices after it.
         """
         resolved, codec_rule, served_loss_samples = resolve_auto_codec(
-            codec, served_loss_samples, served_loss_budget, expected_restores
+            codec, served_loss_samples, served_loss_budget, expected_restores, served_loss_judge
         )
         if gate is not None and served_loss_samples is None:
             served_loss_samples = DEFAULT_SCORED_SAMPLES

@@ -157,6 +157,7 @@ def _train_rank(
         codec=args.codec,
         served_loss_samples=args.served_loss_samples,
         served_loss_budget=args.served_loss_budget if args.codec == "auto" else None,
+        served_loss_judge=args.served_loss_judge,
         expected_restores=args.expected_restores if args.codec == "auto" else None,
         interval_samples=interval_samples,
         interval_seconds=args.interval_seconds,

@@ -115,7 +115,8 @@ def test_codec_auto_measures_every_version_as_served_and_steps_up_over_budget(
     # a budget no codec but fp32 meets: the rule must step up on the rows of both ranks
     command = _command(tmp_path, 6_400, "--interval-samples", "1280")
     command = [c for c in command if c not in ("--codec", "fp32")]  # the default: auto
-    command += ["--served-loss-budget", "1e-9"]
+    # judged on the point estimate: this small window cannot tell int4's loss from noise
+    command += ["--served-loss-budget", "1e-9", "--served-loss-judge", "estimate"]
     done = subprocess.run(
         command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
     )
