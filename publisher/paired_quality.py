@@ -123,12 +123,10 @@ def auc_interval(
         return None
     value, v10, v01 = _components(np.asarray(scores, dtype=np.float64).reshape(-1), positive)
     if block > 1:
-        dev = np.zeros(len(y))
-        dev[positive] = (v10 - value) / m
-        dev[~positive] = (v01 - value) / n
-        sums = np.bincount(np.arange(len(y)) // block, weights=dev)
-        count = len(sums)
-        var = count / (count - 1) * float(sums @ sums) if count > 1 else 0.0
+        contribution = np.zeros(len(y))
+        contribution[positive] = (v10 - value) / m
+        contribution[~positive] = (v01 - value) / n
+        var = _cluster_sum_sq(contribution, block)
     else:
         var = (float(v10.var(ddof=1)) / m if m > 1 else 0.0) + (
             float(v01.var(ddof=1)) / n if n > 1 else 0.0
@@ -160,16 +158,10 @@ def delong_auc_diff(
     if block > 1:
         # Obuchowski (1997)'s clustered DeLong on the differences of the components: per
         # cluster, its positives' and its negatives' deviations from the difference.
-        clusters = np.arange(len(y)) // block
-        dx = np.zeros(len(y))
-        dy = np.zeros(len(y))
-        dx[positive] = (v10_a - v10_b) - diff
-        dy[~positive] = (v01_a - v01_b) - diff
-        x = np.bincount(clusters, weights=dx)
-        z = np.bincount(clusters, weights=dy)
-        count = len(x)
-        scale = count / (count - 1) if count > 1 else 0.0
-        var = scale * (float(x @ x) / m**2 + float(z @ z) / n**2 + 2.0 * float(x @ z) / (m * n))
+        contribution = np.zeros(len(y))
+        contribution[positive] = ((v10_a - v10_b) - diff) / m
+        contribution[~positive] = ((v01_a - v01_b) - diff) / n
+        var = _cluster_sum_sq(contribution, block)
     else:
         var = _pair_var(v10_a, v10_b) / m + _pair_var(v01_a, v01_b) / n
     half = normal_quantile(level) * math.sqrt(max(var, 0.0))
@@ -196,11 +188,16 @@ def _blocked_var(deviations: npt.NDArray[np.float64], block: int) -> float:
         return 0.0
     if block <= 1:
         return float(deviations.var(ddof=1)) / n
-    sums = np.bincount(np.arange(n) // block, weights=deviations)
+    return _cluster_sum_sq(deviations, block) / n**2
+
+
+def _cluster_sum_sq(contribution: npt.NDArray[np.float64], block: int) -> float:
+    """C/(C-1) times the sum, over the C clusters (runs of `block` consecutive examples), of
+    the square of the sum of their examples' `contribution`s: the cluster-robust variance of a
+    statistic that is the sum of those contributions (0 with a single cluster)."""
+    sums = np.bincount(np.arange(len(contribution)) // block, weights=contribution)
     count = len(sums)
-    if count < 2:
-        return 0.0
-    return count / (count - 1) * float(sums @ sums) / n**2
+    return count / (count - 1) * float(sums @ sums) if count > 1 else 0.0
 
 
 def _pair_var(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
