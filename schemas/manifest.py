@@ -593,7 +593,7 @@ class Manifest(_Frozen):
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         """Parse and validate manifest bytes; raise ManifestError on anything wrong."""
-        return _parse(cls, data, MAX_MANIFEST_BYTES, "manifest")
+        return parse_document(cls, data, MAX_MANIFEST_BYTES, "manifest")
 
 
 class Head(_Frozen):
@@ -620,7 +620,7 @@ class Head(_Frozen):
 
     @classmethod
     def from_json(cls, data: bytes) -> Head:
-        return _parse(cls, data, MAX_HEAD_BYTES, "HEAD")
+        return parse_document(cls, data, MAX_HEAD_BYTES, "HEAD")
 
 
 class Lease(_Frozen):
@@ -637,7 +637,7 @@ class Lease(_Frozen):
 
     @classmethod
     def from_json(cls, data: bytes) -> Lease:
-        return _parse(cls, data, MAX_LEASE_BYTES, "lease")
+        return parse_document(cls, data, MAX_LEASE_BYTES, "lease")
 
 
 def _without_null(data: dict[str, Any], field: str) -> dict[str, Any]:
@@ -654,14 +654,19 @@ def _tensor_bytes(blob: BlobRef | None, tensors: int | None) -> int:
     return blob.size if tensors is None else tensors
 
 
-def _parse(cls: type[_M], data: bytes, cap: int, what: str) -> _M:
+def parse_document(
+    cls: type[_M], data: bytes, cap: int, what: str, error: type[ManifestError] = ManifestError
+) -> _M:
+    """A stored JSON document (`what`, at most `cap` bytes) as `cls`: the JSON rule of every
+    document, then `cls`'s validation; `error` for anything wrong (the manifest's, HEAD's and
+    the lease's; the release gate's documents, schemas/release.py)."""
     if len(data) > cap:
-        raise ManifestError(f"{what} is {len(data)} bytes; the cap is {cap}")
-    strict_json.loads(data, ManifestError, what)  # the rules pydantic's own parser lacks
+        raise error(f"{what} is {len(data)} bytes; the cap is {cap}")
+    strict_json.loads(data, error, what)  # the rules pydantic's own parser lacks
     try:
         return cls.model_validate_json(data)
     except ValidationError as exc:
-        raise ManifestError(f"invalid {what}: {exc}") from exc
+        raise error(f"invalid {what}: {exc}") from exc
 
 
 def utc_now() -> datetime:

@@ -18,13 +18,12 @@ validated by frozen pydantic models that forbid extra fields, like the manifest.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import ClassVar, Literal, Self, TypeVar
+from typing import ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas import strict_json
 from schemas.errors import ManifestError
-from schemas.manifest import check_model_name, parse_created_at
+from schemas.manifest import check_model_name, parse_created_at, parse_document
 from schemas.store_keys import check_key, is_manifest_key, is_release_record_key
 
 #: the manifest `metrics` entry (1.0) of a version a release gate will judge: a released
@@ -57,7 +56,7 @@ class _Document(_Frozen):
 
     @classmethod
     def from_json(cls, data: bytes) -> Self:
-        return _parse_release(cls, data, cls._WHAT)
+        return parse_document(cls, data, MAX_RELEASE_BYTES, cls._WHAT, ReleaseFormatError)
 
     @field_validator("created_at", mode="before", check_fields=False)
     @classmethod
@@ -242,16 +241,3 @@ class Evaluation(_Document):
         if (self.drift is not None or self.auc_drift is not None) and not compared:
             raise ValueError("a drift without a `baseline`")
         return self
-
-
-_R = TypeVar("_R", bound=_Frozen)
-
-
-def _parse_release(cls: type[_R], data: bytes, what: str) -> _R:
-    if len(data) > MAX_RELEASE_BYTES:
-        raise ReleaseFormatError(f"{what} is {len(data)} bytes; the cap is {MAX_RELEASE_BYTES}")
-    strict_json.loads(data, ReleaseFormatError, what)  # the rules pydantic's own parser lacks
-    try:
-        return cls.model_validate_json(data)
-    except ValidationError as exc:
-        raise ReleaseFormatError(f"invalid {what}: {exc}") from exc
