@@ -156,12 +156,16 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0 (else a usage error, exit status 2)."""
+def non_negative_number(text: str) -> float:
+    """An argparse type: a finite number >= 0 (else a usage error, exit status 2)."""
     value = float(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+#: seconds, a finite number >= 0.
+non_negative_seconds = non_negative_number
 
 
 def add_store_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:

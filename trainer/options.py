@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from publisher.cli import CommandError, add_store_args, positive_int
+from publisher.cli import CommandError, add_store_args, non_negative_number, positive_int
 from publisher.id_map import ID_SPACES
 from publisher.release.rules import GateConfig
 from publisher.write.policies import (
@@ -356,21 +356,21 @@ def add_gate_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gate-auc-tolerance",
-        type=_non_negative_float,
+        type=non_negative_number,
         default=defaults.auc_tolerance,
         help="hold a version whose AUC is surely below the released one's by more than this "
         "(default %(default)g)",
     )
     g.add_argument(
         "--gate-logloss-tolerance",
-        type=_non_negative_float,
+        type=non_negative_number,
         default=defaults.logloss_tolerance,
         help="hold a version whose log loss is surely above the released one's by more than "
         "this share of it (default %(default)g)",
     )
     g.add_argument(
         "--gate-drift-tolerance",
-        type=_non_negative_float,
+        type=non_negative_number,
         default=defaults.drift_tolerance,
         help="hold every version while the released one's log loss on the events is surely "
         "above its reference by more than this share: labels, ids or inputs broken upstream "
@@ -378,7 +378,7 @@ def add_gate_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gate-drift-auc-tolerance",
-        type=_non_negative_float,
+        type=non_negative_number,
         default=defaults.drift_auc_tolerance,
         help="... or its AUC surely below its reference by more than this (default %(default)g)",
     )
@@ -420,13 +420,6 @@ def gate_config(args: argparse.Namespace) -> GateConfig | None:
         )
     except ValueError as exc:
         raise CommandError(f"--gate: {exc}") from exc
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def _bounds(text: str) -> tuple[float, float]:
