@@ -157,20 +157,12 @@ class ReleaseGate:
         self._reference: Reference | None = None
         #: the last window was away from the released version's reference (rules.py).
         self._drifting = False
-        #: the reference belongs to this released version.
-        self._reference_of: int | None = None
-        #: what the last `evaluate` did (None: nothing judged).
-        self.last: GateOutcome | None = None
 
     # --- the publisher's calls --------------------------------------------------------------
 
     def committed(self, ref: VersionRef) -> None:
         """The meter's copy holds `ref` as served (its version was just committed)."""
         self._pending = ref
-
-    def forget(self) -> None:
-        """The copy moved on without a commit (a failed publish): nothing to judge."""
-        self._pending = None
 
     def evaluate(self, meter: ServedLossMeter, fresh: Sequence[KeptSample]) -> GateOutcome | None:
         """Judge the pending version on `fresh` (samples it never trained on) while the meter's
@@ -201,9 +193,7 @@ class ReleaseGate:
                 exc,
             )
             return None
-        outcome = replace(outcome, cpu_s=time.thread_time() - started_cpu)
-        self.last = outcome
-        return outcome
+        return replace(outcome, cpu_s=time.thread_time() - started_cpu)
 
     # --- one version -------------------------------------------------------------------------
 
@@ -266,11 +256,10 @@ class ReleaseGate:
             current = self._move(target, "rollback", verdict.rollback, current)
             rolled_back_to = good.version
             self._released, self._good, self._probation_left = good, None, 0
-            self._reference, self._reference_of = self._reference_of_version(good.version)
+            self._reference = self._reference_of(good.version)
             probation_doc = verdict.evaluation.probation
-            verdict = verdict_against(
-                (good.version, _probabilities(meter, good.module, fresh)), None
-            )
+            assert probation is not None  # a rollback is a failed probation: G was scored
+            verdict = verdict_against((good.version, probation[2]), None)
             if probation_doc is not None:
                 verdict = Verdict(
                     verdict.evaluation.model_copy(update={"probation": probation_doc}),
@@ -284,7 +273,7 @@ class ReleaseGate:
                 self._good = None  # its probation is over: that copy is not needed any more
         self._drifting = verdict.evaluation.drifting
         if verdict.next_reference is not None and self._released is not None:
-            self._reference, self._reference_of = verdict.next_reference, self._released.version
+            self._reference = verdict.next_reference
         evaluation = verdict.evaluation
         if not self.log.write_evaluation(evaluation):
             log.info("release gate: v%d was judged before (its first record stands)", ref.version)
@@ -300,7 +289,6 @@ class ReleaseGate:
                 (self.config.probation_windows if previous is not None else 0),
             )
             self._reference = Reference.of(evaluation.candidate, evaluation.window)
-            self._reference_of = ref.version
         log.debug(
             "release gate: v%d %s: %s",
             ref.version,
@@ -350,7 +338,7 @@ class ReleaseGate:
         )
         previous = self._released
         self._released = _Held(current.version, self._build(meter, current.version, previous))
-        self._reference, self._reference_of = self._reference_of_version(current.version)
+        self._reference = self._reference_of(current.version)
         self._drifting = self._last_drifting()
         self._good, self._probation_left = None, 0
         if current.record.action == "release":
@@ -376,13 +364,11 @@ class ReleaseGate:
         newest = self.log.evaluation(judged[-1])
         return newest is not None and newest.drifting
 
-    def _reference_of_version(self, version: int) -> tuple[Reference | None, int | None]:
+    def _reference_of(self, version: int) -> Reference | None:
         """A released version's drift reference: its own evaluation's figures (None if it has
         none, e.g. released by a person before it was judged)."""
         evaluation = self.log.evaluation(version)
-        if evaluation is None:
-            return None, None
-        return Reference.of(evaluation.candidate, evaluation.window), version
+        return None if evaluation is None else Reference.of(evaluation.candidate, evaluation.window)
 
 
 def _clone(module: nn.Module) -> nn.Module:
