@@ -18,7 +18,7 @@ A version's status, from the release records (newest first) and its evaluation:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
@@ -55,10 +55,13 @@ class VersionRelease:
         }
 
 
-def release_statuses(log: ReleaseLog, versions: Iterable[int]) -> dict[int, VersionRelease]:
-    """Each of `versions`' status (see the module docstring)."""
+def release_statuses(
+    log: ReleaseLog, versions: Iterable[int], records: Sequence[ReleaseRecord] | None = None
+) -> dict[int, VersionRelease]:
+    """Each of `versions`' status (see the module docstring); `records`: the log's, newest
+    first, when the caller has read them already."""
     wanted = sorted(set(versions))
-    records = list(log.records())
+    records = list(log.records()) if records is None else records
     latest = records[0] if records else None
     current = None if latest is None else latest.version
     released: dict[int, ReleaseRecord] = {}  # the latest record that released each version
@@ -159,8 +162,8 @@ def release_history(log: ReleaseLog, last: int = 60) -> ReleaseHistory:
     if head is None:
         return ReleaseHistory(log.model, None, None, [])
     refs = log.catalog.history(since=max(0, head.version - last)).versions
-    statuses = release_statuses(log, [r.version for r in refs])
-    current = log.released()
+    records = list(log.records())
+    statuses = release_statuses(log, [r.version for r in refs], records)
     rows = [
         HistoryRow(
             r.version,
@@ -171,6 +174,4 @@ def release_history(log: ReleaseLog, last: int = 60) -> ReleaseHistory:
         )
         for r in refs
     ]
-    return ReleaseHistory(
-        log.model, head.version, None if current is None else current.version, rows
-    )
+    return ReleaseHistory(log.model, head.version, records[0].version if records else None, rows)
