@@ -1,7 +1,8 @@
 """`train` options a sharded job honours as one process does: `--interval-seconds` (each rank's
 clock votes, every rank checkpoints at the same step), SIGTERM on a file (one final version,
 exit 0), the training metrics of the job's samples in every version's manifest, and `--codec
-auto` (rank 0 measures each version as served on every rank's rows and picks its codec)."""
+auto` (rank 0 measures each version as served on every rank's rows and picks its codec), and
+`--gate` (rank 0 judges each version and moves RELEASED)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from publisher.read.catalog import Catalog
+from publisher.release import ReleaseLog
 from publisher.store import FileStore
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -132,3 +134,30 @@ def test_codec_auto_measures_every_version_as_served_and_steps_up_over_budget(
         assert len({t.codec for t in manifest.tables}) == 1
     codecs = {manifest.tables[0].codec for manifest in manifests}
     assert codecs - {"int4"}, codecs  # stepped up from the floor at least once
+
+
+def test_the_release_gate_judges_a_jobs_versions_on_rank_0(tmp_path: Path) -> None:
+    # 2 ranks, a version every 1,280 job samples: rank 0 judges each on its slice's samples
+    # after it (640 a window) next to the released version, and moves RELEASED
+    command = _command(tmp_path, 6_400, "--interval-samples", "1280", "--gate")
+    command += ["--served-loss-samples", "2048"]
+    done = subprocess.run(
+        command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    fs = FileStore(tmp_path / "store")
+    refs = Catalog(fs, "m").versions()
+    assert len(refs) == 5 and all(r.manifest.metrics["release_gate"] == 1.0 for r in refs)
+    log = ReleaseLog(fs, "m")
+    judged = log.evaluated_versions()
+    assert judged == [1, 2, 3, 4]  # the last one's window is still open
+    for version in judged:
+        evaluation = log.evaluation(version)
+        assert evaluation is not None
+        ref = next(r for r in refs if r.version == version)
+        assert evaluation.manifest == ref.key
+        # rank 0's own samples after the version: its half of the job's
+        assert 0 < evaluation.window.examples <= 640
+    current = log.released()
+    assert current is not None and current.record.by == "gate"
+    assert log.evaluation(current.version).decision == "release"  # type: ignore[union-attr]
