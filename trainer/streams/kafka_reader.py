@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from typing import Any, cast
 from urllib.parse import parse_qsl
 
+from publisher.bus import confluent_config
 from publisher.bus.base import BusError, parse_kafka_url
 from publisher.child_process import parent_connection, receive, start_child
 from schemas.errors import BadDataError, UnavailableError
@@ -179,14 +180,16 @@ def topic_partitions(source: EventSource) -> tuple[int, ...]:
 
     kafka_log = KafkaLog(log)
     consumer = Consumer(
-        {
-            "bootstrap.servers": source.servers,
-            "group.id": "checknrun-trainer",  # required by librdkafka; never joined
-            "allow.auto.create.topics": False,
-            "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
-            "logger": kafka_log,
-            "error_cb": kafka_log.error,
-        }
+        confluent_config(
+            {
+                "bootstrap.servers": source.servers,
+                "group.id": "checknrun-trainer",  # required by librdkafka; never joined
+                "allow.auto.create.topics": False,
+                "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
+                "logger": kafka_log,
+                "error_cb": kafka_log.error,
+            }
+        )
     )
     try:
         return tuple(_partitions(consumer, source))
@@ -208,7 +211,7 @@ def topic_id(source: EventSource) -> str | None:
         "logger": kafka_log,
         "error_cb": kafka_log.error,
     }
-    admin = AdminClient(config)
+    admin = AdminClient(confluent_config(config))
     try:
         futures = admin.describe_topics(
             TopicCollection([source.topic]), request_timeout=METADATA_TIMEOUT_S
@@ -260,22 +263,24 @@ def _open_consumer(
 
     source = config.source
     consumer = Consumer(
-        {
-            "bootstrap.servers": source.servers,
-            "group.id": config.client_id,  # required by librdkafka; never joined (assign)
-            "client.id": config.client_id,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "error",  # a position the topic no longer holds is an error
-            "enable.partition.eof": False,
-            "fetch.max.bytes": 64 << 20,
-            "max.partition.fetch.bytes": 8 << 20,
-            "queued.min.messages": 200_000,
-            "allow.auto.create.topics": False,
-            "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
-            "logger": kafka_log,
-            "error_cb": kafka_log.error,
-        }
+        confluent_config(
+            {
+                "bootstrap.servers": source.servers,
+                "group.id": config.client_id,  # required by librdkafka; never joined (assign)
+                "client.id": config.client_id,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "error",  # a position the topic no longer holds is an error
+                "enable.partition.eof": False,
+                "fetch.max.bytes": 64 << 20,
+                "max.partition.fetch.bytes": 8 << 20,
+                "queued.min.messages": 200_000,
+                "allow.auto.create.topics": False,
+                "socket.connection.setup.timeout.ms": int(METADATA_TIMEOUT_S * 1000),
+                "logger": kafka_log,
+                "error_cb": kafka_log.error,
+            }
+        )
     )
     try:
         wanted = _partitions(consumer, source)
@@ -368,7 +373,8 @@ def _pump(
         if messages and not builder.records:
             first_at = time.monotonic()
         errors = list(map(Message.error, messages))
-        if errors.count(None) != len(errors):  # rare: keep the records, say the errors
+        # `is not None`: a KafkaError compared with None (`==`, list.count) raises SystemError.
+        if any(error is not None for error in errors):  # rare: keep the records, say the errors
             for error in errors:
                 if error is None:
                     continue

@@ -4,9 +4,13 @@ becomes a training batch (rows through the id space, dense inputs by LiveSpec.de
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+from typing import Any, cast
 
 import numpy as np
 import pytest
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from publisher.cli import CommandError
 from publisher.live_features import LiveFeature, LiveSpec
@@ -16,7 +20,8 @@ from trainer.options import add_live_args
 from trainer.streams.base import DataError
 from trainer.streams.event_columns import RawEventsBuilder
 from trainer.streams.kafka_events import KafkaEventStream, TopicRecreatedError
-from trainer.streams.kafka_reader import EventSource, EventStreamError
+from trainer.streams.kafka_log import KafkaLog
+from trainer.streams.kafka_reader import EventSource, EventStreamError, ReaderConfig, _pump
 
 SPEC = LiveSpec(
     features=(LiveFeature("user"), LiveFeature("item"), LiveFeature("genres", bag=True)),
@@ -118,3 +123,51 @@ def test_a_parsed_batch_becomes_rows_and_dense_inputs() -> None:
     assert np.allclose(batch.dense.numpy(), expected)
     assert s.id_maps["embeddings.user"].counts[1] == 2
     assert s.metrics()["ids_held"] == 4.0 and s.admissions == 4
+
+
+class _OneFetch:
+    """A consumer whose one fetch holds an event and a consumer error (as a group authorization
+    failure comes), and nothing after."""
+
+    def __init__(self, value: bytes, error: KafkaError) -> None:
+        self.fetches = [
+            [
+                Message(topic="events", partition=0, offset=0, value=value),
+                Message(topic="events", error=error),
+            ]
+        ]
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition("events", 0)]
+
+    def consume(self, num_messages: int, timeout: float) -> list[Message]:
+        return self.fetches.pop(0) if self.fetches else []
+
+    def get_watermark_offsets(self, tp: TopicPartition, cached: bool = False) -> tuple[int, int]:
+        return 0, 1
+
+
+class _Parent:
+    """The reader's end of its pipe: records what is sent, closes once a batch came."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, ...]] = []
+
+    def send(self, message: tuple[object, ...]) -> None:
+        self.sent.append(message)
+
+    def poll(self) -> bool:
+        return bool(self.sent)
+
+
+def test_a_consumer_error_beside_records_is_logged_and_the_records_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    value = encode_event(ts=0.0, label=1, ids={"user": "u1", "item": 7, "genres": ["a"]})
+    consumer = _OneFetch(value, KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED))
+    config = ReaderConfig(EventSource.parse("kafka://h:9/events"), stream().fields, batch_size=1)
+    parent = _Parent()
+    _pump(cast(Any, parent), consumer, config, os.getppid(), KafkaLog(logging.getLogger("t")))
+    assert [m[0] for m in parent.sent] == ["batch"]
+    assert parent.sent[0][1].n == 1  # type: ignore[attr-defined]
+    assert "Group authorization failed" in caplog.text
