@@ -39,6 +39,7 @@ from kafka import KafkaProducer
 
 from bench.child_server import REPO, ChildServer
 from bench.machine import describe_machine, log
+from publisher.bus import kafka_python_config
 from publisher.read.catalog import Catalog
 from publisher.store import open_store
 from schemas.manifest import Manifest
@@ -171,7 +172,7 @@ def _freshness(bootstrap: str, new_ids: int, scratch: Path) -> dict[str, Any]:
     trainer = subprocess.Popen(
         train, cwd=REPO, stdin=subprocess.DEVNULL, stdout=trainer_log, stderr=subprocess.STDOUT
     )
-    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    producer = KafkaProducer(**kafka_python_config({"bootstrap_servers": bootstrap}))
     latencies: list[float] = []
     try:
         deadline = time.monotonic() + 300

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine, log
+from publisher.bus import confluent_config
 from publisher.cli import CommandError, positive_int
 
 MOVIELENS_SAMPLES = 1_000_209
@@ -179,7 +180,7 @@ def checknrun_json(module: str, argv: list[str]) -> dict[str, Any]:
 def delete_topic(bootstrap: str, topic: str) -> None:
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(confluent_config({"bootstrap.servers": bootstrap}))
     for future in admin.delete_topics([topic]).values():
         try:
             future.result(timeout=30)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe_machine
+from publisher.bus import kafka_python_config
 from publisher.bus.base import AnnouncementSource, Announcer, parse_kafka_url
 from publisher.bus.file_log import FileLogAnnouncer, FileLogSource
 from publisher.cli import CommandError
@@ -182,7 +183,9 @@ def bench_kafka(bootstrap: str, n: int) -> Latency:
     finally:
         announcer.close()
         source.close()
-        admin = KafkaAdminClient(bootstrap_servers=list(address.bootstrap))
+        admin = KafkaAdminClient(
+            **kafka_python_config({"bootstrap_servers": list(address.bootstrap)})
+        )
         try:
             admin.delete_topics([address.topic])
         finally:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from publisher.bus import confluent_config
 from publisher.bus.base import BusError, KafkaAddress, parse_kafka_url
 from publisher.cli import CommandError, CommandParser, parse_command_line, run_command
 from schemas.errors import UnavailableError
@@ -147,15 +148,17 @@ class _Producer:
         self.failed = 0
         self.first_error: str | None = None
         self._producer = Producer(
-            {
-                "bootstrap.servers": address.servers,
-                "client.id": "checknrun-replay",
-                "partitioner": "murmur2_random",  # the Java client's placement (module doc)
-                "linger.ms": 20,
-                "enable.idempotence": True,
-                "queue.buffering.max.messages": 500_000,
-                "socket.connection.setup.timeout.ms": 10_000,
-            }
+            confluent_config(
+                {
+                    "bootstrap.servers": address.servers,
+                    "client.id": "checknrun-replay",
+                    "partitioner": "murmur2_random",  # the Java client's placement (module doc)
+                    "linger.ms": 20,
+                    "enable.idempotence": True,
+                    "queue.buffering.max.messages": 500_000,
+                    "socket.connection.setup.timeout.ms": 10_000,
+                }
+            )
         )
 
     def ensure_topic(self) -> int:
@@ -173,7 +176,7 @@ class _Producer:
             return len(topic.partitions)
         if not self.address.create_topic:
             raise ReplayError(f"topic {self.address.topic!r} does not exist (create_topic=0)")
-        admin = AdminClient({"bootstrap.servers": self.address.servers})
+        admin = AdminClient(confluent_config({"bootstrap.servers": self.address.servers}))
         new = NewTopic(self.address.topic, self.address.partitions, self.address.replication_factor)
         for future in admin.create_topics([new]).values():
             try:

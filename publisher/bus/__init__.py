@@ -12,6 +12,12 @@ from publisher.bus.base import (
     StartAt,
     parse_kafka_url,
 )
+from publisher.bus.kafka_auth import (
+    KafkaAuth,
+    KafkaAuthError,
+    confluent_config,
+    kafka_python_config,
+)
 from schemas.manifest import check_model_name
 
 
@@ -56,7 +62,11 @@ __all__ = [
     "Announcer",
     "BusError",
     "KafkaAddress",
+    "KafkaAuth",
+    "KafkaAuthError",
     "StartAt",
+    "confluent_config",
+    "kafka_python_config",
     "open_announcer",
     "open_source",
     "parse_kafka_url",

@@ -29,6 +29,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import AuthorizationError, PolicyViolationError, TopicAlreadyExistsError
 
 from publisher.bus.base import AnnouncementSource, Announcer, KafkaAddress, StartAt
+from publisher.bus.kafka_auth import kafka_python_config
 from schemas.announcement import Announcement
 
 log = logging.getLogger(__name__)
@@ -300,15 +301,19 @@ class KafkaAnnouncer(Announcer):
         }
         if not self._idempotent:
             config["enable_idempotence"] = False
-        return _no_auto_create(KafkaProducer(**config))
+        return _no_auto_create(KafkaProducer(**kafka_python_config(config)))
 
     def _ensure_topic(self) -> None:
         timeout_ms = int(self.connect_timeout_s * 1000)
         admin = KafkaAdminClient(
-            bootstrap_servers=list(self.address.bootstrap),
-            client_id=f"checknrun-admin-{self.model}",
-            request_timeout_ms=timeout_ms,
-            bootstrap_timeout_ms=timeout_ms,
+            **kafka_python_config(
+                {
+                    "bootstrap_servers": list(self.address.bootstrap),
+                    "client_id": f"checknrun-admin-{self.model}",
+                    "request_timeout_ms": timeout_ms,
+                    "bootstrap_timeout_ms": timeout_ms,
+                }
+            )
         )
         try:
             admin.create_topics(
@@ -458,22 +463,26 @@ class KafkaAnnouncementSource(AnnouncementSource):
         timeout_ms = max(200, int(budget * 1000))
         self._consumer = _no_auto_create(
             KafkaConsumer(
-                bootstrap_servers=list(self.address.bootstrap),
-                client_id="checknrun-follower",
-                group_id=None,  # manual assignment, see the class docstring
-                enable_auto_commit=False,
-                # Only used when a position is out of range, i.e. the topic was recreated or
-                # truncated: everything in it is then newer than what this source has read.
-                auto_offset_reset="earliest",
-                allow_auto_create_topics=False,
-                bootstrap_timeout_ms=timeout_ms,
-                request_timeout_ms=max(timeout_ms, 5000),
-                fetch_max_wait_ms=200,
-                # kafka-python sleeps this long when it has no fetch in flight; the default 100 ms
-                # showed up as the p99 of announcement latency.
-                retry_backoff_ms=20,
-                reconnect_backoff_max_ms=2000,
-                max_partition_fetch_bytes=1024 * 1024,
+                **kafka_python_config(
+                    {
+                        "bootstrap_servers": list(self.address.bootstrap),
+                        "client_id": "checknrun-follower",
+                        "group_id": None,  # manual assignment, see the class docstring
+                        "enable_auto_commit": False,
+                        # Only used when a position is out of range, i.e. the topic was recreated
+                        # or truncated: everything in it is then newer than this source has read.
+                        "auto_offset_reset": "earliest",
+                        "allow_auto_create_topics": False,
+                        "bootstrap_timeout_ms": timeout_ms,
+                        "request_timeout_ms": max(timeout_ms, 5000),
+                        "fetch_max_wait_ms": 200,
+                        # kafka-python sleeps this long when it has no fetch in flight; the
+                        # default 100 ms showed up as the p99 of announcement latency.
+                        "retry_backoff_ms": 20,
+                        "reconnect_backoff_max_ms": 2000,
+                        "max_partition_fetch_bytes": 1024 * 1024,
+                    }
+                )
             )
         )
         self.reconnects += 1
