@@ -239,8 +239,8 @@ stage_contexts() {
   mkdir -p "$kafka" "$minio"
   cp -al "$KAFKA_LIBS" "$kafka/libs" 2>/dev/null || cp -a "$KAFKA_LIBS" "$kafka/libs"
   cp -p "$SCRIPT_DIR/ci_images/kafka.Dockerfile" "$kafka/Dockerfile"
-  cp -p "$SCRIPT_DIR/ci_images/kafka-entrypoint.sh" "$SCRIPT_DIR/ci_images/kafka-broker-api-versions.sh" \
-    "$SCRIPT_DIR/kafka/log4j2.properties" "$kafka/"
+  cp -p "$SCRIPT_DIR/ci_images/kafka-storage.sh" "$SCRIPT_DIR/ci_images/kafka-server-start.sh" \
+    "$SCRIPT_DIR/ci_images/kafka-broker-api-versions.sh" "$SCRIPT_DIR/kafka/log4j2.properties" "$kafka/"
   cp -p "$SCRIPT_DIR/ci_images/minio.Dockerfile" "$minio/Dockerfile"
   cp -pl "$MINIO_BIN" "$minio/minio" 2>/dev/null || cp -p "$MINIO_BIN" "$minio/minio"
   cp -pl "$MC_BIN" "$minio/mc" 2>/dev/null || cp -p "$MC_BIN" "$minio/mc"
@@ -296,8 +296,6 @@ torch_index() {
   echo "${index:-https://pypi.org/simple}"
 }
 
-random_hex() { head -c "$1" /dev/urandom | od -An -tx1 | tr -d ' \n'; }
-
 # Fresh ports and secrets on every prepare: the stack is down then, and a port
 # some other program took since the last run is simply not picked again.
 write_env_file() {
@@ -320,10 +318,9 @@ export CHECKNRUN_CI_KAFKA_CONTEXT=$STACK_DIR/context/kafka
 export CHECKNRUN_CI_MINIO_CONTEXT=$STACK_DIR/context/minio
 export CHECKNRUN_CI_PIP_CERT=$(pip_cert)
 export CHECKNRUN_CI_TORCH_INDEX=$(torch_index)
-export CHECKNRUN_S3_ACCESS_KEY=checknrun-admin
-export CHECKNRUN_S3_SECRET_KEY=$(random_hex 20)
+export CHECKNRUN_S3_TRAINER_ACCESS_KEY=checknrun-trainer
 export CHECKNRUN_S3_READER_ACCESS_KEY=checknrun-reader
-export CHECKNRUN_S3_READER_SECRET_KEY=$(random_hex 20)
+$(env -i PATH="$PATH" bash "$SCRIPT_DIR/compose_secrets.sh" | sed 's/^/export /')
 EOF
   chmod 600 "$ENV_FILE.tmp"
   mv "$ENV_FILE.tmp" "$ENV_FILE"

@@ -6,7 +6,9 @@
 # Defaults to the repo's compose.yaml. The check is scripts/compose_check, a small
 # Go program on compose-go, the loader `docker compose` itself uses: schema,
 # interpolation, cross-references, plus "every build context has its Dockerfile"
-# and "every pulled image is pinned". Exits non-zero on the first invalid file.
+# and "every pulled image is pinned". compose.yaml gives no secret a default: it
+# must refuse to load while they are unset (each named), and load with the ones
+# scripts/compose_secrets.sh makes. Exits non-zero on the first invalid file.
 # The binary is built once (Go module proxy) and cached by source hash.
 set -euo pipefail
 
@@ -41,7 +43,22 @@ main() {
   done
   ((files > 0)) || args+=("$REPO_ROOT/compose.yaml")
   build_checker
-  "$CHECKER" "${args[@]}"
+  local secrets names out name
+  secrets=$(bash "$SCRIPT_DIR/compose_secrets.sh")
+  names=$(sed 's/=.*//' <<<"$secrets")
+  if [[ -e $REPO_ROOT/.env ]]; then
+    log "a .env file is there: not checking that the secrets are required"
+  else
+    # shellcheck disable=SC2046  # one -u NAME per secret
+    if out=$(env $(sed 's/^/-u /' <<<"$names") "$CHECKER" "${args[@]}" 2>&1); then
+      die "the compose files load with their secrets unset: give each \${NAME:?...}"
+    fi
+    for name in $names; do
+      grep -q "required variable $name is missing" <<<"$out" || die "$name is not required"
+    done
+  fi
+  # shellcheck disable=SC2046  # one NAME=VALUE per secret, all letters and digits
+  env $secrets "$CHECKER" "${args[@]}"
 }
 
 main "$@"

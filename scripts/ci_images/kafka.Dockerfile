@@ -1,8 +1,8 @@
 # CI's stand-in for the apache/kafka image compose.yaml names: the same broker
 # (the jars scripts/services.sh fetches from Maven Central, scripts/kafka/pom.xml),
-# a JRE from Debian, and an entrypoint that reads the same KAFKA_* environment.
-# Built by scripts/compose_stack.sh, whose build context holds libs/ and the two
-# scripts below.
+# a JRE from Debian, and the image's bin/ scripts that compose.yaml's start script
+# (scripts/kafka/start-broker.sh) and healthcheck run. Built by
+# scripts/compose_stack.sh, whose build context holds libs/ and the scripts below.
 FROM checknrun-ci/base:bookworm
 
 RUN apt-get update \
@@ -16,8 +16,7 @@ RUN useradd --system --uid 1000 --home-dir /opt/kafka --shell /usr/sbin/nologin 
     && chown appuser /var/lib/kafka/data /etc/kafka
 COPY libs /opt/kafka/libs
 COPY log4j2.properties /opt/kafka/config/log4j2.properties
-COPY kafka-entrypoint.sh /opt/kafka/bin/kafka-entrypoint.sh
-COPY kafka-broker-api-versions.sh /opt/kafka/bin/kafka-broker-api-versions.sh
+COPY kafka-storage.sh kafka-server-start.sh kafka-broker-api-versions.sh /opt/kafka/bin/
 
 USER appuser
-ENTRYPOINT ["/opt/kafka/bin/kafka-entrypoint.sh"]
+ENTRYPOINT ["/opt/kafka/bin/kafka-server-start.sh"]

@@ -12,6 +12,10 @@ producer replays MovieLens as raw-id events, the trainer learns from them, the s
 * both replicas answer GET /v1/model with HEAD's version and POST /v1/predict with raw ids
   with 200 and HEAD's version, the user of the first replayed event known (`unknown_ids` 0)
   and a user never sent unknown;
+* least privilege, on the running stack: the servers' store user cannot write, the servers'
+  Kafka user cannot produce to the events topic, a client without a login gets nothing from
+  the broker, and every container runs as a user other than root with a memory limit and no
+  capabilities;
 * `down -v` leaves no container, volume or network behind, and the engine is stopped again
   if this test started it.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +35,7 @@ import httpx
 import pytest
 
 from publisher.read.catalog import Catalog
-from publisher.store import open_store
+from publisher.store import StoreError, open_store
 from tests.support import parse_env_file, wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
@@ -62,6 +67,19 @@ class Stack:
             "server-2": int(env["CHECKNRUN_CI_SERVER_2_PORT"]),
         }
         self.kafka = f"127.0.0.1:{env['CHECKNRUN_CI_KAFKA_PORT']}"
+
+    def kafka_config(self, user: str | None, **config: Any) -> dict[str, Any]:
+        """A confluent-kafka config logged in as compose.yaml's Kafka `user` (None: no login)."""
+        config = {"bootstrap.servers": self.kafka, **config}
+        if user is None:
+            return config
+        return {
+            **config,
+            "security.protocol": "SASL_PLAINTEXT",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": user,
+            "sasl.password": self.env[f"CHECKNRUN_KAFKA_{user.upper()}_PASSWORD"],
+        }
 
     def compose(self, *args: str, timeout_s: float = 300) -> str:
         done = subprocess.run(
@@ -120,11 +138,11 @@ class Stack:
         from confluent_kafka import Consumer, TopicPartition
 
         consumer = Consumer(
-            {
-                "bootstrap.servers": self.kafka,
-                "group.id": "checknrun-compose-test",
-                "enable.auto.commit": False,
-            }
+            self.kafka_config(
+                # The trainer's group: the one its user may look up.
+                "trainer",
+                **{"group.id": "checknrun-trainer", "enable.auto.commit": False},
+            )
         )
         try:
             consumer.assign([TopicPartition(EVENTS_TOPIC, 0, 0)])
@@ -134,6 +152,33 @@ class Stack:
         assert message is not None and message.error() is None, message and message.error()
         event: dict[str, Any] = json.loads(message.value())
         return event
+
+    def produce_error(self, user: str | None, topic: str) -> str | None:
+        """What producing one record to `topic` as `user` ends in: None if delivered, else the
+        error (the broker's refusal, or a failure to log in)."""
+        from confluent_kafka import Producer
+
+        errors: list[str] = []
+        producer = Producer(
+            self.kafka_config(
+                user,
+                **{"message.timeout.ms": 10_000, "error_cb": lambda e: errors.append(str(e))},
+            )
+        )
+        delivered: list[Any] = []
+        producer.produce(topic, b"{}", on_delivery=lambda err, msg: delivered.append(err))
+        producer.flush(15)
+        if delivered and delivered[0] is None:
+            return None
+        return str(delivered[0]) if delivered else "; ".join(errors) or "not delivered"
+
+    def containers(self) -> dict[str, dict[str, Any]]:
+        """service -> what Docker runs its container with, for every container there is."""
+        found: dict[str, dict[str, Any]] = {}
+        for container in self.compose("ps", "--all", "-q").split():
+            info = json.loads(self.docker("inspect", container))[0]
+            found[info["Config"]["Labels"]["com.docker.compose.service"]] = info
+        return found
 
     def describe(self) -> str:
         return self.compose("ps", "--all") + self.compose("logs", "--tail", "40", timeout_s=60)
@@ -196,11 +241,36 @@ def raw_example(features: list[dict[str, Any]], event: dict[str, Any]) -> dict[s
     return {**example, "ts": event["ts"]}
 
 
+def check_least_privilege(stack: Stack) -> None:
+    # The servers' store user (the test's own login: see the fixture) reads, never writes.
+    store = open_store(STORE_URL, create=False)
+    with pytest.raises(StoreError, match="access denied"):
+        store.put("movielens/forged.json", b"{}")
+
+    # The servers' Kafka user may not write events; the producer's may; no login, nothing.
+    refused = stack.produce_error("server", EVENTS_TOPIC)
+    assert refused is not None and "TOPIC_AUTHORIZATION_FAILED" in refused, refused
+    assert stack.produce_error("producer", EVENTS_TOPIC) is None
+    assert stack.produce_error(None, EVENTS_TOPIC) is not None
+
+    for service, info in stack.containers().items():
+        config, host = info["Config"], info["HostConfig"]
+        assert host["CapDrop"] == ["ALL"], service
+        assert host["Memory"] > 0, service
+        assert "no-new-privileges:true" in host["SecurityOpt"], service
+        if service == "minio-data":  # the one root step: chown of the new volume
+            assert host["CapAdd"] == ["CAP_CHOWN"] or host["CapAdd"] == ["CHOWN"], host["CapAdd"]
+            continue
+        assert config["User"] not in ("", "0", "root", "0:0"), (service, config["User"])
+
+
 @pytest.mark.timeout(PREPARE_TIMEOUT_S + 4 * STACK_TIMEOUT_S)
 def test_stack_publishes_serves_recovers_and_goes_away(stack: Stack) -> None:
     stack.compose("up", "--detach", "--no-build", timeout_s=STACK_TIMEOUT_S)
     assert stack.state("minio-init") == {"status": "exited", "exit": "0", "health": ""}
     assert stack.state("producer")["health"] == "healthy"  # the topic exists
+
+    check_least_privilege(stack)
 
     # Kill one replica while the trainer is still publishing, once it serves something.
     killed_at = wait_stack(stack, lambda: stack.served("server-1"), "server-1 to serve a version")
@@ -249,6 +319,18 @@ def test_stack_publishes_serves_recovers_and_goes_away(stack: Stack) -> None:
     wait_stack(
         stack, lambda: stack.state("server-1")["health"] == "healthy", "server-1 to be healthy"
     )
+
+    # The ACLs are enough: the broker refused nothing the stack's own services asked for, only
+    # the server's user writing events, which check_least_privilege tried (and the broker logs).
+    denied = {
+        (m["principal"], m["resource"])
+        for m in re.finditer(
+            r"Principal = (?P<principal>\S+) is Denied operation = \w+ .*?"
+            r"on resource = (?P<resource>\S+)",
+            stack.compose("logs", "--no-log-prefix", "kafka", timeout_s=60),
+        )
+    }
+    assert denied == {("User:server", f"Topic:LITERAL:{EVENTS_TOPIC}")}, denied
 
     stack.compose("down", "-v", "--timeout", "20")
     assert stack.docker("ps", "--all", "--quiet") == ""
