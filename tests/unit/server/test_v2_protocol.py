@@ -156,6 +156,9 @@ def _user(**change: Any) -> dict[str, Any]:
     ("body", "headers", "status", "message"),
     [
         (b"{not json", {}, 400, "not JSON"),
+        (b'{"inputs": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", {}, 400, "not JSON"),
+        (b'{"inputs": [{"name": "price", "data": [1e400]}]}', {}, 400, "not JSON"),
+        (b'{"inputs": [{"name": "price", "data": [NaN]}]}', {}, 400, "not JSON"),
         (json.dumps({"inputs": []}).encode(), {}, 400, "non-empty list"),
         (json.dumps({"inputs": [_user(datatype="FP128")]}).encode(), {}, 400, "not one of"),
         (json.dumps({"inputs": [_user(shape=[2])]}).encode(), {}, 400, "takes 2 values, got 1"),
