@@ -153,6 +153,26 @@ def test_a_worker_that_dies_stops_the_server(tree: tuple[SyntheticLiveRun, Child
     assert "worker-1 exited with status -9" in child.log.read_text()
 
 
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_the_workers_go_with_the_server(
+    tree: tuple[SyntheticLiveRun, ChildServer], how: str
+) -> None:
+    # SIGTERM: uvicorn re-raises it once the server stopped, ending the process before it stops
+    # its workers; SIGKILL: nothing of the server runs. Either way no worker outlives it.
+    _, child = tree
+    children = Path(f"/proc/{child.proc.pid}/task/{child.proc.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    (child.stop if how == "stop" else child.kill)()
+    wait_for(
+        lambda: (
+            not Path(f"/proc/{children[0]}").exists()
+            or "zombie" in Path(f"/proc/{children[0]}/status").read_text()
+        ),
+        timeout_s=60,
+        what=f"worker {children[0]} to exit after its server's {how}",
+    )
+
+
 def test_workers_need_the_double_buffer(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     child = ChildServer(
