@@ -163,15 +163,20 @@ class _PublishedArm:
 
 def served_loss_summary(losses: list[ServedLoss | None]) -> dict[str, Any]:
     """Median and worst per-version relative AUC loss (percent, positive = the served model
-    ranks worse), and how many versions went over the live run's budget."""
-    rel = [loss.auc_rel_loss * 100 for loss in losses if loss is not None]
+    ranks worse), how many versions went over the live run's budget, and how many surely did
+    (the low end of the loss's 95% interval over it: what `--codec auto` judges by default)."""
+    measured = [loss for loss in losses if loss is not None]
+    rel = [loss.auc_rel_loss * 100 for loss in measured]
     if not rel:
         return {"versions_measured": 0}
+    sure = [loss.sure_auc_rel_loss * 100 for loss in measured]
     return {
         "versions_measured": len(rel),
         "auc_rel_loss_pct_median": statistics.median(rel),
         "auc_rel_loss_pct_worst": max(rel),
         "over_budget": sum(1 for r in rel if r > SERVED_LOSS_BUDGET_PCT),
+        "sure_auc_rel_loss_pct_worst": max(sure),
+        "surely_over_budget": sum(1 for r in sure if r > SERVED_LOSS_BUDGET_PCT),
         "budget_pct": SERVED_LOSS_BUDGET_PCT,
     }
 
