@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
+from publisher.bus import open_source
 from publisher.read.catalog import Catalog
 from publisher.store import StoreError, open_store
 from tests.support import parse_env_file, wait_for
@@ -211,6 +212,9 @@ def stack(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Stack]:
                 "CHECKNRUN_S3_SECRET_KEY": env["CHECKNRUN_S3_READER_SECRET_KEY"],
                 "CHECKNRUN_S3_SECURE": "0",
                 "CHECKNRUN_S3_REGION": "us-east-1",
+                # ... and the servers' Kafka login.
+                "CHECKNRUN_KAFKA_USERNAME": "server",
+                "CHECKNRUN_KAFKA_PASSWORD": env["CHECKNRUN_KAFKA_SERVER_PASSWORD"],
             }.items():
                 monkeypatch_module.setenv(name, value)
             stack = Stack(env)
@@ -296,6 +300,17 @@ def test_stack_publishes_serves_recovers_and_goes_away(stack: Stack) -> None:
     assert (trainer["status"], trainer["exit"]) == ("exited", "0"), stack.compose("logs", "trainer")
     head = stack.head()
     assert head >= 3
+
+    # The trainer announced on Kafka (kafka-python, logged in as `trainer`) and a server's
+    # login reads it through the servers' own source, up to HEAD's version.
+    heard: set[int] = set()
+    with open_source(f"kafka://{stack.kafka}/checknrun.announcements", start="earliest") as bus:
+        wait_stack(
+            stack,
+            lambda: heard.update(json.loads(m)["version"] for m in bus.poll(1.0)) or head in heard,
+            f"v{head}'s announcement on the bus",
+            timeout_s=60,
+        )
 
     event = stack.first_event()
     never_sent = {**event, "user": "compose-test-no-such-user"}
