@@ -152,6 +152,17 @@ def test_a_table_widens_without_changing_a_value(start: HeldFormat, to: HeldForm
         wider.converted(start)
 
 
+def test_a_finer_blob_of_no_rows_leaves_the_table_as_held() -> None:
+    # --codec auto encodes a whole version int8 again; a table it did not touch has no rows.
+    table = new_table(10, 8, "int4")
+    table.write_blob(_blob("int4", _rows(10, 8)))
+    before = table.values().numpy().copy()
+    empty = _blob("int8", np.zeros((0, 8), dtype=np.float32), np.zeros(0, np.int64), rows=10)
+    written = table.write_blob(empty)
+    assert written is not None and len(written.ids) == 0
+    assert table.format == "int4" and np.array_equal(table.values().numpy(), before)
+
+
 def test_finer_rows_than_held_and_bad_scales_are_refused() -> None:
     table = new_table(10, 8, "int4")
     with pytest.raises(ValueError, match="do not fit"):
