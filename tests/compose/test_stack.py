@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
-from publisher.bus import open_source
+from publisher.bus import KafkaAuth, open_source
 from publisher.read.catalog import Catalog
 from publisher.store import StoreError, open_store
 from tests.support import parse_env_file, wait_for
@@ -71,16 +71,11 @@ class Stack:
 
     def kafka_config(self, user: str | None, **config: Any) -> dict[str, Any]:
         """A confluent-kafka config logged in as compose.yaml's Kafka `user` (None: no login)."""
-        config = {"bootstrap.servers": self.kafka, **config}
-        if user is None:
-            return config
-        return {
-            **config,
-            "security.protocol": "SASL_PLAINTEXT",
-            "sasl.mechanism": "SCRAM-SHA-512",
-            "sasl.username": user,
-            "sasl.password": self.env[f"CHECKNRUN_KAFKA_{user.upper()}_PASSWORD"],
-        }
+        login = KafkaAuth()
+        if user is not None:
+            password = self.env[f"CHECKNRUN_KAFKA_{user.upper()}_PASSWORD"]
+            login = KafkaAuth("SASL_PLAINTEXT", "SCRAM-SHA-512", user, password)
+        return {"bootstrap.servers": self.kafka, **config, **login.confluent()}
 
     def compose(self, *args: str, timeout_s: float = 300) -> str:
         done = subprocess.run(
